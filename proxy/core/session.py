@@ -1,0 +1,543 @@
+"""SessionCore: the per-session policy, free of I/O.
+
+The aiohttp relay feeds it frames (``receive_client``, ``receive_upstream``)
+and lifecycle facts (``upstream_lost``, ``shutdown``, ``client_gone``), takes
+events to write (``next_delivery``/``delivered``) and frames to send upstream
+(``events_to_upstream``), and closes the client with ``close_code`` once the
+closure notice was delivered. Everything that decides forward / drop / fail /
+close lives here, so every interleaving can be tested without sockets.
+
+States (transitions only forward):
+
+    OPEN ──overflow / engine lost / shutdown / engine's session.closed──▶ CLOSING
+    OPEN, CLOSING ──closure delivered or client gone──▶ CLOSED
+
+In CLOSING the closure notice is queued; ordinary upstream events are no
+longer accepted (the buffer refuses them after closure).
+
+Overflow (DESIGN.md §5): ``close_session`` purges the active response's queued
+audio, queues ``error`` (rate_limit_error / output_backpressure) and a failed
+``response.done`` for that response, asks the engine to cancel it and to close
+the session, and closes the client with 1008 after ``session.closed``.
+``fail_response`` does the same without closing, drops every later event of the
+failed response, and falls back to ``close_session`` when there is no response
+to fail or the session is still full after the failure.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from proxy.core import notices
+from proxy.core.buffer import BufferLimits, BufferStatistics, Entry, Offer, OutputBuffer
+from proxy.core.events import (
+    ClientEvent,
+    ClientKind,
+    EventKind,
+    UpstreamEvent,
+    classify_client,
+    classify_upstream,
+)
+from proxy.core.ledger import CancellationLedger, LedgerStatistics, Verdict
+
+__all__ = [
+    "CLOSE_ABNORMAL_ENGINE",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY_VIOLATION",
+    "ClientDecision",
+    "DropReason",
+    "Outcome",
+    "OverflowPolicy",
+    "SessionCore",
+    "SessionSettings",
+    "SessionState",
+    "SessionStatistics",
+]
+
+CLOSE_NORMAL: Final = 1000
+CLOSE_GOING_AWAY: Final = 1001
+CLOSE_POLICY_VIOLATION: Final = 1008
+CLOSE_ABNORMAL_ENGINE: Final = 1011
+
+#: Response creations remembered for first-audio timing (oldest dropped).
+_MAX_PENDING_CREATES: Final = 64
+
+
+class OverflowPolicy(enum.Enum):
+    CLOSE_SESSION = "close_session"
+    FAIL_RESPONSE = "fail_response"
+
+
+class SessionState(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class DropReason(enum.Enum):
+    """Label values of ``dropped_*_total{reason}`` (DESIGN.md §11)."""
+
+    CANCELLED_AUDIO = "cancelled_audio"
+    LATE_AUDIO = "late_audio"
+    OVERFLOW = "overflow"
+    FAILED_RESPONSE = "failed_response"
+    INVALID_CLIENT_FRAME = "invalid_client_frame"
+    INVALID_UPSTREAM_FRAME = "invalid_upstream_frame"
+
+
+class Outcome(enum.Enum):
+    """Label values of ``sessions_total{outcome}``."""
+
+    CLIENT_CLOSED = "client_closed"
+    UPSTREAM_CLOSED = "upstream_closed"
+    OVERFLOW = "overflow"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionSettings:
+    """Value object with everything the policy needs."""
+
+    buffer: BufferLimits = field(default_factory=BufferLimits)
+    overflow_policy: OverflowPolicy = OverflowPolicy.CLOSE_SESSION
+    interrupt_on_speech_started: bool = False
+    max_tombstones: int = 256
+    tombstone_ttl: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientDecision:
+    """What to do with a client frame: forward its original text or not."""
+
+    event: ClientEvent
+    forward: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStatistics:
+    state: SessionState
+    session_id: str | None
+    buffer: BufferStatistics
+    ledger: LedgerStatistics
+    drops: dict[DropReason, tuple[int, int]]
+    overflows: int
+    cancels: int
+    active_response: str | None
+    open_responses: tuple[str, ...]
+
+
+class SessionCore:
+    """Per-session policy. Sync, I/O-free; ``now`` is a float of seconds.
+
+    Args:
+        settings: limits and policy.
+        new_event_id: returns a fresh ``event_id`` for events the proxy writes.
+    """
+
+    def __init__(self, settings: SessionSettings, *, new_event_id: Callable[[], str]) -> None:
+        self.settings = settings
+        self._new_id = new_event_id
+        self.buffer = OutputBuffer(settings.buffer)
+        self.ledger = CancellationLedger(
+            max_tombstones=settings.max_tombstones, tombstone_ttl=settings.tombstone_ttl
+        )
+        self.state = SessionState.OPEN
+        self.outcome: Outcome | None = None
+        self.close_code: int | None = None
+        self.session_id: str | None = None
+        self.client_close_requested = False
+        self.upstream_close_sent = False
+        self._to_upstream: list[str] = []
+        # drops by reason: [events since take_drops, bytes since, events total, bytes total]
+        self._drops: dict[DropReason, list[int]] = {r: [0, 0, 0, 0] for r in DropReason}
+        self._overflows = 0
+        self._cancels = 0
+        self._overflowed = False
+        # cancel_to_silence: response → [cancelled_at, last audio write after it]
+        self._silence: dict[str, list[float]] = {}
+        self._silence_observed: list[float] = []
+        # first_audio: response.create times waiting for their response.created
+        self._pending_creates: deque[float] = deque(maxlen=_MAX_PENDING_CREATES)
+        self._create_time: dict[str, float] = {}
+        self._first_audio_observed: list[float] = []
+
+    # -- client → upstream ---------------------------------------------------------------
+
+    def receive_client(self, text: str, now: float) -> ClientDecision:
+        """Classify a client frame and act on cancel triggers at once.
+
+        Returns:
+            whether to forward the original text upstream. Invalid frames are
+            answered with an ``error`` to this client and not forwarded.
+        """
+        event = classify_client(text)
+        if not event.is_valid:
+            self.reject_client_frame(
+                event.kind.value, event.detail, now, client_event_id=None, size=event.size
+            )
+            return ClientDecision(event, forward=False)
+        if self.state is not SessionState.OPEN:
+            return ClientDecision(event, forward=False)
+        if event.cancels:
+            self._cancel_from_client(event, now)
+        elif event.kind is ClientKind.RESPONSE_CREATE:
+            self._pending_creates.append(now)
+        elif event.kind is ClientKind.SESSION_CLOSE:
+            self.client_close_requested = True
+            self.upstream_close_sent = True
+        return ClientDecision(event, forward=True)
+
+    def reject_client_frame(
+        self,
+        code: str,
+        message: str,
+        now: float,
+        *,
+        client_event_id: str | None = None,
+        size: int = 0,
+    ) -> None:
+        """Answer a bad client frame with an ``error`` to this client only."""
+        self._count_drop(DropReason.INVALID_CLIENT_FRAME, size)
+        if self.state is SessionState.OPEN:
+            error = notices.error_event(
+                self._new_id(), code, message, client_event_id=client_event_id
+            )
+            self.buffer.offer(error, now)
+
+    def _cancel_from_client(self, event: ClientEvent, now: float) -> None:
+        named = event.response_id
+        if named is not None and event.kind in (
+            ClientKind.RESPONSE_CANCEL,
+            ClientKind.OUTPUT_AUDIO_BUFFER_CLEAR,
+        ):
+            self._cancel(named, now)
+        else:
+            self._cancel_all_open(now)
+
+    # -- upstream → client -----------------------------------------------------------------
+
+    def receive_upstream(self, text: str, now: float) -> UpstreamEvent:
+        """Take an engine frame: filter, queue, or apply the overflow policy.
+
+        Never blocks and never raises. Returns the classified event so the
+        shell can see, e.g., the engine's ``session.closed``.
+        """
+        event = classify_upstream(text)
+        kind = event.kind
+        if kind is EventKind.MALFORMED:
+            self._count_drop(DropReason.INVALID_UPSTREAM_FRAME, event.size)
+            return event
+        if self.state is not SessionState.OPEN:
+            if self._overflowed:
+                self._count_drop(DropReason.OVERFLOW, event.size)
+            return event
+        rid = event.response_id
+        if kind is EventKind.SESSION_CREATED:
+            self._note_session_id(event)
+        elif kind is EventKind.RESPONSE_CREATED and rid is not None:
+            self.ledger.on_created(rid)
+            if self._pending_creates:
+                self._create_time[rid] = self._pending_creates.popleft()
+        elif kind is EventKind.RESPONSE_DONE:
+            if rid is not None and event.status in ("cancelled", "failed"):
+                self._cancel(rid, now)
+        elif kind is EventKind.OUTPUT_AUDIO_CLEARED:
+            if rid is not None:
+                self._cancel(rid, now)
+            else:
+                self._cancel_all_open(now)
+        elif kind is EventKind.OVERLAP_DECISION:
+            if event.action == "barge_in":
+                self._cancel_all_open(now)
+        elif kind is EventKind.SPEECH_STARTED:
+            if self.settings.interrupt_on_speech_started:
+                self._cancel_all_open(now)
+        elif kind is EventKind.SESSION_CLOSED:
+            self._close(event, CLOSE_NORMAL, self._closed_outcome(), now)
+            return event
+
+        verdict = self.ledger.verdict(rid, is_audio=event.is_audio, now=now)
+        if verdict is Verdict.CANCELLED:
+            self._count_drop(DropReason.LATE_AUDIO, event.size)
+            return event
+        if verdict is Verdict.FAILED:
+            self._count_drop(DropReason.FAILED_RESPONSE, event.size)
+            return event
+
+        offer = self.buffer.offer(event, now)
+        if offer.accepted:
+            if kind is EventKind.RESPONSE_DONE and rid is not None:
+                self.ledger.on_done_received(rid)
+        elif offer is Offer.REJECTED_FULL:
+            self._overflow(event, now)
+        return event
+
+    def _closed_outcome(self) -> Outcome:
+        return Outcome.CLIENT_CLOSED if self.client_close_requested else Outcome.UPSTREAM_CLOSED
+
+    def _note_session_id(self, event: UpstreamEvent) -> None:
+        body = event.body or {}
+        session = body.get("session")
+        if isinstance(session, dict) and isinstance(session.get("id"), str):
+            self.session_id = session["id"]
+
+    # -- cancellation ---------------------------------------------------------------------------
+
+    def _cancel(self, response_id: str, now: float) -> None:
+        if self.ledger.cancel(response_id, now):
+            self._cancels += 1
+            if len(self._silence) >= self.settings.max_tombstones:
+                oldest = next(iter(self._silence))
+                self._observe_silence(oldest)
+            self._silence[response_id] = [now, now]
+        removed, removed_bytes = self.buffer.invalidate(response_id)
+        self._count_drop(DropReason.CANCELLED_AUDIO, removed_bytes, events=removed)
+
+    def _cancel_all_open(self, now: float) -> None:
+        for response_id in self.ledger.open_responses():
+            self._cancel(response_id, now)
+
+    # -- overflow ---------------------------------------------------------------------------------
+
+    def _response_to_fail(self, event: UpstreamEvent) -> str | None:
+        rid = event.response_id
+        if (
+            rid is not None
+            and event.kind is EventKind.RESPONSE_DONE
+            and self.ledger.is_open(rid)
+            and self.ledger.cancelled_at(rid) is None
+        ):
+            return rid  # convert the not-yet-queued completion into the failure
+        return self.ledger.active_response()
+
+    def _fail_response(self, response_id: str, reason: DropReason, now: float) -> None:
+        """Purge, tombstone (failed), queue error + failed done, cancel upstream."""
+        if self.ledger.cancel(response_id, now, failed=True):
+            self._cancels += 1
+            self._silence.setdefault(response_id, [now, now])
+        removed, removed_bytes = self.buffer.invalidate(response_id)
+        self._count_drop(reason, removed_bytes, events=removed)
+        self._queue_backpressure_error(now)
+        done = notices.response_failed(self._new_id(), response_id, "output_backpressure")
+        if self.buffer.offer(done, now).accepted:
+            self.ledger.on_done_received(response_id)
+        else:
+            # No room even in the reserve: the response is over for the client anyway.
+            self.ledger.on_done_delivered(response_id, now)
+            self._observe_silence(response_id)
+        self._to_upstream.append(notices.response_cancel(response_id))
+
+    def _queue_backpressure_error(self, now: float) -> None:
+        error = notices.error_event(
+            self._new_id(),
+            "output_backpressure",
+            "client is not reading output fast enough; pending output exceeded "
+            f"{self.settings.buffer.max_pending_output_bytes} bytes or "
+            f"{self.settings.buffer.max_pending_output_events} events",
+        )
+        self.buffer.offer(error, now)
+
+    def _overflow(self, event: UpstreamEvent, now: float) -> None:
+        self._overflows += 1
+        target = self._response_to_fail(event)
+        if self.settings.overflow_policy is OverflowPolicy.FAIL_RESPONSE and target is not None:
+            self._fail_response(target, DropReason.FAILED_RESPONSE, now)
+            if event.response_id == target:
+                self._count_drop(DropReason.FAILED_RESPONSE, event.size)
+                return
+            retry = self.buffer.offer(event, now)
+            if retry.accepted:
+                if event.kind is EventKind.RESPONSE_DONE and event.response_id is not None:
+                    self.ledger.on_done_received(event.response_id)
+                return
+            target = None  # still full with nothing left to fail: close the session
+        self.close_for_overflow(now, target=target, dropped=event)
+
+    def close_for_overflow(
+        self,
+        now: float,
+        *,
+        target: str | None = None,
+        dropped: UpstreamEvent | None = None,
+    ) -> None:
+        """The ``close_session`` sequence; also used to shed this session
+        when the process-wide pending total is exceeded.
+        """
+        if self.state is not SessionState.OPEN:
+            return
+        if dropped is None:
+            self._overflows += 1
+            target = self.ledger.active_response()
+        if dropped is not None:
+            self._count_drop(DropReason.OVERFLOW, dropped.size)
+        if target is not None:
+            self._fail_response(target, DropReason.OVERFLOW, now)
+        else:
+            self._queue_backpressure_error(now)
+        self._overflowed = True
+        self._request_upstream_close("output_backpressure")
+        self._close(
+            notices.session_closed(self._new_id(), self.session_id, "output_backpressure"),
+            CLOSE_POLICY_VIOLATION,
+            Outcome.OVERFLOW,
+            now,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def upstream_lost(self, now: float, *, clean: bool = False) -> None:
+        """The engine socket ended without ``session.closed``.
+
+        Args:
+            clean: the engine closed normally (1000) rather than vanishing; the
+                client then gets ``session.closed`` {reason upstream_closed} and 1000.
+        """
+        if self.state is not SessionState.OPEN:
+            return
+        if clean:
+            notice = notices.session_closed(self._new_id(), self.session_id, "upstream_closed")
+            self._close(notice, CLOSE_NORMAL, self._closed_outcome(), now)
+            return
+        error = notices.error_event(
+            self._new_id(), "engine_unavailable", "the engine connection was lost"
+        )
+        self.buffer.offer(error, now)
+        notice = notices.session_closed(self._new_id(), self.session_id, "engine_unavailable")
+        self._close(notice, CLOSE_ABNORMAL_ENGINE, Outcome.ENGINE_UNAVAILABLE, now)
+
+    def shutdown(self, now: float) -> None:
+        """The proxy is shutting down: close with ``session.closed`` {shutdown} and 1001."""
+        if self.state is not SessionState.OPEN:
+            return
+        self._request_upstream_close("shutdown")
+        notice = notices.session_closed(self._new_id(), self.session_id, "shutdown")
+        self._close(notice, CLOSE_GOING_AWAY, Outcome.SHUTDOWN, now)
+
+    def client_gone(self) -> None:
+        """The client socket is closed: nothing more can be delivered."""
+        if self.outcome is None:
+            self.outcome = Outcome.CLIENT_CLOSED
+        self.state = SessionState.CLOSED
+        self._request_upstream_close("client_close")
+
+    def _request_upstream_close(self, reason: str) -> None:
+        if not self.upstream_close_sent:
+            self.upstream_close_sent = True
+            self._to_upstream.append(notices.session_close(reason))
+
+    def _close(self, notice: UpstreamEvent, code: int, outcome: Outcome, now: float) -> None:
+        compact = notices.compact_session_closed(self._new_id(), self.session_id)
+        if self.buffer.close(notice, compact=compact, now=now):
+            self.state = SessionState.CLOSING
+            self.close_code = code
+            self.outcome = outcome
+
+    # -- delivery ------------------------------------------------------------------------------------
+
+    def next_delivery(self, now: float) -> Entry | None:
+        """Take the next event to write, re-checking it at the last moment.
+
+        Returns:
+            the entry to write now, or None when nothing is ready. The caller
+            writes it without awaiting in between, then calls ``delivered``.
+        """
+        buffer = self.buffer
+        while True:
+            entry = buffer.get_nowait()
+            if entry is None:
+                return None
+            event = entry.event
+            if event.is_audio and (
+                not buffer.held_is_valid
+                or self.ledger.verdict(event.response_id, is_audio=True, now=now)
+                in (Verdict.CANCELLED, Verdict.FAILED)
+            ):
+                self._count_drop(DropReason.CANCELLED_AUDIO, event.size)
+                buffer.release_held()
+                continue
+            return entry
+
+    def delivered(self, entry: Entry, now: float) -> None:
+        """The entry was written to the client."""
+        self.buffer.release_held()
+        event = entry.event
+        rid = event.response_id
+        if entry.closure:
+            self.state = SessionState.CLOSED
+            return
+        if rid is None:
+            return
+        if event.is_audio:
+            silence = self._silence.get(rid)
+            if silence is not None:
+                silence[1] = now
+            created = self._create_time.pop(rid, None)
+            if created is not None:
+                self._first_audio_observed.append(max(0.0, now - created))
+        elif event.kind is EventKind.RESPONSE_DONE:
+            self.ledger.on_done_delivered(rid, now)
+            self._create_time.pop(rid, None)
+            self._observe_silence(rid)
+
+    def _observe_silence(self, response_id: str) -> None:
+        window = self._silence.pop(response_id, None)
+        if window is not None:
+            self._silence_observed.append(max(0.0, window[1] - window[0]))
+
+    # -- outputs for the shell -------------------------------------------------------------------------
+
+    def events_to_upstream(self) -> list[str]:
+        """Frames the proxy itself must send to the engine (cancel, close)."""
+        out, self._to_upstream = self._to_upstream, []
+        return out
+
+    def take_observations(self) -> tuple[list[float], list[float]]:
+        """(cancel_to_silence seconds, first_audio seconds) observed since last call."""
+        silence, self._silence_observed = self._silence_observed, []
+        first, self._first_audio_observed = self._first_audio_observed, []
+        return silence, first
+
+    def finish(self) -> None:
+        """Session over: observe what is still open (no more audio can follow)."""
+        for response_id in list(self._silence):
+            self._observe_silence(response_id)
+
+    def take_drops(self) -> dict[DropReason, tuple[int, int]]:
+        """Drops by reason since the last call, as (events, bytes)."""
+        out = {r: (v[0], v[1]) for r, v in self._drops.items() if v[0] or v[1]}
+        for v in self._drops.values():
+            v[0] = v[1] = 0
+        return out
+
+    def statistics(self) -> SessionStatistics:
+        return SessionStatistics(
+            state=self.state,
+            session_id=self.session_id,
+            buffer=self.buffer.statistics(),
+            ledger=self.ledger.statistics(),
+            drops=self.drop_totals(),
+            overflows=self._overflows,
+            cancels=self._cancels,
+            active_response=self.ledger.active_response(),
+            open_responses=tuple(self.ledger.open_responses()),
+        )
+
+    def drop_totals(self) -> dict[DropReason, tuple[int, int]]:
+        """Drops by reason over the session's life, as (events, bytes)."""
+        return {r: (v[2], v[3]) for r, v in self._drops.items()}
+
+    def _count_drop(self, reason: DropReason, size: int, *, events: int = 1) -> None:
+        if events <= 0:
+            return
+        counter = self._drops[reason]
+        counter[0] += events
+        counter[1] += size
+        counter[2] += events
+        counter[3] += size
