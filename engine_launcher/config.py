@@ -1,0 +1,276 @@
+"""Engine settings: which engine to run and how to supervise it.
+
+:class:`EngineConfig` is a frozen value object. It validates itself in
+``__post_init__`` and raises :class:`EngineConfigError` (a ``ValueError``) that
+names the offending field; ``proxy.config`` turns that into its own
+``ConfigError`` naming ``engine.<field>`` and the value's source (file, env,
+flag). This module never imports ``proxy`` (DESIGN.md §1).
+
+Units: durations are float seconds, counts are ints.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal, get_args
+from urllib.parse import urlsplit
+
+__all__ = [
+    "DEFAULT_HEALTH_FAILURES",
+    "DEFAULT_HEALTH_INTERVAL",
+    "DEFAULT_HOST",
+    "DEFAULT_MAX_RESTARTS",
+    "DEFAULT_RESTART_WINDOW",
+    "DEFAULT_STARTUP_TIMEOUT",
+    "DEFAULT_STOP_GRACE",
+    "DEFAULT_VLLM_OMNI_PORT",
+    "ENGINE_KINDS",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineKind",
+]
+
+SECONDS: Final = 1.0
+
+EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
+ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
+"""Every valid ``kind``, in the order of DESIGN.md §8."""
+
+DEFAULT_HOST: Final = "127.0.0.1"
+DEFAULT_VLLM_OMNI_PORT: Final = 8091
+DEFAULT_STARTUP_TIMEOUT: Final = 1200 * SECONDS
+DEFAULT_HEALTH_INTERVAL: Final = 5 * SECONDS
+DEFAULT_HEALTH_FAILURES: Final = 3
+DEFAULT_MAX_RESTARTS: Final = 5
+DEFAULT_RESTART_WINDOW: Final = 600 * SECONDS
+DEFAULT_STOP_GRACE: Final = 30 * SECONDS
+
+_WS_SCHEMES: Final = frozenset({"ws", "wss"})
+_HTTP_SCHEMES: Final = frozenset({"http", "https"})
+
+
+class EngineConfigError(ValueError):
+    """An :class:`EngineConfig` field has an invalid value.
+
+    Args:
+        field: The field's name, without the ``engine.`` prefix.
+        message: What is wrong with it, without the field's name.
+        depends_on: For a cross-field rule, the other field that makes this
+            one invalid (``kind`` when a kind needs ``model``), else ``None``.
+    """
+
+    field: str
+    message: str
+    depends_on: str | None
+
+    def __init__(self, field: str, message: str, *, depends_on: str | None = None) -> None:
+        self.field = field
+        self.message = message
+        self.depends_on = depends_on
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """How to start (or find) the engine and how to supervise it.
+
+    Args:
+        kind: ``simulator`` (default; ``python -m engine_launcher.simulator``),
+            ``vllm-omni`` (``vllm-omni serve MODEL --omni``), ``command`` (run
+            :attr:`command` as given) or ``external`` (no child; connect to
+            :attr:`upstream`).
+        model: The model to serve; required for ``vllm-omni``.
+        deploy_config: Path of a deploy-config YAML passed as
+            ``--deploy-config`` to ``vllm-omni``.
+        host: The address the child listens on and the proxy connects to.
+        port: The child's port. ``None`` leaves it to :meth:`effective_port`:
+            8091 for ``vllm-omni``, a free port chosen by the launcher for the
+            simulator and ``command``.
+        extra_args: Extra argv appended to the engine's command line.
+        env: Environment overrides for the child, as ``(name, value)`` pairs
+            (a tuple keeps the object hashable); see :meth:`env_dict`. A
+            mapping or list of pairs is accepted and converted.
+        python: The interpreter for ``simulator`` and ``vllm-omni``; ``None``
+            means ``sys.executable`` at launch (see :meth:`effective_python`).
+        command: The full argv for ``kind = "command"``.
+        upstream: The ``ws://``/``wss://`` URL of an existing engine; required
+            for ``external``.
+        health_url: The URL polled for readiness and health; ``None`` means
+            ``http://HOST:PORT/health``.
+        simulator_args: Extra flags for the simulator.
+        startup_timeout: Seconds to wait for the first healthy answer (the real
+            engine may take 20 minutes to load).
+        health_interval: Seconds between health polls while ready.
+        health_failures: Consecutive failed polls that count as a crash.
+        max_restarts: Restarts allowed within :attr:`restart_window` before the
+            launcher raises ``RestartBudgetExhausted``.
+        restart_window: The window, in seconds, in which restarts are counted.
+        stop_grace: Seconds between SIGTERM and SIGKILL when stopping the child.
+
+    Raises:
+        EngineConfigError: A field has an invalid value.
+    """
+
+    kind: EngineKind = "simulator"
+    model: str | None = None
+    deploy_config: str | None = None
+    host: str = DEFAULT_HOST
+    port: int | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=())
+    python: str | None = None
+    command: tuple[str, ...] = ()
+    upstream: str | None = None
+    health_url: str | None = None
+    simulator_args: tuple[str, ...] = ()
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    health_interval: float = DEFAULT_HEALTH_INTERVAL
+    health_failures: int = DEFAULT_HEALTH_FAILURES
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_window: float = DEFAULT_RESTART_WINDOW
+    stop_grace: float = DEFAULT_STOP_GRACE
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise EngineConfigError(
+                "kind", f"unknown engine kind {self.kind!r}; expected one of {_or(ENGINE_KINDS)}"
+            )
+        for name in ("model", "deploy_config", "python"):
+            _check_optional_text(name, getattr(self, name))
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise EngineConfigError("host", f"expected a non-empty host, got {self.host!r}")
+        if self.port is not None and (
+            not isinstance(self.port, int)
+            or isinstance(self.port, bool)
+            or not 1 <= self.port <= 65535
+        ):
+            raise EngineConfigError("port", f"expected a port in 1..65535, got {self.port!r}")
+        for name in ("extra_args", "command", "simulator_args"):
+            object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
+        object.__setattr__(self, "env", _env_pairs(self.env))
+        if self.upstream is not None:
+            _check_url("upstream", self.upstream, _WS_SCHEMES)
+        if self.health_url is not None:
+            _check_url("health_url", self.health_url, _HTTP_SCHEMES)
+        for name in ("startup_timeout", "health_interval", "restart_window"):
+            object.__setattr__(self, name, _float(name, getattr(self, name), positive=True))
+        object.__setattr__(self, "stop_grace", _float("stop_grace", self.stop_grace))
+        _check_int("health_failures", self.health_failures, minimum=1)
+        _check_int("max_restarts", self.max_restarts, minimum=0)
+
+        # Cross-field rules: each kind needs the field that says what to run.
+        required = {"vllm-omni": "model", "command": "command", "external": "upstream"}
+        needed = required.get(self.kind)
+        if needed is not None and not getattr(self, needed):
+            raise EngineConfigError(
+                needed, f"required when engine kind is {self.kind!r}", depends_on="kind"
+            )
+
+    def effective_port(self) -> int | None:
+        """Return the port the child should listen on, if it is fixed.
+
+        Returns:
+            :attr:`port` when set; 8091 for ``vllm-omni``; for ``external``
+            the port of :attr:`upstream` (its scheme's default if it names
+            none); otherwise ``None``, which tells the launcher to pick a free
+            loopback port and pass it to the child.
+        """
+        if self.port is not None:
+            return self.port
+        if self.kind == "vllm-omni":
+            return DEFAULT_VLLM_OMNI_PORT
+        if self.kind == "external" and self.upstream is not None:
+            parts = urlsplit(self.upstream)
+            return parts.port or (443 if parts.scheme == "wss" else 80)
+        return None
+
+    def effective_python(self) -> str:
+        """Return :attr:`python`, or the running interpreter when it is ``None``."""
+        return self.python if self.python is not None else sys.executable
+
+    def env_dict(self) -> dict[str, str]:
+        """Return :attr:`env` as a new ``dict`` (later pairs win; there are no duplicates)."""
+        return dict(self.env)
+
+
+def _or(values: Iterable[str]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _check_optional_text(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise EngineConfigError(name, f"expected a non-empty string or nothing, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EngineConfigError(name, f"expected an integer, got {value!r}")
+    if value < minimum:
+        raise EngineConfigError(name, f"must be >= {minimum}, got {value}")
+
+
+def _float(name: str, value: object, *, positive: bool = False) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise EngineConfigError(name, f"expected a number of seconds, got {value!r}")
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result):
+        raise EngineConfigError(name, f"must be finite, got {value!r}")
+    if positive and result <= 0:
+        raise EngineConfigError(name, f"must be > 0 seconds, got {value!r}")
+    if result < 0:
+        raise EngineConfigError(name, f"must be >= 0 seconds, got {value!r}")
+    return result
+
+
+def _str_tuple(name: str, value: object) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise EngineConfigError(name, f"expected a sequence of strings, got {value!r}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise EngineConfigError(name, f"expected a sequence of strings, got item {item!r}")
+    return items
+
+
+def _env_pairs(value: object) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[object, object]] = []
+    if isinstance(value, Mapping):
+        pairs.extend(value.items())
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        for item in value:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise EngineConfigError("env", f"expected (name, value) pairs, got {item!r}")
+            pairs.append((item[0], item[1]))
+    else:
+        raise EngineConfigError("env", f"expected (name, value) pairs, got {value!r}")
+    seen: set[str] = set()
+    result: list[tuple[str, str]] = []
+    for key, val in pairs:
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise EngineConfigError("env", f"invalid environment variable name {key!r}")
+        if not isinstance(val, str) or "\0" in val:
+            raise EngineConfigError("env", f"value of {key} must be a string, got {val!r}")
+        if key in seen:
+            raise EngineConfigError("env", f"duplicate environment variable {key}")
+        seen.add(key)
+        result.append((key, val))
+    return tuple(result)
+
+
+def _check_url(name: str, value: object, schemes: frozenset[str]) -> None:
+    expected = " or ".join(f"{s}://" for s in sorted(schemes))
+    if not isinstance(value, str):
+        raise EngineConfigError(name, f"expected a {expected} URL, got {value!r}")
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise EngineConfigError(name, f"invalid URL {value!r}: {exc}") from None
+    if parts.scheme not in schemes or not parts.hostname:
+        raise EngineConfigError(name, f"expected a {expected} URL with a host, got {value!r}")
