@@ -105,7 +105,9 @@ _TURN_SIGNAL_CANCELS: Final = frozenset({"barge_in", "response.cancel"})
 
 def frame_size(text: str) -> int:
     """Exact UTF-8 size of a text frame; O(1) for ASCII, which audio always is."""
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
+    # surrogatepass: a lone surrogate (never from a WebSocket, whose text is
+    # strict UTF-8) must not make classification raise.
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +358,8 @@ def classify_client(text: str) -> ClientEvent:
         ClientKind.INPUT_CANCEL,
     )
     if kind is ClientKind.TURN_SIGNAL:
-        cancels = body.get("event") in _TURN_SIGNAL_CANCELS
+        signal = body.get("event")  # may be any JSON value, e.g. an unhashable object
+        cancels = isinstance(signal, str) and signal in _TURN_SIGNAL_CANCELS
     audio_chars = 0
     if kind is ClientKind.AUDIO_APPEND:
         audio = body.get("audio")

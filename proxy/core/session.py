@@ -64,6 +64,8 @@ CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY_VIOLATION: Final = 1008
 CLOSE_ABNORMAL_ENGINE: Final = 1011
 
+_NOTHING: Final[tuple[list[float], list[float]]] = ([], [])
+
 #: Response creations remembered for first-audio timing (oldest dropped).
 _MAX_PENDING_CREATES: Final = 64
 
@@ -157,6 +159,7 @@ class SessionCore:
         self._to_upstream: list[str] = []
         # drops by reason: [events since take_drops, bytes since, events total, bytes total]
         self._drops: dict[DropReason, list[int]] = {r: [0, 0, 0, 0] for r in DropReason}
+        self._drops_dirty = False
         self._overflows = 0
         self._cancels = 0
         self._overflowed = False
@@ -500,6 +503,8 @@ class SessionCore:
 
     def take_observations(self) -> tuple[list[float], list[float]]:
         """(cancel_to_silence seconds, first_audio seconds) observed since last call."""
+        if not self._silence_observed and not self._first_audio_observed:
+            return _NOTHING
         silence, self._silence_observed = self._silence_observed, []
         first, self._first_audio_observed = self._first_audio_observed, []
         return silence, first
@@ -511,10 +516,17 @@ class SessionCore:
 
     def take_drops(self) -> dict[DropReason, tuple[int, int]]:
         """Drops by reason since the last call, as (events, bytes)."""
+        if not self._drops_dirty:
+            return {}
+        self._drops_dirty = False
         out = {r: (v[0], v[1]) for r, v in self._drops.items() if v[0] or v[1]}
         for v in self._drops.values():
             v[0] = v[1] = 0
         return out
+
+    @property
+    def overflow_count(self) -> int:
+        return self._overflows
 
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(
@@ -536,6 +548,7 @@ class SessionCore:
     def _count_drop(self, reason: DropReason, size: int, *, events: int = 1) -> None:
         if events <= 0:
             return
+        self._drops_dirty = True
         counter = self._drops[reason]
         counter[0] += events
         counter[1] += size

@@ -1,0 +1,170 @@
+"""Pure supervision logic: engine states, their transitions, backoff, restart budget.
+
+Rule 1: every state change goes through ``EngineStateMachine.apply``, which
+looks the (state, observation) pair up in ``TRANSITIONS``; a missing pair is an
+illegal transition and raises ``InvalidTransition`` naming both.
+Rule 2: nothing here reads a clock or a random source: ``now`` and ``rng`` are
+arguments, so tests drive time explicitly.
+
+    STARTING ──ready──▶ READY ──health_failed──▶ UNHEALTHY ──health_ok──▶ READY
+       │                  │                         │
+       │ exited/timeout   │ exited                  │ failures ≥ limit / exited
+       ▼                  ▼                         ▼
+    RESTARTING ◀──────────┴─────────────────────────┘
+       │ backoff elapsed → STARTING;  budget exhausted → FAILED
+    any ──stop──▶ STOPPING ──stopped──▶ STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = [
+    "Backoff",
+    "EngineState",
+    "EngineStateMachine",
+    "InvalidTransition",
+    "Observation",
+    "RestartBudget",
+    "TRANSITIONS",
+]
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Observation(enum.Enum):
+    READY = "ready"  # first health 200 after a start
+    HEALTH_OK = "health_ok"
+    HEALTH_FAILED = "health_failed"  # one failed poll, below the limit
+    UNHEALTHY = "unhealthy"  # failed polls reached the limit
+    EXITED = "exited"  # the child process ended
+    START_FAILED = "start_failed"  # could not spawn, or not ready in time
+    RESTART = "restart"  # backoff elapsed, budget allows
+    GIVE_UP = "give_up"  # restart budget exhausted
+    STOP = "stop"
+    STOPPED = "stopped"
+
+
+class InvalidTransition(RuntimeError):
+    """An observation that makes no sense in the current state."""
+
+    def __init__(self, state: EngineState, observation: Observation) -> None:
+        super().__init__(f"no transition from {state.value} on {observation.value}")
+        self.state = state
+        self.observation = observation
+
+
+S = EngineState
+O = Observation  # noqa: E741
+
+TRANSITIONS: Final[dict[EngineState, dict[Observation, EngineState]]] = {
+    S.STARTING: {
+        O.READY: S.READY,
+        O.EXITED: S.RESTARTING,
+        O.START_FAILED: S.RESTARTING,
+        O.HEALTH_FAILED: S.STARTING,
+        O.STOP: S.STOPPING,
+    },
+    S.READY: {
+        O.HEALTH_OK: S.READY,
+        O.HEALTH_FAILED: S.UNHEALTHY,
+        O.UNHEALTHY: S.RESTARTING,
+        O.EXITED: S.RESTARTING,
+        O.STOP: S.STOPPING,
+    },
+    S.UNHEALTHY: {
+        O.HEALTH_OK: S.READY,
+        O.HEALTH_FAILED: S.UNHEALTHY,
+        O.UNHEALTHY: S.RESTARTING,
+        O.EXITED: S.RESTARTING,
+        O.STOP: S.STOPPING,
+    },
+    S.RESTARTING: {
+        O.RESTART: S.STARTING,
+        O.GIVE_UP: S.FAILED,
+        O.EXITED: S.RESTARTING,
+        O.STOP: S.STOPPING,
+    },
+    S.STOPPING: {O.STOPPED: S.STOPPED, O.EXITED: S.STOPPING, O.STOP: S.STOPPING},
+    S.STOPPED: {O.STOP: S.STOPPED},
+    S.FAILED: {O.STOP: S.FAILED},
+}
+
+del S, O
+
+
+class EngineStateMachine:
+    """Holds the current state; ``apply`` is the only way to change it."""
+
+    def __init__(self) -> None:
+        self.state = EngineState.STARTING
+
+    def apply(self, observation: Observation) -> EngineState:
+        """Move on an observation.
+
+        Raises:
+            InvalidTransition: the pair is not in ``TRANSITIONS``.
+        """
+        try:
+            self.state = TRANSITIONS[self.state][observation]
+        except KeyError:
+            raise InvalidTransition(self.state, observation) from None
+        return self.state
+
+    @property
+    def serving(self) -> bool:
+        """Sessions may be admitted (an unhealthy engine still serves until it fails)."""
+        return self.state is EngineState.READY or self.state is EngineState.UNHEALTHY
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backoff:
+    """Exponential backoff with jitter: initial·2^n, capped, ± jitter fraction."""
+
+    initial: float = 1.0
+    cap: float = 60.0
+    jitter: float = 0.1
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Delay before restart number ``attempt`` (0-based)."""
+        base = min(self.cap, self.initial * (2.0 ** min(attempt, 62)))
+        spread = base * self.jitter
+        return max(0.0, min(self.cap, base + rng.uniform(-spread, spread)))
+
+
+class RestartBudget:
+    """At most ``max_restarts`` restarts within any ``window`` seconds."""
+
+    def __init__(self, max_restarts: int, window: float) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        self._times: deque[float] = deque()
+
+    def _trim(self, now: float) -> None:
+        while self._times and now - self._times[0] >= self.window:
+            self._times.popleft()
+
+    def allows(self, now: float) -> bool:
+        self._trim(now)
+        return len(self._times) < self.max_restarts
+
+    def record(self, now: float) -> None:
+        self._trim(now)
+        self._times.append(now)
+
+    def recent(self, now: float) -> int:
+        """Restarts inside the window; also the backoff attempt number."""
+        self._trim(now)
+        return len(self._times)

@@ -1,0 +1,56 @@
+"""sd_notify over ``NOTIFY_SOCKET`` (systemd's Type=notify protocol); a no-op without it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+__all__ = ["Notifier", "watchdog_interval"]
+
+
+class Notifier:
+    """Sends datagrams like ``READY=1`` to the socket systemd gave us.
+
+    Args:
+        environ: where to read ``NOTIFY_SOCKET`` (pass ``os.environ``).
+    """
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        address = environ.get("NOTIFY_SOCKET", "")
+        if address.startswith("@"):  # abstract namespace
+            address = "\0" + address[1:]
+        self.address = address or None
+
+    @property
+    def enabled(self) -> bool:
+        return self.address is not None
+
+    def notify(self, *assignments: str) -> bool:
+        """Send ``KEY=VALUE`` lines in one datagram. Returns False when disabled or failed."""
+        if self.address is None or not assignments:
+            return False
+        payload = "\n".join(assignments).encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                sock.connect(self.address)
+                sock.sendall(payload)
+        except OSError:
+            return False
+        return True
+
+    def status(self, text: str) -> bool:
+        return self.notify("STATUS=" + text.replace("\n", " "))
+
+
+def watchdog_interval(environ: Mapping[str, str]) -> float | None:
+    """Seconds between ``WATCHDOG=1`` pings (half of ``WATCHDOG_USEC``), or None."""
+    usec = environ.get("WATCHDOG_USEC")
+    pid = environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        value = int(usec)
+    except ValueError:
+        return None
+    return value / 2_000_000 if value > 0 else None

@@ -1,0 +1,200 @@
+"""Metric definitions. Label enums are tuples of our own strings, never wire values."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+__all__ = [
+    "DIRECTIONS",
+    "DROP_REASONS",
+    "ENGINE_RESTART_REASONS",
+    "ENGINE_STATES",
+    "EVENT_KINDS",
+    "OVERFLOW_POLICIES",
+    "REJECT_REASONS",
+    "SESSION_OUTCOMES",
+    "SidecarMetrics",
+]
+
+PREFIX: Final = "omni_sidecar"
+
+DIRECTIONS: Final = ("client_to_upstream", "upstream_to_client")
+#: Coarse event kinds for events_total (audio vs control; invalid frames).
+EVENT_KINDS: Final = ("audio", "control", "error", "invalid")
+DROP_REASONS: Final = (
+    "cancelled_audio",
+    "late_audio",
+    "overflow",
+    "failed_response",
+    "invalid_client_frame",
+    "invalid_upstream_frame",
+)
+SESSION_OUTCOMES: Final = (
+    "client_closed",
+    "upstream_closed",
+    "overflow",
+    "engine_unavailable",
+    "shutdown",
+    "error",
+)
+REJECT_REASONS: Final = (
+    "unauthorized",
+    "forbidden_origin",
+    "capacity",
+    "not_ready",
+    "draining",
+    "upstream_unavailable",
+)
+OVERFLOW_POLICIES: Final = ("close_session", "fail_response", "process_total")
+ENGINE_STATES: Final = (
+    "starting",
+    "ready",
+    "unhealthy",
+    "restarting",
+    "stopping",
+    "stopped",
+    "failed",
+)
+ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
+
+# Buckets, in seconds.
+#: Time an event waits in the output buffer: sub-ms when the client keeps up,
+#: up to tens of seconds for a stalled reader before overflow.
+QUEUE_DELAY_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+#: Cancel trigger → last audio byte of that response written: 0 is the goal.
+CANCEL_TO_SILENCE_BUCKETS: Final = (
+    0.0, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+#: response.create → first audio: model latency dominates (0.3 s – several s).
+FIRST_AUDIO_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+)
+#: Upstream WebSocket connect on loopback: ~ms; seconds mean trouble.
+CONNECT_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class SidecarMetrics:
+    """All omni_sidecar_* metrics on one registry.
+
+    Args:
+        registry: where to register (a fresh ``CollectorRegistry()`` in tests).
+        version: reported by ``build_info``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, version: str = "0") -> None:
+        self.registry = registry
+        p = PREFIX
+        self.sessions_active = Gauge(
+            f"{p}_sessions_active", "Client sessions currently relayed.", registry=registry
+        )
+        self.sessions = Counter(
+            f"{p}_sessions", "Client sessions ended, by outcome.", ["outcome"], registry=registry
+        )
+        self.sessions_started = Counter(
+            f"{p}_sessions_started", "Client sessions admitted.", registry=registry
+        )
+        self.sessions_rejected = Counter(
+            f"{p}_sessions_rejected",
+            "Session attempts refused before the upgrade, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.events = Counter(
+            f"{p}_events", "Events relayed, by direction and kind.",
+            ["direction", "kind"], registry=registry,
+        )
+        self.bytes = Counter(
+            f"{p}_bytes", "Frame bytes relayed, by direction.", ["direction"], registry=registry
+        )
+        self.dropped_events = Counter(
+            f"{p}_dropped_events", "Events not delivered, by reason.", ["reason"],
+            registry=registry,
+        )
+        self.dropped_bytes = Counter(
+            f"{p}_dropped_bytes", "Frame bytes not delivered, by reason.", ["reason"],
+            registry=registry,
+        )
+        self.overflows = Counter(
+            f"{p}_overflows", "Output buffer overflows, by policy applied.", ["policy"],
+            registry=registry,
+        )
+        self.output_pending_bytes = Gauge(
+            f"{p}_output_pending_bytes", "Bytes queued for clients, all sessions.",
+            registry=registry,
+        )
+        self.output_pending_events = Gauge(
+            f"{p}_output_pending_events", "Events queued for clients, all sessions.",
+            registry=registry,
+        )
+        self.output_queue_delay = Histogram(
+            f"{p}_output_queue_delay_seconds", "Time an event waited in the output buffer.",
+            buckets=QUEUE_DELAY_BUCKETS, registry=registry,
+        )
+        self.cancel_to_silence = Histogram(
+            f"{p}_cancel_to_silence_seconds",
+            "Cancel trigger to the last audio byte of that response written to the client.",
+            buckets=CANCEL_TO_SILENCE_BUCKETS, registry=registry,
+        )
+        self.first_audio = Histogram(
+            f"{p}_first_audio_seconds", "response.create to the first audio frame written.",
+            buckets=FIRST_AUDIO_BUCKETS, registry=registry,
+        )
+        self.upstream_connect = Histogram(
+            f"{p}_upstream_connect_seconds", "Upstream WebSocket connect time.",
+            buckets=CONNECT_BUCKETS, registry=registry,
+        )
+        self.upstream_connects = Counter(
+            f"{p}_upstream_connects", "Upstream WebSocket connect attempts.", registry=registry
+        )
+        self.upstream_connect_failures = Counter(
+            f"{p}_upstream_connect_failures", "Upstream WebSocket connects that failed.",
+            registry=registry,
+        )
+        self.engine_up = Gauge(
+            f"{p}_engine_up", "1 when the engine is ready.", registry=registry
+        )
+        self.engine_state = Gauge(
+            f"{p}_engine_state", "Engine supervisor state (1 for the current one).", ["state"],
+            registry=registry,
+        )
+        self.engine_restarts = Counter(
+            f"{p}_engine_restarts", "Engine restarts, by reason.", ["reason"], registry=registry
+        )
+        self.engine_start_seconds = Gauge(
+            f"{p}_engine_start_seconds", "Duration of the last engine start until ready.",
+            registry=registry,
+        )
+        self.build = Info(f"{p}_build", "Build information.", registry=registry)
+        self.build.info({"version": version})
+        self._init_series()
+
+    def _init_series(self) -> None:
+        for outcome in SESSION_OUTCOMES:
+            self.sessions.labels(outcome)
+        for reason in REJECT_REASONS:
+            self.sessions_rejected.labels(reason)
+        for direction in DIRECTIONS:
+            self.bytes.labels(direction)
+            for kind in EVENT_KINDS:
+                self.events.labels(direction, kind)
+        for reason in DROP_REASONS:
+            self.dropped_events.labels(reason)
+            self.dropped_bytes.labels(reason)
+        for policy in OVERFLOW_POLICIES:
+            self.overflows.labels(policy)
+        for state in ENGINE_STATES:
+            self.engine_state.labels(state)
+        for reason in ENGINE_RESTART_REASONS:
+            self.engine_restarts.labels(reason)
+
+    def set_engine_state(self, state: str) -> None:
+        for known in ENGINE_STATES:
+            self.engine_state.labels(known).set(1.0 if known == state else 0.0)
+        self.engine_up.set(1.0 if state == "ready" else 0.0)

@@ -1,0 +1,97 @@
+"""The ``omni-sidecar`` command: ``serve`` and ``probe``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from proxy import probe
+from proxy.config import (
+    CONFIG_PATH_ENV,
+    add_cli_arguments,
+    flag_values,
+    format_settings,
+    load,
+)
+from proxy.errors import ConfigError
+
+__all__ = ["main"]
+
+EXIT_CONFIG: int = 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-sidecar",
+        description="Backpressure- and cancellation-aware proxy for vLLM-Omni realtime engines.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the proxy (in front of the built-in simulator unless configured otherwise)",
+        description="Run the proxy. Every setting is also read from the config file and "
+        "from OMNI_SIDECAR_<KEY> environment variables (defaults < file < env < flags).",
+    )
+    serve.add_argument("--config", metavar="FILE", help="TOML config file")
+    serve.add_argument(
+        "--print-config", action="store_true", help="print every setting and its source, then exit"
+    )
+    add_cli_arguments(serve)
+    probe_parser = commands.add_parser(
+        "probe", help="run one realtime session against URL and print what it measured"
+    )
+    probe.add_probe_arguments(probe_parser)
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    path = ns.config or os.environ.get(CONFIG_PATH_ENV) or None
+    try:
+        loaded = load(flag_values(ns), os.environ, path)
+    except ConfigError as exc:
+        print(f"omni-sidecar: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if ns.print_config:
+        print(format_settings(loaded))
+        return 0
+    _configure_logging(loaded.settings.log_level)
+    _install_uvloop()
+    from proxy.server import serve
+
+    return asyncio.run(serve(loaded.settings))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        return _serve(ns)
+    if ns.command == "probe":
+        _install_uvloop()
+        return probe.main_probe(ns)
+    parser.print_help()
+    return EXIT_CONFIG
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

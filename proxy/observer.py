@@ -1,0 +1,195 @@
+"""Session registry and the hooks that turn relay activity into metrics.
+
+``SessionRegistry`` knows every live relay (for shutdown, engine loss,
+``/debug/sessions`` and the process-wide pending-output cap) and keeps an
+exact running total of pending output bytes: each relay reports the change
+of its buffer after every core call, so enforcing
+``max_total_pending_output_bytes`` costs O(1) per event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from metrics import SidecarMetrics
+from proxy.core.buffer import Entry
+from proxy.core.events import EventKind, UpstreamEvent
+
+if TYPE_CHECKING:
+    from proxy.relay import Relay
+
+__all__ = ["SessionObserver", "SessionRegistry"]
+
+log = logging.getLogger(__name__)
+
+_C2U = "client_to_upstream"
+_U2C = "upstream_to_client"
+
+
+def _event_kind_label(event: UpstreamEvent) -> str:
+    kind = event.kind
+    if kind is EventKind.AUDIO_DELTA:
+        return "audio"
+    if kind is EventKind.ERROR:
+        return "error"
+    if kind is EventKind.MALFORMED:
+        return "invalid"
+    return "control"
+
+
+class SessionRegistry:
+    """Live relays and the process-wide pending-output total.
+
+    Args:
+        metrics: where to report.
+        max_total_pending_output_bytes: above this, the largest session is shed.
+    """
+
+    def __init__(self, metrics: SidecarMetrics, *, max_total_pending_output_bytes: int) -> None:
+        self.metrics = metrics
+        self.max_total = max_total_pending_output_bytes
+        self.relays: dict[str, Relay] = {}
+        self._pending_bytes: dict[str, int] = {}
+        self._pending_events: dict[str, int] = {}
+        self.total_pending_bytes = 0
+        self.total_pending_events = 0
+
+    def add(self, relay: Relay) -> None:
+        self.relays[relay.key] = relay
+        self._pending_bytes[relay.key] = 0
+        self._pending_events[relay.key] = 0
+        self.metrics.sessions_active.set(len(self.relays))
+
+    def remove(self, relay: Relay) -> None:
+        self.relays.pop(relay.key, None)
+        self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
+        self.total_pending_events -= self._pending_events.pop(relay.key, 0)
+        self._export_pending()
+        self.metrics.sessions_active.set(len(self.relays))
+
+    def observer(self, key: str) -> SessionObserver:
+        return SessionObserver(self, key)
+
+    def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
+        """Record a session's current buffer size; shed the largest if over the cap."""
+        if key not in self._pending_bytes:
+            return
+        self.total_pending_bytes += pending_bytes - self._pending_bytes[key]
+        self.total_pending_events += pending_events - self._pending_events[key]
+        self._pending_bytes[key] = pending_bytes
+        self._pending_events[key] = pending_events
+        self._export_pending()
+        if self.max_total and self.total_pending_bytes > self.max_total:
+            self._shed_largest()
+
+    def _export_pending(self) -> None:
+        self.metrics.output_pending_bytes.set(self.total_pending_bytes)
+        self.metrics.output_pending_events.set(self.total_pending_events)
+
+    def _shed_largest(self) -> None:
+        key = max(self._pending_bytes, key=self._pending_bytes.__getitem__)
+        relay = self.relays.get(key)
+        if relay is None or relay.core.buffer.closed:
+            return
+        log.warning(
+            "pending output %d bytes over the process cap %d; shedding session %s (%d bytes)",
+            self.total_pending_bytes, self.max_total, key, self._pending_bytes[key],
+        )
+        self.metrics.overflows.labels("process_total").inc()
+        relay.shed()
+
+    def statistics(self) -> list[dict[str, Any]]:
+        """Per-session JSON for /debug/sessions."""
+        now = time.monotonic()
+        out = []
+        for key, relay in self.relays.items():
+            stats = relay.core.statistics()
+            buffer = stats.buffer
+            out.append(
+                {
+                    "id": key,
+                    "upstream_session_id": stats.session_id,
+                    "age_seconds": round(now - relay.started_at, 3),
+                    "state": stats.state.value,
+                    "pending_bytes": buffer.pending_bytes,
+                    "pending_events": buffer.pending_events,
+                    "reserve_bytes": buffer.reserve_bytes,
+                    "reserve_events": buffer.reserve_events,
+                    "peak_pending_bytes": buffer.peak_pending_bytes,
+                    "active_response": stats.active_response,
+                    "open_responses": list(stats.open_responses),
+                    "cancelled_responses": relay.core.ledger.tombstoned(),
+                    "tombstones": stats.ledger.tombstones,
+                    "tombstone_evictions": stats.ledger.evictions,
+                    "late_audio_after_eviction": stats.ledger.late_after_eviction,
+                    "overflows": stats.overflows,
+                    "overflowed": relay.core.outcome is not None
+                    and relay.core.outcome.value == "overflow",
+                    "cancels": stats.cancels,
+                    "dropped": {r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e},
+                    "bytes_client_to_upstream": relay.bytes_client_to_upstream,
+                    "bytes_upstream_to_client": relay.bytes_upstream_to_client,
+                }
+            )
+        return out
+
+
+class SessionObserver:
+    """Hooks a relay calls; keeps per-event work to a few counter increments."""
+
+    __slots__ = ("_registry", "_key", "_m", "_delay", "_overflows_seen")
+
+    def __init__(self, registry: SessionRegistry, key: str) -> None:
+        self._registry = registry
+        self._key = key
+        self._m = registry.metrics
+        self._delay = self._m.output_queue_delay
+        self._overflows_seen = 0
+
+    def client_event(self, size: int, *, forwarded: bool) -> None:
+        m = self._m
+        if forwarded:
+            m.events.labels(_C2U, "control").inc()
+            m.bytes.labels(_C2U).inc(size)
+        else:
+            m.events.labels(_C2U, "invalid").inc()
+
+    def upstream_event(self, event: UpstreamEvent) -> None:
+        m = self._m
+        m.events.labels(_U2C, _event_kind_label(event)).inc()
+        m.bytes.labels(_U2C).inc(event.size)
+
+    def delivered(self, entry: Entry, written_at: float) -> None:
+        self._delay.observe(max(0.0, written_at - entry.enqueued_at))
+
+    def after_core_call(self, relay: Relay) -> None:
+        """Sync buffer size, drops, overflows and timing observations."""
+        core = relay.core
+        buffer = core.buffer
+        stats_bytes = buffer.pending_bytes
+        self._registry.update_pending(self._key, stats_bytes, len(buffer))
+        m = self._m
+        drops = core.take_drops()
+        for reason, (events, size) in drops.items():
+            m.dropped_events.labels(reason.value).inc(events)
+            m.dropped_bytes.labels(reason.value).inc(size)
+        overflows = core.overflow_count
+        if overflows != self._overflows_seen:
+            m.overflows.labels(core.settings.overflow_policy.value).inc(
+                overflows - self._overflows_seen
+            )
+            self._overflows_seen = overflows
+        silence, first = core.take_observations()
+        for value in silence:
+            m.cancel_to_silence.observe(value)
+        for value in first:
+            m.first_audio.observe(value)
+
+    def session_observations(self, relay: Relay) -> None:
+        """The session ended: final sync and its outcome."""
+        self.after_core_call(relay)
+        outcome = relay.core.outcome
+        self._m.sessions.labels(outcome.value if outcome else "error").inc()
+

@@ -1,0 +1,343 @@
+"""The per-session relay: a thin aiohttp shell around ``SessionCore``.
+
+Three tasks in one TaskGroup (DESIGN.md §2):
+
+1. client → upstream: read a client frame, let the core classify it (cancel
+   triggers act at once), forward the original text.
+2. upstream → client (intake): read an engine frame and hand it to the core,
+   which filters it and queues it in the session's OutputBuffer. This task
+   never waits on the client, so the engine is always read at full speed.
+3. delivery: wait until the client transport is below its high-water mark,
+   take the next event from the core (re-checked at that moment) and write it.
+
+What can still be in flight after a cancel: the one frame being written, plus
+what the transport (``client_write_buffer_bytes``) and the kernel send buffer
+(set to the same size; Linux doubles it) hold, plus whatever the client's own
+receive buffer took. A frame is written only while the transport buffer is
+below the mark, so a reader that keeps up hears at most about one frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import aiohttp
+from aiohttp import web
+
+from proxy.core.events import EventKind
+from proxy.core.session import CLOSE_NORMAL, Outcome, SessionCore, SessionState
+
+if TYPE_CHECKING:
+    from proxy.observer import SessionObserver
+
+__all__ = ["Relay", "new_event_id", "tune_client_socket"]
+
+log = logging.getLogger(__name__)
+
+#: Close codes a client may receive and what the engine's close maps to.
+_UPSTREAM_CLEAN_CLOSES: Final = frozenset({1000, 1001})
+
+
+def new_event_id() -> str:
+    return "event_" + uuid.uuid4().hex
+
+
+class Relay:
+    """One client session and its upstream connection.
+
+    Args:
+        session_key: our own id for logs and /debug/sessions.
+        client: the prepared client WebSocketResponse.
+        client_protocol: the aiohttp protocol under ``client`` (flow control).
+        upstream: the connected upstream ClientWebSocketResponse.
+        core: the session policy.
+        observer: metrics and registry hooks.
+        close_timeout: seconds to deliver the final events once closing.
+        drain_timeout: seconds to deliver what is queued when the engine is lost.
+        upstream_close_timeout: seconds to wait for the engine's ``session.closed``.
+    """
+
+    def __init__(
+        self,
+        *,
+        session_key: str,
+        client: web.WebSocketResponse,
+        client_protocol: Any,
+        upstream: aiohttp.ClientWebSocketResponse,
+        core: SessionCore,
+        observer: SessionObserver,
+        close_timeout: float,
+        drain_timeout: float,
+        upstream_close_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.key = session_key
+        self.client = client
+        self._protocol = client_protocol
+        self.upstream = upstream
+        self.core = core
+        self._observer = observer
+        self._close_timeout = close_timeout
+        self._drain_timeout = drain_timeout
+        self._upstream_close_timeout = upstream_close_timeout
+        self._clock = clock
+        self.started_at = clock()
+        self._wake = asyncio.Event()
+        self._upstream_session_closed = asyncio.Event()
+        self._upstream_gone = asyncio.Event()
+        self._client_gone = asyncio.Event()
+        self._intake: asyncio.Task[None] | None = None
+        self.bytes_client_to_upstream = 0
+        self.bytes_upstream_to_client = 0
+        self.log = logging.LoggerAdapter(log, {"session": session_key})
+
+    # -- entry points used by the app ---------------------------------------------------
+
+    async def run(self) -> None:
+        """Relay until both sides are closed. Never raises for peer behaviour."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
+                self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
+                tg.create_task(self._deliver(), name=f"{self.key}:deliver")
+        except Exception:
+            self.log.exception("session %s failed", self.key)
+            if self.core.outcome is None:
+                self.core.outcome = Outcome.ERROR
+        finally:
+            self.core.finish()
+            self._observer.session_observations(self)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._close_timeout):
+                    await self._close_both()
+
+    def shutdown(self) -> None:
+        """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
+        self.core.shutdown(self._clock())
+        self._after_core_call()
+
+    def engine_unavailable(self) -> None:
+        """The supervisor saw the engine die: fail this session now."""
+        self.core.upstream_lost(self._clock())
+        self._after_core_call()
+        # The engine socket may linger half-open; stop waiting for its session.closed.
+        self._upstream_session_closed.set()
+
+    def shed(self) -> None:
+        """Process-wide pending cap exceeded and this is the largest session."""
+        self.core.close_for_overflow(self._clock())
+        self._after_core_call()
+
+    # -- client → upstream -----------------------------------------------------------------
+
+    async def _client_to_upstream(self) -> None:
+        client = self.client
+        core = self.core
+        try:
+            while True:
+                msg = await client.receive()
+                kind = msg.type
+                if kind is aiohttp.WSMsgType.TEXT:
+                    text: str = msg.data
+                    decision = core.receive_client(text, self._clock())
+                    self._observer.client_event(decision.event.size, forwarded=decision.forward)
+                    if decision.forward:
+                        self.bytes_client_to_upstream += decision.event.size
+                        await self._send_upstream(text)
+                    self._after_core_call()
+                    await self._flush_upstream_commands()
+                elif kind is aiohttp.WSMsgType.BINARY:
+                    core.reject_client_frame(
+                        "binary_unsupported",
+                        "binary frames are not supported; send JSON text frames",
+                        self._clock(),
+                        size=len(msg.data),
+                    )
+                    self._observer.client_event(len(msg.data), forwarded=False)
+                    self._after_core_call()
+                else:
+                    # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already answered
+                    # an oversized frame with 1009).
+                    if kind is aiohttp.WSMsgType.ERROR:
+                        self.log.info("client error: %s", msg.data)
+                    break
+        finally:
+            self._client_gone.set()
+            if core.state is not SessionState.CLOSED and not self._delivered_closure():
+                core.client_gone()
+            self._after_core_call()
+            with contextlib.suppress(Exception):
+                await self._flush_upstream_commands()
+
+    def _delivered_closure(self) -> bool:
+        return self.core.buffer.closure_delivered
+
+    async def _send_upstream(self, text: str) -> None:
+        if self.upstream.closed or self._upstream_gone.is_set():
+            return
+        try:
+            await self.upstream.send_str(text)
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            self.log.info("upstream send failed: %s", exc)
+
+    async def _flush_upstream_commands(self) -> None:
+        for text in self.core.events_to_upstream():
+            await self._send_upstream(text)
+
+    # -- upstream → client (intake) --------------------------------------------------------------
+
+    async def _upstream_to_client(self) -> None:
+        upstream = self.upstream
+        core = self.core
+        clean = False
+        try:
+            while True:
+                msg = await upstream.receive()
+                kind = msg.type
+                if kind is aiohttp.WSMsgType.TEXT:
+                    event = core.receive_upstream(msg.data, self._clock())
+                    self._observer.upstream_event(event)
+                    self.bytes_upstream_to_client += event.size
+                    if event.kind is EventKind.SESSION_CLOSED:
+                        self._upstream_session_closed.set()
+                    self._after_core_call()
+                    await self._flush_upstream_commands()
+                elif kind is aiohttp.WSMsgType.BINARY:
+                    event = core.receive_upstream("\x00binary", self._clock())
+                    self._observer.upstream_event(event)
+                    self.log.warning("upstream sent a binary frame (%d bytes); dropped", len(msg.data))
+                else:
+                    code = upstream.close_code
+                    clean = code in _UPSTREAM_CLEAN_CLOSES and kind is not aiohttp.WSMsgType.ERROR
+                    if not self._upstream_session_closed.is_set():
+                        self.log.info("upstream closed (code %s) without session.closed", code)
+                    break
+        finally:
+            self._upstream_gone.set()
+            if not self._upstream_session_closed.is_set():
+                core.upstream_lost(self._clock(), clean=clean)
+            self._after_core_call()
+
+    # -- delivery -------------------------------------------------------------------------------
+
+    def _after_core_call(self) -> None:
+        self._wake.set()
+        self._observer.after_core_call(self)
+
+    async def _wait_writable(self) -> None:
+        protocol = self._protocol
+        if protocol is not None and getattr(protocol, "writing_paused", False):
+            await protocol._drain_helper()
+
+    async def _deliver(self) -> None:
+        core = self.core
+        client = self.client
+        try:
+            async with asyncio.timeout(None) as deadline:
+                while True:
+                    if core.state is SessionState.CLOSED:
+                        break
+                    if core.state is SessionState.CLOSING and deadline.when() is None:
+                        budget = (
+                            self._drain_timeout
+                            if core.outcome is Outcome.ENGINE_UNAVAILABLE
+                            else self._close_timeout
+                        )
+                        deadline.reschedule(asyncio.get_running_loop().time() + budget)
+                    if not core.buffer.has_output():
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    await self._wait_writable()
+                    if client.closed:
+                        break
+                    now = self._clock()
+                    entry = core.next_delivery(now)
+                    if entry is None:
+                        continue
+                    try:
+                        await client.send_str(entry.event.text)
+                    except (ConnectionError, RuntimeError) as exc:
+                        self.log.info("client write failed: %s", exc)
+                        break
+                    core.delivered(entry, self._clock())
+                    self._observer.delivered(entry, now)
+                    self._observer.after_core_call(self)
+                    if entry.closure:
+                        break
+        except TimeoutError:
+            self.log.info("client did not take the final events in time; aborting")
+            transport = getattr(self._protocol, "transport", None)
+            if transport is not None:
+                transport.abort()
+        await self._wind_down()
+
+    async def _wind_down(self) -> None:
+        """Close the client with the decided code, then the engine side politely."""
+        core = self.core
+        code = core.close_code if core.close_code is not None else CLOSE_NORMAL
+        if not self.client.closed:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._close_timeout):
+                    await self.client.close(code=code, message=self._close_message())
+        if core.state is not SessionState.CLOSED:
+            core.client_gone()
+        await self._flush_upstream_commands()
+        if not self._upstream_gone.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._upstream_close_timeout):
+                    await _first(self._upstream_session_closed, self._upstream_gone)
+        intake = self._intake
+        if intake is not None and not intake.done():
+            intake.cancel()  # our own task: the engine had its chance to answer
+            with contextlib.suppress(asyncio.CancelledError):
+                await intake
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._close_timeout):
+                await self.upstream.close()
+        # Unblock the client reader if the client never answered our close.
+        if not self._client_gone.is_set():
+            transport = getattr(self._protocol, "transport", None)
+            if transport is not None and not self.client.closed:
+                transport.abort()
+
+    def _close_message(self) -> bytes:
+        outcome = self.core.outcome
+        return b"" if outcome is None else outcome.value.encode()
+
+    async def _close_both(self) -> None:
+        if not self.client.closed:
+            await self.client.close(code=self.core.close_code or CLOSE_NORMAL)
+        if not self.upstream.closed:
+            await self.upstream.close()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Wait until any of the events is set."""
+    while not any(e.is_set() for e in events):
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+
+def tune_client_socket(request: web.Request, write_buffer_bytes: int) -> Any:
+    """Bound what the transport and kernel hold for this client; return its protocol."""
+    transport = request.transport
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.set_write_buffer_limits(high=write_buffer_bytes)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, write_buffer_bytes)
+    return request.protocol
