@@ -1,0 +1,185 @@
+"""Shared fixtures: timing factor, simulator child processes, in-process sidecars.
+
+Every wait has a deadline scaled by ``OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR`` (set
+it above 1 on slow machines); nothing sleeps and hopes. Servers bind to
+127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from engine_launcher.config import EngineConfig
+from proxy.config import Settings
+
+TIMEOUT_FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
+MS = 0.001 * TIMEOUT_FACTOR
+#: Default deadline for anything a test waits on.
+DEADLINE = 10_000 * MS
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_until(
+    predicate: Callable[[], bool | Awaitable[bool]], *, timeout: float = DEADLINE, what: str = ""
+) -> None:
+    """Poll a condition until true; fail the test with ``what`` after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if loop.time() >= deadline:
+            pytest.fail(f"timed out after {timeout:.1f} s waiting for {what or predicate}")
+        await asyncio.sleep(5 * MS)
+
+
+async def http_ok(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                return resp.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False
+
+
+@dataclass
+class SimulatorProcess:
+    """A real simulator child on loopback."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorProcess]]]:
+    """Factory: ``await simulator("--realtime-factor", "0")`` starts a ready simulator."""
+    started: list[SimulatorProcess] = []
+
+    async def start(*args: str, wait_ready: bool = True) -> SimulatorProcess:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine_launcher.simulator", "--host", "127.0.0.1",
+             "--port", str(port), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        sim = SimulatorProcess(process, port)
+        started.append(sim)
+        if wait_ready:
+            await wait_until(
+                lambda: http_ok(f"{sim.http_url}/health"), what="simulator /health"
+            )
+        return sim
+
+    yield start
+    for sim in started:
+        sim.kill()
+
+
+@dataclass
+class RunningSidecar:
+    sidecar: Any  # proxy.server.Sidecar
+    task: asyncio.Task[int]
+
+    @property
+    def url(self) -> str:
+        host, port = self.sidecar.bound["listen"]
+        return f"ws://{host}:{port}/v1/realtime"
+
+    @property
+    def http_url(self) -> str:
+        host, port = self.sidecar.bound["listen"]
+        return f"http://{host}:{port}"
+
+    @property
+    def admin_url(self) -> str:
+        host, port = self.sidecar.bound["admin"]
+        return f"http://{host}:{port}"
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.sidecar.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else float(value)
+
+    async def stop(self) -> int:
+        self.sidecar.stop_requested.set()
+        async with asyncio.timeout(DEADLINE * 3):
+            return await self.task
+
+
+@pytest.fixture
+async def sidecar() -> AsyncIterator[Callable[..., Awaitable[RunningSidecar]]]:
+    """Factory: ``await sidecar(upstream=sim.ws_url, max_pending_output_bytes=...)``.
+
+    Runs a whole in-process ``Sidecar`` on ephemeral ports and waits until ready.
+    """
+    from proxy.server import Sidecar
+
+    running: list[RunningSidecar] = []
+
+    async def start(*, engine: EngineConfig | None = None, **overrides: Any) -> RunningSidecar:
+        values: dict[str, Any] = {
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "heartbeat_interval": 0.0,
+        }
+        values.update(overrides)
+        if engine is not None:
+            values["engine"] = engine
+        settings = Settings(**values)
+        instance = Sidecar(settings, environ={})
+        task = asyncio.ensure_future(instance.run())
+        item = RunningSidecar(instance, task)
+        running.append(item)
+        ready = asyncio.ensure_future(instance.ready.wait())
+        async with asyncio.timeout(DEADLINE * 2):
+            await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            ready.cancel()
+            pytest.fail(f"sidecar exited early with {task.result()}")
+        return item
+
+    yield start
+    for item in running:
+        if not item.task.done():
+            with contextlib.suppress(Exception):
+                await item.stop()
+
+
+def monotonic() -> float:
+    return time.monotonic()
