@@ -9,6 +9,7 @@ of its buffer after every core call, so enforcing
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,19 @@ class SessionRegistry:
         self._pending_events: dict[str, int] = {}
         self.total_pending_bytes = 0
         self.total_pending_events = 0
+        self._empty: asyncio.Event | None = None
+        # Read at scrape time: no gauge update on the per-event path.
+        metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
+        metrics.output_pending_events.set_function(lambda: self.total_pending_events)
+
+    async def wait_empty(self) -> None:
+        """Wait until no session is live."""
+        if not self.relays:
+            return
+        if self._empty is None:
+            self._empty = asyncio.Event()
+        self._empty.clear()
+        await self._empty.wait()
 
     def add(self, relay: Relay) -> None:
         self.relays[relay.key] = relay
@@ -66,8 +80,9 @@ class SessionRegistry:
         self.relays.pop(relay.key, None)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
         self.total_pending_events -= self._pending_events.pop(relay.key, 0)
-        self._export_pending()
         self.metrics.sessions_active.set(len(self.relays))
+        if not self.relays and self._empty is not None:
+            self._empty.set()
 
     def observer(self, key: str) -> SessionObserver:
         return SessionObserver(self, key)
@@ -80,19 +95,17 @@ class SessionRegistry:
         self.total_pending_events += pending_events - self._pending_events[key]
         self._pending_bytes[key] = pending_bytes
         self._pending_events[key] = pending_events
-        self._export_pending()
         if self.max_total and self.total_pending_bytes > self.max_total:
             self._shed_largest()
 
-    def _export_pending(self) -> None:
-        self.metrics.output_pending_bytes.set(self.total_pending_bytes)
-        self.metrics.output_pending_events.set(self.total_pending_events)
-
     def _shed_largest(self) -> None:
-        key = max(self._pending_bytes, key=self._pending_bytes.__getitem__)
-        relay = self.relays.get(key)
-        if relay is None or relay.core.buffer.closed:
+        candidates = [
+            key for key, relay in self.relays.items() if not relay.core.buffer.closed
+        ]
+        if not candidates:
             return
+        key = max(candidates, key=self._pending_bytes.__getitem__)
+        relay = self.relays[key]
         log.warning(
             "pending output %d bytes over the process cap %d; shedding session %s (%d bytes)",
             self.total_pending_bytes, self.max_total, key, self._pending_bytes[key],
@@ -139,27 +152,37 @@ class SessionRegistry:
 class SessionObserver:
     """Hooks a relay calls; keeps per-event work to a few counter increments."""
 
-    __slots__ = ("_registry", "_key", "_m", "_delay", "_overflows_seen")
+    __slots__ = (
+        "_registry", "_key", "_m", "_delay", "_overflows_seen",
+        "_c2u_events", "_c2u_invalid", "_c2u_bytes", "_u2c_events", "_u2c_bytes",
+    )
 
     def __init__(self, registry: SessionRegistry, key: str) -> None:
         self._registry = registry
         self._key = key
-        self._m = registry.metrics
-        self._delay = self._m.output_queue_delay
+        m = registry.metrics
+        self._m = m
+        self._delay = m.output_queue_delay
         self._overflows_seen = 0
+        # Resolve label children once: per-event work is then a plain increment.
+        self._c2u_events = m.events.labels(_C2U, "control")
+        self._c2u_invalid = m.events.labels(_C2U, "invalid")
+        self._c2u_bytes = m.bytes.labels(_C2U)
+        self._u2c_events = {
+            label: m.events.labels(_U2C, label) for label in ("audio", "control", "error", "invalid")
+        }
+        self._u2c_bytes = m.bytes.labels(_U2C)
 
     def client_event(self, size: int, *, forwarded: bool) -> None:
-        m = self._m
         if forwarded:
-            m.events.labels(_C2U, "control").inc()
-            m.bytes.labels(_C2U).inc(size)
+            self._c2u_events.inc()
+            self._c2u_bytes.inc(size)
         else:
-            m.events.labels(_C2U, "invalid").inc()
+            self._c2u_invalid.inc()
 
     def upstream_event(self, event: UpstreamEvent) -> None:
-        m = self._m
-        m.events.labels(_U2C, _event_kind_label(event)).inc()
-        m.bytes.labels(_U2C).inc(event.size)
+        self._u2c_events[_event_kind_label(event)].inc()
+        self._u2c_bytes.inc(event.size)
 
     def delivered(self, entry: Entry, written_at: float) -> None:
         self._delay.observe(max(0.0, written_at - entry.enqueued_at))

@@ -205,8 +205,7 @@ class Sidecar:
             relay.shutdown()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.close_timeout + 1.0):
-                while self.sessions.relays:
-                    await asyncio.sleep(0.01)
+                await self.sessions.wait_empty()
         for runner in reversed(self._runners):
             with contextlib.suppress(Exception):
                 await runner.cleanup()
@@ -219,10 +218,16 @@ class Sidecar:
     async def _drain(self) -> None:
         if not self.sessions.relays or self.force_stop.is_set():
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.drain_timeout
-        while self.sessions.relays and loop.time() < deadline and not self.force_stop.is_set():
-            await asyncio.sleep(0.05)
+        empty = asyncio.ensure_future(self.sessions.wait_empty())
+        forced = asyncio.ensure_future(self.force_stop.wait())
+        try:
+            await asyncio.wait(
+                (empty, forced), timeout=self.settings.drain_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            empty.cancel()
+            forced.cancel()
 
     async def _watchdog(self) -> None:
         interval = watchdog_interval(self.environ)
