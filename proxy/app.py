@@ -33,6 +33,7 @@ from prometheus_client.openmetrics.exposition import (
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from metrics import SidecarMetrics
+from proxy.auth import AuthPolicy, load_api_keys, offered_subprotocols
 from proxy.config import Settings
 from proxy.core.buffer import BufferLimits
 from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings
@@ -101,9 +102,13 @@ class Admission:
         admission_timeout: seconds to wait for a free slot before refusing.
     """
 
-    def __init__(self, max_sessions: int, admission_timeout: float) -> None:
+    def __init__(
+        self, max_sessions: int, admission_timeout: float, *, max_sessions_per_ip: int = 0
+    ) -> None:
         self.max_sessions = max_sessions
         self.admission_timeout = admission_timeout
+        self.max_sessions_per_ip = max_sessions_per_ip
+        self.per_ip: dict[str, int] = {}
         self.active = 0
         self.draining = False
         self.engine_ready = False
@@ -133,6 +138,25 @@ class Admission:
         self.active += 1
         return True
 
+    def acquire_ip(self, address: str) -> bool:
+        """Count a session of one client address; False when it has too many."""
+        if self.max_sessions_per_ip <= 0:
+            return True
+        count = self.per_ip.get(address, 0)
+        if count >= self.max_sessions_per_ip:
+            return False
+        self.per_ip[address] = count + 1
+        return True
+
+    def release_ip(self, address: str) -> None:
+        if self.max_sessions_per_ip <= 0:
+            return
+        count = self.per_ip.get(address, 0) - 1
+        if count > 0:
+            self.per_ip[address] = count
+        else:
+            self.per_ip.pop(address, None)
+
     async def release(self) -> None:
         self.active -= 1
         async with self._freed:
@@ -154,9 +178,12 @@ class ProxyState:
     target: Callable[[], UpstreamTarget | None]
     http: aiohttp.ClientSession | None = None
     session_settings: SessionSettings = field(init=False)
+    auth: AuthPolicy = field(init=False)
 
     def __post_init__(self) -> None:
         self.session_settings = session_settings(self.settings)
+        keys = load_api_keys(self.settings.api_keys, self.settings.api_keys_file)
+        self.auth = AuthPolicy(keys, self.settings.allowed_origins)
 
     def client_session(self) -> aiohttp.ClientSession:
         if self.http is None or self.http.closed:
@@ -182,6 +209,7 @@ def session_settings(settings: Settings) -> SessionSettings:
         interrupt_on_speech_started=settings.interrupt_on_speech_started,
         max_tombstones=settings.max_tombstones,
         tombstone_ttl=settings.tombstone_ttl,
+        max_input_audio_rate=settings.max_input_audio_rate,
     )
 
 
@@ -246,19 +274,43 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
         return await _reverse_proxy(request)
     state = request.app[STATE]
     metrics = state.metrics
+    denied = _check_auth(request, state)
+    if denied is not None:
+        return denied
     refusal = state.admission.refusal()
     if refusal is not None:
         metrics.sessions_rejected.labels(refusal[0]).inc()
         return _json_error(503, refusal[0], refusal[1], **{"Retry-After": "5"})
-    if not await state.admission.acquire():
+    address = request.remote or ""
+    if not state.admission.acquire_ip(address):
         metrics.sessions_rejected.labels("capacity").inc()
         return _json_error(
-            503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
+            429, "capacity", "too many sessions from this address", **{"Retry-After": "1"}
         )
     try:
-        return await _run_session(request, state)
+        if not await state.admission.acquire():
+            metrics.sessions_rejected.labels("capacity").inc()
+            return _json_error(
+                503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
+            )
+        try:
+            return await _run_session(request, state)
+        finally:
+            await state.admission.release()
     finally:
-        await state.admission.release()
+        state.admission.release_ip(address)
+
+
+def _check_auth(request: web.Request, state: ProxyState) -> web.Response | None:
+    """401/403 before anything else; keys are never logged."""
+    result = state.auth.check(
+        request.headers, offered_subprotocols(request.headers.get("Sec-WebSocket-Protocol"))
+    )
+    if result.ok:
+        return None
+    state.metrics.sessions_rejected.labels(result.reason).inc()
+    headers = {"WWW-Authenticate": 'Bearer realm="omni-sidecar"'} if result.status == 401 else {}
+    return _json_error(result.status, result.reason, result.message, **headers)
 
 
 async def _run_session(request: web.Request, state: ProxyState) -> web.StreamResponse:
@@ -273,7 +325,9 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     metrics.upstream_connects.inc()
     started = time.monotonic()
     try:
-        async with asyncio.timeout(settings.upstream_connect_timeout):
+        async with asyncio.timeout(
+            min(settings.upstream_connect_timeout, settings.handshake_timeout)
+        ):
             upstream = await state.client_session().ws_connect(
                 url,
                 headers=_upstream_headers(state, request),
@@ -293,16 +347,19 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     client = web.WebSocketResponse(
         protocols=_CLIENT_SUBPROTOCOLS,
         heartbeat=heartbeat,
+        receive_timeout=settings.client_idle_timeout or None,
         max_msg_size=settings.max_client_message_bytes,
         compress=False,
         autoping=True,
         writer_limit=settings.client_write_buffer_bytes,
     )
     try:
-        await client.prepare(request)
-    except Exception:
+        async with asyncio.timeout(settings.handshake_timeout):
+            await client.prepare(request)
+    except BaseException:
         await upstream.close()
         raise
+    _tune_upstream(upstream, settings.max_pending_input_bytes)
     protocol = tune_client_socket(request, settings.client_write_buffer_bytes)
     key = uuid.uuid4().hex[:12]
     relay = Relay(
@@ -315,6 +372,8 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         close_timeout=settings.close_timeout,
         drain_timeout=settings.drain_timeout,
         upstream_close_timeout=settings.upstream_close_timeout,
+        max_pending_input_bytes=settings.max_pending_input_bytes,
+        max_session_duration=settings.max_session_duration,
     )
     metrics.sessions_started.inc()
     state.registry.add(relay)
@@ -332,9 +391,25 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     return client
 
 
+def _tune_upstream(upstream: aiohttp.ClientWebSocketResponse, max_pending: int) -> None:
+    """Let unsent input grow to ``max_pending_input_bytes`` without blocking the
+    client reader (a blocked reader could not act on a cancel); the relay fails
+    the session instead when the engine stops reading."""
+    writer = getattr(upstream, "_writer", None)
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.set_write_buffer_limits(high=max_pending)
+    if writer is not None and hasattr(writer, "_limit"):
+        writer._limit = max_pending
+
+
 async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
     """Stream any other HTTP request to the engine and its answer back."""
     state = request.app[STATE]
+    denied = _check_auth(request, state)
+    if denied is not None:
+        return denied
     target = state.target()
     if target is None:
         return _json_error(503, "not_ready", "engine is not ready")

@@ -153,7 +153,7 @@ class SessionObserver:
     """Hooks a relay calls; keeps per-event work to a few counter increments."""
 
     __slots__ = (
-        "_registry", "_key", "_m", "_delay", "_overflows_seen",
+        "_registry", "_key", "_m", "_delay", "_overflows_seen", "_late_evicted_seen",
         "_c2u_events", "_c2u_invalid", "_c2u_bytes", "_u2c_events", "_u2c_bytes",
     )
 
@@ -164,6 +164,7 @@ class SessionObserver:
         self._m = m
         self._delay = m.output_queue_delay
         self._overflows_seen = 0
+        self._late_evicted_seen = 0
         # Resolve label children once: per-event work is then a plain increment.
         self._c2u_events = m.events.labels(_C2U, "control")
         self._c2u_invalid = m.events.labels(_C2U, "invalid")
@@ -204,6 +205,10 @@ class SessionObserver:
                 overflows - self._overflows_seen
             )
             self._overflows_seen = overflows
+        late_evicted = core.ledger.late_after_eviction
+        if late_evicted != self._late_evicted_seen:
+            m.late_audio_after_eviction.inc(late_evicted - self._late_evicted_seen)
+            self._late_evicted_seen = late_evicted
         silence, first = core.take_observations()
         for value in silence:
             m.cancel_to_silence.observe(value)

@@ -32,7 +32,13 @@ import aiohttp
 from aiohttp import web
 
 from proxy.core.events import EventKind
-from proxy.core.session import CLOSE_NORMAL, Outcome, SessionCore, SessionState
+from proxy.core.session import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY_VIOLATION,
+    Outcome,
+    SessionCore,
+    SessionState,
+)
 
 if TYPE_CHECKING:
     from proxy.observer import SessionObserver
@@ -76,6 +82,8 @@ class Relay:
         close_timeout: float,
         drain_timeout: float,
         upstream_close_timeout: float,
+        max_pending_input_bytes: int = 0,
+        max_session_duration: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.key = session_key
@@ -87,6 +95,8 @@ class Relay:
         self._close_timeout = close_timeout
         self._drain_timeout = drain_timeout
         self._upstream_close_timeout = upstream_close_timeout
+        self._max_pending_input = max_pending_input_bytes
+        self._max_duration = max_session_duration
         self._clock = clock
         self.started_at = clock()
         self._wake = asyncio.Event()
@@ -102,6 +112,9 @@ class Relay:
 
     async def run(self) -> None:
         """Relay until both sides are closed. Never raises for peer behaviour."""
+        timer = None
+        if self._max_duration > 0:
+            timer = asyncio.get_running_loop().call_later(self._max_duration, self._expire)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
@@ -112,6 +125,8 @@ class Relay:
             if self.core.outcome is None:
                 self.core.outcome = Outcome.ERROR
         finally:
+            if timer is not None:
+                timer.cancel()
             self.core.finish()
             self._observer.session_observations(self)
             with contextlib.suppress(Exception):
@@ -121,6 +136,14 @@ class Relay:
     def shutdown(self) -> None:
         """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
         self.core.shutdown(self._clock())
+        self._after_core_call()
+
+    def _expire(self) -> None:
+        self.log.info("max_session_duration reached")
+        self.core.end(
+            self._clock(), reason="max_session_duration", code=CLOSE_NORMAL,
+            outcome=Outcome.CLIENT_CLOSED,
+        )
         self._after_core_call()
 
     def engine_unavailable(self) -> None:
@@ -149,8 +172,18 @@ class Relay:
                     decision = core.receive_client(text, self._clock())
                     self._observer.client_event(decision.event.size, forwarded=decision.forward)
                     if decision.forward:
-                        self.bytes_client_to_upstream += decision.event.size
-                        await self._send_upstream(text)
+                        if self._input_backlog() + decision.event.size > self._max_pending_input > 0:
+                            self.log.warning("engine is not reading input; failing the session")
+                            core.end(
+                                self._clock(), reason="input_backpressure",
+                                code=CLOSE_POLICY_VIOLATION, outcome=Outcome.OVERFLOW,
+                                error_code="input_backpressure",
+                                error_message="the engine is not accepting input; more than "
+                                f"{self._max_pending_input} bytes are waiting",
+                            )
+                        else:
+                            self.bytes_client_to_upstream += decision.event.size
+                            await self._send_upstream(text)
                     self._after_core_call()
                     await self._flush_upstream_commands()
                 elif kind is aiohttp.WSMsgType.BINARY:
@@ -175,6 +208,17 @@ class Relay:
             self._after_core_call()
             with contextlib.suppress(Exception):
                 await self._flush_upstream_commands()
+
+    def _input_backlog(self) -> int:
+        """Bytes written toward the engine that it has not taken yet."""
+        writer = getattr(self.upstream, "_writer", None)
+        transport = getattr(writer, "transport", None)
+        if transport is None:
+            return 0
+        try:
+            return int(transport.get_write_buffer_size())
+        except Exception:  # pragma: no cover - closed transport
+            return 0
 
     def _delivered_closure(self) -> bool:
         return self.core.buffer.closure_delivered

@@ -73,7 +73,11 @@ class Sidecar:
         self.environ = dict(os.environ if environ is None else environ)
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry, version=_version())
-        self.admission = Admission(settings.max_sessions, settings.admission_timeout)
+        self.admission = Admission(
+            settings.max_sessions,
+            settings.admission_timeout,
+            max_sessions_per_ip=settings.max_sessions_per_ip,
+        )
         self.sessions = SessionRegistry(
             self.metrics, max_total_pending_output_bytes=settings.max_total_pending_output_bytes
         )

@@ -68,6 +68,7 @@ class ClientKind(enum.Enum):
     RESPONSE_CREATE = "response_create"
     AUDIO_APPEND = "audio_append"
     SESSION_CLOSE = "session_close"
+    SESSION_UPDATE = "session_update"
     OTHER = "other"
     INVALID_JSON = "invalid_json"
     BAD_EVENT = "bad_event"
@@ -98,6 +99,7 @@ _CLIENT_KINDS: Final[dict[str, ClientKind]] = {
     "session.close": ClientKind.SESSION_CLOSE,
     "close": ClientKind.SESSION_CLOSE,
     "close_session": ClientKind.SESSION_CLOSE,
+    "session.update": ClientKind.SESSION_UPDATE,
 }
 
 _TURN_SIGNAL_CANCELS: Final = frozenset({"barge_in", "response.cancel"})
@@ -153,6 +155,7 @@ class ClientEvent:
         audio_chars: length of the base64 ``audio`` of an append (0 otherwise).
         event_id: the client's ``event_id``, echoed in errors.
         detail: a short reason for INVALID_JSON / BAD_EVENT.
+        body: the parsed object (None for scanned appends and invalid frames).
     """
 
     text: str
@@ -164,6 +167,7 @@ class ClientEvent:
     audio_chars: int = 0
     event_id: str | None = None
     detail: str = ""
+    body: dict[str, Any] | None = None
 
     @property
     def is_valid(self) -> bool:
@@ -366,7 +370,7 @@ def classify_client(text: str) -> ClientEvent:
         audio_chars = len(audio) if isinstance(audio, str) else 0
     return ClientEvent(
         text, size, event_type, kind, response_id=response_id, cancels=cancels,
-        audio_chars=audio_chars, event_id=event_id,
+        audio_chars=audio_chars, event_id=event_id, body=body,
     )
 
 

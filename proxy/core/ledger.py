@@ -211,6 +211,11 @@ class CancellationLedger:
         self._expirations += len(expired)
         return len(expired)
 
+    @property
+    def late_after_eviction(self) -> int:
+        """Audio deltas let through because their tombstone was gone."""
+        return self._late_after_eviction
+
     def tombstoned(self) -> list[str]:
         return list(self._tombs)
 

@@ -43,6 +43,7 @@ from proxy.core.events import (
     classify_upstream,
 )
 from proxy.core.ledger import CancellationLedger, LedgerStatistics, Verdict
+from proxy.core.ratelimit import TokenBucket, audio_bytes_per_second
 
 __all__ = [
     "CLOSE_ABNORMAL_ENGINE",
@@ -90,6 +91,7 @@ class DropReason(enum.Enum):
     FAILED_RESPONSE = "failed_response"
     INVALID_CLIENT_FRAME = "invalid_client_frame"
     INVALID_UPSTREAM_FRAME = "invalid_upstream_frame"
+    INPUT_BACKPRESSURE = "input_backpressure"  # client audio over max_input_audio_rate
 
 
 class Outcome(enum.Enum):
@@ -112,6 +114,10 @@ class SessionSettings:
     interrupt_on_speech_started: bool = False
     max_tombstones: int = 256
     tombstone_ttl: float = 60.0
+    #: Appended audio seconds per wall second (0 = off), bursts up to
+    #: ``input_burst_seconds`` of audio.
+    max_input_audio_rate: float = 0.0
+    input_burst_seconds: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +176,10 @@ class SessionCore:
         self._pending_creates: deque[float] = deque(maxlen=_MAX_PENDING_CREATES)
         self._create_time: dict[str, float] = {}
         self._first_audio_observed: list[float] = []
+        self._input_bucket = TokenBucket(
+            settings.max_input_audio_rate, settings.input_burst_seconds
+        )
+        self._input_bytes_per_second = audio_bytes_per_second(None, None)
 
     # -- client → upstream ---------------------------------------------------------------
 
@@ -187,9 +197,29 @@ class SessionCore:
             )
             return ClientDecision(event, forward=False)
         if self.state is not SessionState.OPEN:
+            if event.cancels and self.state is SessionState.CLOSING:
+                # Queued output is still being delivered: a cancel must still
+                # silence it at once (DESIGN.md §4), even though nothing more
+                # goes upstream.
+                self._cancel_from_client(event, now)
             return ClientDecision(event, forward=False)
         if event.cancels:
             self._cancel_from_client(event, now)
+        elif event.kind is ClientKind.AUDIO_APPEND:
+            seconds = event.audio_chars * 0.75 / self._input_bytes_per_second
+            if not self._input_bucket.take(seconds, now):
+                self.reject_client_frame(
+                    "input_backpressure",
+                    "input audio arrives faster than "
+                    f"{self.settings.max_input_audio_rate:g}x real time; frame dropped",
+                    now,
+                    client_event_id=event.event_id,
+                    size=event.size,
+                    reason=DropReason.INPUT_BACKPRESSURE,
+                )
+                return ClientDecision(event, forward=False)
+        elif event.kind is ClientKind.SESSION_UPDATE:
+            self._note_input_format(event)
         elif event.kind is ClientKind.RESPONSE_CREATE:
             self._pending_creates.append(now)
         elif event.kind is ClientKind.SESSION_CLOSE:
@@ -205,14 +235,36 @@ class SessionCore:
         *,
         client_event_id: str | None = None,
         size: int = 0,
+        reason: DropReason = DropReason.INVALID_CLIENT_FRAME,
     ) -> None:
         """Answer a bad client frame with an ``error`` to this client only."""
-        self._count_drop(DropReason.INVALID_CLIENT_FRAME, size)
+        self._count_drop(reason, size)
         if self.state is SessionState.OPEN:
             error = notices.error_event(
                 self._new_id(), code, message, client_event_id=client_event_id
             )
             self.buffer.offer(error, now)
+
+    def _note_input_format(self, event: ClientEvent) -> None:
+        """Track the session's input audio format for the input rate limit."""
+        session = (event.body or {}).get("session")
+        if not isinstance(session, dict):
+            return
+        fmt = session.get("input_audio_format")
+        rate = session.get("sample_rate_hz")
+        audio = session.get("audio")
+        if isinstance(audio, dict) and isinstance(audio.get("input"), dict):
+            spec = audio["input"].get("format")
+            if isinstance(spec, dict):
+                fmt = spec.get("type", fmt)
+                rate = spec.get("rate", rate)
+            elif isinstance(spec, str):
+                fmt = spec
+        if fmt is None and rate is None:
+            return
+        self._input_bytes_per_second = audio_bytes_per_second(
+            fmt if isinstance(fmt, str) else None, rate if isinstance(rate, int) else None
+        )
 
     def _cancel_from_client(self, event: ClientEvent, now: float) -> None:
         named = event.response_id
@@ -417,11 +469,31 @@ class SessionCore:
 
     def shutdown(self, now: float) -> None:
         """The proxy is shutting down: close with ``session.closed`` {shutdown} and 1001."""
+        self.end(now, reason="shutdown", code=CLOSE_GOING_AWAY, outcome=Outcome.SHUTDOWN)
+
+    def end(
+        self,
+        now: float,
+        *,
+        reason: str,
+        code: int,
+        outcome: Outcome,
+        error_code: str | None = None,
+        error_message: str = "",
+    ) -> None:
+        """End the session on the proxy's initiative (shutdown, a limit).
+
+        Queues an optional ``error``, then ``session.closed`` {reason}; asks the
+        engine to close; the client is closed with ``code`` after delivery.
+        """
         if self.state is not SessionState.OPEN:
             return
-        self._request_upstream_close("shutdown")
-        notice = notices.session_closed(self._new_id(), self.session_id, "shutdown")
-        self._close(notice, CLOSE_GOING_AWAY, Outcome.SHUTDOWN, now)
+        if error_code is not None:
+            error = notices.error_event(self._new_id(), error_code, error_message)
+            self.buffer.offer(error, now)
+        self._request_upstream_close(reason)
+        notice = notices.session_closed(self._new_id(), self.session_id, reason)
+        self._close(notice, code, outcome, now)
 
     def client_gone(self) -> None:
         """The client socket is closed: nothing more can be delivered."""
@@ -457,10 +529,14 @@ class SessionCore:
             if entry is None:
                 return None
             event = entry.event
+            # cancelled_at, not verdict(): the intake already judged this event,
+            # and verdict() counts late audio (it would be counted twice).
             if event.is_audio and (
                 not buffer.held_is_valid
-                or self.ledger.verdict(event.response_id, is_audio=True, now=now)
-                in (Verdict.CANCELLED, Verdict.FAILED)
+                or (
+                    event.response_id is not None
+                    and self.ledger.cancelled_at(event.response_id) is not None
+                )
             ):
                 self._count_drop(DropReason.CANCELLED_AUDIO, event.size)
                 buffer.release_held()
