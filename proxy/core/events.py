@@ -231,6 +231,8 @@ def _flat_string_field(segment: str, key: str) -> str | None | bool:
     """
     if "{" in segment or "[" in segment or "\\" in segment:
         return False
+    if segment.count('"' + key + '"') > 1:
+        return False  # duplicate keys: let the parser decide (it keeps the last)
     i = _find_key(segment, key, 0)
     if i < 0:
         return None

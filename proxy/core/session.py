@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -65,7 +65,7 @@ CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY_VIOLATION: Final = 1008
 CLOSE_ABNORMAL_ENGINE: Final = 1011
 
-_NOTHING: Final[tuple[list[float], list[float]]] = ([], [])
+_NOTHING: Final[tuple[tuple[float, ...], tuple[float, ...]]] = ((), ())
 
 #: Response creations remembered for first-audio timing (oldest dropped).
 _MAX_PENDING_CREATES: Final = 64
@@ -577,7 +577,7 @@ class SessionCore:
         out, self._to_upstream = self._to_upstream, []
         return out
 
-    def take_observations(self) -> tuple[list[float], list[float]]:
+    def take_observations(self) -> tuple[Sequence[float], Sequence[float]]:
         """(cancel_to_silence seconds, first_audio seconds) observed since last call."""
         if not self._silence_observed and not self._first_audio_observed:
             return _NOTHING

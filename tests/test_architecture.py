@@ -1,0 +1,155 @@
+"""Dependency rules (DESIGN.md §1, STYLE.md house rule 1), checked on the AST.
+
+* ``proxy.core`` does no I/O: it imports nothing that does (nor any ``proxy``
+  module outside ``proxy.core``); time and randomness are arguments.
+* ``engine_launcher`` never imports ``proxy``.
+* ``metrics`` imports neither ``proxy`` nor ``engine_launcher``.
+
+Every import statement counts, wherever it is (function bodies, ``if
+TYPE_CHECKING`` blocks); relative imports are resolved against the module's
+package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CORE_FORBIDDEN = frozenset(
+    {
+        "asyncio",
+        "aiohttp",
+        "prometheus_client",
+        "socket",
+        "time",
+        "threading",
+        "subprocess",
+        "os",
+        "random",
+        "uvloop",
+        "selectors",
+    }
+)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Absolute names of every module imported by the file at ``path`` under ``root``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                keep = len(base_parts) - (node.level - 1)
+                assert keep > 0, f"{path}: relative import beyond the top-level package"
+                base = ".".join(base_parts[:keep])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                assert node.module is not None
+                target = node.module
+            found.add(target)
+            # `from pkg import mod` may import a submodule
+            found.update(f"{target}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "__import__"
+        ):
+            found.add("__import__")
+    return found
+
+
+def top(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def python_files(package: str) -> list[Path]:
+    directory = ROOT / package
+    files = sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
+    assert files, f"no modules found under {directory}"
+    return files
+
+
+def _ids(files: list[Path]) -> list[str]:
+    return [str(p.relative_to(ROOT)) for p in files]
+
+
+CORE_FILES = python_files("proxy/core")
+LAUNCHER_FILES = python_files("engine_launcher")
+METRICS_FILES = python_files("metrics")
+
+
+def test_core_modules_are_all_found() -> None:
+    names = {p.stem for p in CORE_FILES}
+    assert {"events", "buffer", "ledger", "notices", "session"} <= names
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=_ids(CORE_FILES))
+def test_core_imports_nothing_that_does_io(path: Path) -> None:
+    imports = imported_modules(path)
+    bad = sorted(m for m in imports if top(m) in CORE_FORBIDDEN)
+    assert not bad, f"{module_name(path)} imports {bad}"
+    assert "__import__" not in imports
+    assert not any(top(m) == "importlib" for m in imports)
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=_ids(CORE_FILES))
+def test_core_imports_no_proxy_module_outside_core(path: Path) -> None:
+    outside = sorted(
+        m
+        for m in imported_modules(path)
+        if top(m) == "proxy" and not (m == "proxy.core" or m.startswith("proxy.core."))
+    )
+    assert not outside, f"{module_name(path)} imports {outside}"
+
+
+@pytest.mark.parametrize("path", LAUNCHER_FILES, ids=_ids(LAUNCHER_FILES))
+def test_launcher_never_imports_proxy(path: Path) -> None:
+    bad = sorted(m for m in imported_modules(path) if top(m) == "proxy")
+    assert not bad, f"{module_name(path)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", METRICS_FILES, ids=_ids(METRICS_FILES))
+def test_metrics_imports_neither_proxy_nor_launcher(path: Path) -> None:
+    bad = sorted(m for m in imported_modules(path) if top(m) in ("proxy", "engine_launcher"))
+    assert not bad, f"{module_name(path)} imports {bad}"
+
+
+# -- the checker itself ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "where", "expected"),
+    [
+        ("import time", "proxy/core/x.py", {"time"}),
+        ("import os.path as p", "proxy/core/x.py", {"os.path"}),
+        ("from asyncio import sleep", "proxy/core/x.py", {"asyncio", "asyncio.sleep"}),
+        ("def f():\n    import socket\n", "proxy/core/x.py", {"socket"}),
+        ("from . import buffer", "proxy/core/x.py", {"proxy.core", "proxy.core.buffer"}),
+        ("from .. import relay", "proxy/core/x.py", {"proxy", "proxy.relay"}),
+        ("from ..config import X", "proxy/core/x.py", {"proxy.config", "proxy.config.X"}),
+        ("from . import x", "proxy/core/__init__.py", {"proxy.core", "proxy.core.x"}),
+        ("__import__('os')", "proxy/core/x.py", {"__import__"}),
+    ],
+)
+def test_checker_sees_imports(source: str, where: str, expected: set[str], tmp_path: Path) -> None:
+    # laid out like the real tree, so relative imports resolve the same way
+    target = tmp_path / where
+    target.parent.mkdir(parents=True)
+    target.write_text(source, encoding="utf-8")
+    assert imported_modules(target, tmp_path) == expected
