@@ -30,6 +30,12 @@ DROP_REASONS: Final = (
     "failed_response",
     "invalid_client_frame",
     "invalid_upstream_frame",
+    # Added after DESIGN.md §11 was written (documented in README "Metrics"):
+    # client audio appends over max_input_audio_rate,
+    "input_backpressure",
+    # engine output that arrived after the session began closing, or was still
+    # queued when the client went away.
+    "session_closed",
 )
 SESSION_OUTCOMES: Final = (
     "client_closed",
@@ -155,6 +161,12 @@ class SidecarMetrics:
         )
         self.upstream_connect_failures = Counter(
             f"{p}_upstream_connect_failures", "Upstream WebSocket connects that failed.",
+            registry=registry,
+        )
+        self.late_audio_after_eviction = Counter(
+            f"{p}_late_audio_after_eviction",
+            "Audio deltas forwarded to a client although their response was cancelled, "
+            "because its tombstone had been evicted (max_tombstones / tombstone_ttl too small).",
             registry=registry,
         )
         self.engine_up = Gauge(

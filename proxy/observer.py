@@ -154,7 +154,7 @@ class SessionObserver:
 
     __slots__ = (
         "_registry", "_key", "_m", "_delay", "_overflows_seen", "_late_evicted_seen",
-        "_c2u_events", "_c2u_invalid", "_c2u_bytes", "_u2c_events", "_u2c_bytes",
+        "_c2u_events", "_c2u_audio", "_c2u_invalid", "_c2u_bytes", "_u2c_events", "_u2c_bytes",
     )
 
     def __init__(self, registry: SessionRegistry, key: str) -> None:
@@ -167,6 +167,7 @@ class SessionObserver:
         self._late_evicted_seen = 0
         # Resolve label children once: per-event work is then a plain increment.
         self._c2u_events = m.events.labels(_C2U, "control")
+        self._c2u_audio = m.events.labels(_C2U, "audio")
         self._c2u_invalid = m.events.labels(_C2U, "invalid")
         self._c2u_bytes = m.bytes.labels(_C2U)
         self._u2c_events = {
@@ -174,9 +175,9 @@ class SessionObserver:
         }
         self._u2c_bytes = m.bytes.labels(_U2C)
 
-    def client_event(self, size: int, *, forwarded: bool) -> None:
+    def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
         if forwarded:
-            self._c2u_events.inc()
+            (self._c2u_audio if audio else self._c2u_events).inc()
             self._c2u_bytes.inc(size)
         else:
             self._c2u_invalid.inc()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 from aiohttp import web
 
-from proxy.core.events import EventKind
+from proxy.core.events import ClientKind, EventKind
 from proxy.core.session import (
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
@@ -170,7 +170,11 @@ class Relay:
                 if kind is aiohttp.WSMsgType.TEXT:
                     text: str = msg.data
                     decision = core.receive_client(text, self._clock())
-                    self._observer.client_event(decision.event.size, forwarded=decision.forward)
+                    self._observer.client_event(
+                        decision.event.size,
+                        forwarded=decision.forward,
+                        audio=decision.event.kind is ClientKind.AUDIO_APPEND,
+                    )
                     if decision.forward:
                         if self._input_backlog() + decision.event.size > self._max_pending_input > 0:
                             self.log.warning("engine is not reading input; failing the session")
@@ -276,9 +280,11 @@ class Relay:
         self._observer.after_core_call(self)
 
     async def _wait_writable(self) -> None:
+        """Wait until the client transport is below its high-water mark."""
         protocol = self._protocol
         if protocol is not None and getattr(protocol, "writing_paused", False):
-            await protocol._drain_helper()
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await protocol._drain_helper()
 
     async def _deliver(self) -> None:
         core = self.core

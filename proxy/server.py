@@ -25,7 +25,7 @@ from importlib import metadata
 from typing import Final
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_launcher.errors import LauncherError
 from engine_launcher.policy import EngineState, Observation
@@ -71,6 +71,8 @@ class Sidecar:
     def __init__(self, settings: Settings, *, environ: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.environ = dict(os.environ if environ is None else environ)
+        # *_created samples would become look-alike series (e.g. sessions_created).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry, version=_version())
         self.admission = Admission(

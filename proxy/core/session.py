@@ -92,6 +92,7 @@ class DropReason(enum.Enum):
     INVALID_CLIENT_FRAME = "invalid_client_frame"
     INVALID_UPSTREAM_FRAME = "invalid_upstream_frame"
     INPUT_BACKPRESSURE = "input_backpressure"  # client audio over max_input_audio_rate
+    SESSION_CLOSED = "session_closed"  # engine output after the session began closing
 
 
 class Outcome(enum.Enum):
@@ -290,8 +291,8 @@ class SessionCore:
             self._count_drop(DropReason.INVALID_UPSTREAM_FRAME, event.size)
             return event
         if self.state is not SessionState.OPEN:
-            if self._overflowed:
-                self._count_drop(DropReason.OVERFLOW, event.size)
+            reason = DropReason.OVERFLOW if self._overflowed else DropReason.SESSION_CLOSED
+            self._count_drop(reason, event.size)
             return event
         rid = event.response_id
         if kind is EventKind.SESSION_CREATED:
@@ -376,7 +377,6 @@ class SessionCore:
         """Purge, tombstone (failed), queue error + failed done, cancel upstream."""
         if self.ledger.cancel(response_id, now, failed=True):
             self._cancels += 1
-            self._silence.setdefault(response_id, [now, now])
         removed, removed_bytes = self.buffer.invalidate(response_id)
         self._count_drop(reason, removed_bytes, events=removed)
         self._queue_backpressure_error(now)
@@ -499,6 +499,11 @@ class SessionCore:
         """The client socket is closed: nothing more can be delivered."""
         if self.outcome is None:
             self.outcome = Outcome.CLIENT_CLOSED
+        if self.state is not SessionState.CLOSED:
+            stranded = self.buffer.statistics()
+            self._count_drop(
+                DropReason.SESSION_CLOSED, stranded.pending_bytes, events=stranded.pending_events
+            )
         self.state = SessionState.CLOSED
         self._request_upstream_close("client_close")
 

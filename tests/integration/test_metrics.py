@@ -1,0 +1,503 @@
+"""Metrics after real sessions: exact numbers, reconciled against both ends.
+
+An in-process sidecar relays to a real simulator child. Each test reconciles
+the sidecar's counters with what the client saw and with the simulator's own
+``/metrics`` (what the engine sent): every engine frame the sidecar read is
+either written to the client or counted as dropped, by reason.
+
+Scenarios: a response cancelled after its 2nd audio delta (late audio dropped,
+cancel-to-silence and first-audio observed once); a client that stops reading
+(the buffer fills to the limit, one overflow closes the session); an engine
+crash (the session fails with engine_unavailable, the engine restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+from engine_launcher.config import EngineConfig
+from metrics import DROP_REASONS
+from tests.conftest import (
+    DEADLINE,
+    MS,
+    TIMEOUT_FACTOR,
+    RunningSidecar,
+    SimulatorProcess,
+    wait_until,
+)
+
+CHUNK_MS = 100
+#: Audio deltas the simulator still sends after a cancel (its flaw, DESIGN.md §9).
+LATE_CHUNKS = 3
+#: Real-time pace (one delta per 100 ms), slowed with the timing factor: the
+#: cancel after the 2nd delta must reach the engine before it makes the 3rd.
+PACE = f"{1.0 * TIMEOUT_FACTOR:g}"
+SIMULATOR_ARGS = (
+    "--chunk-ms", str(CHUNK_MS), "--realtime-factor", PACE,
+    "--late-audio-chunks", str(LATE_CHUNKS), "--deterministic",
+)
+AUDIO_TYPES = frozenset({"response.output_audio.delta", "response.audio.delta"})
+#: What the client sends to get one response.
+OPENING = (
+    {"type": "session.update", "session": {"modalities": ["audio", "text"]}},
+    {"type": "input_audio_buffer.append", "audio": "AAAAAAAAAAAAAAAA"},
+    {"type": "input_audio_buffer.commit"},
+    {"type": "response.create"},
+)
+U2C = {"direction": "upstream_to_client"}
+C2U = {"direction": "client_to_upstream"}
+KINDS = ("audio", "control", "error", "invalid")
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class SessionRecord:
+    """What one client sent and saw."""
+
+    sent: list[str] = field(default_factory=list)
+    received: list[str] = field(default_factory=list)
+    response_id: str | None = None
+    done: dict[str, Any] | None = None
+    close_code: int | None = None
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(len(text.encode()) for text in self.sent)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(len(text.encode()) for text in self.received)
+
+    def types(self) -> list[str]:
+        return [orjson.loads(text)["type"] for text in self.received]
+
+    def audio_deltas(self) -> int:
+        return sum(1 for t in self.types() if t in AUDIO_TYPES)
+
+    def engine_frames(self) -> list[str]:
+        """Frames the engine wrote (stamped ``server_event_seq``; ``session.created`` is not)."""
+        out = []
+        for text in self.received:
+            body = orjson.loads(text)
+            if "server_event_seq" in body or body["type"] == "session.created":
+                out.append(text)
+        return out
+
+
+async def cancelled_session(url: str) -> SessionRecord:
+    """One response, cancelled by name after its 2nd audio delta; then ``session.close``."""
+    record = SessionRecord()
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(url, max_msg_size=0) as ws:
+
+            async def send(event: dict[str, Any]) -> None:
+                text = orjson.dumps(event).decode()
+                record.sent.append(text)
+                await ws.send_str(text)
+
+            for event in OPENING:
+                await send(event)
+            audio = 0
+            while True:
+                msg = await ws.receive(timeout=DEADLINE)
+                assert msg.type is aiohttp.WSMsgType.TEXT, msg
+                record.received.append(msg.data)
+                body = orjson.loads(msg.data)
+                kind = body["type"]
+                if kind == "response.created":
+                    record.response_id = body["response_id"]
+                elif kind in AUDIO_TYPES:
+                    audio += 1
+                    if audio == 2:
+                        await send({"type": "response.cancel", "response_id": record.response_id})
+                elif kind == "response.done":
+                    record.done = body
+                elif kind == "rate_limits.updated" and record.done is not None:
+                    break
+            await send({"type": "session.close"})
+            while True:
+                msg = await ws.receive(timeout=DEADLINE)
+                if msg.type is not aiohttp.WSMsgType.TEXT:
+                    break
+                record.received.append(msg.data)
+            record.close_code = ws.close_code
+    return record
+
+
+def engine_audio_deltas(done: dict[str, Any]) -> int:
+    """Audio deltas the engine produced for a cancelled response (its own account)."""
+    generated_ms = done["response"]["metadata"]["playback"]["generated_ms"]
+    assert generated_ms % CHUNK_MS == 0
+    return int(generated_ms // CHUNK_MS)
+
+
+async def simulator_counters(sim: SimulatorProcess) -> dict[str, float]:
+    """The simulator's own ``/metrics`` (unlabelled samples, by name)."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{sim.http_url}/metrics") as resp:
+            text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def total(proxy: RunningSidecar, name: str, label: str, values: tuple[str, ...],
+          **fixed: str) -> float:
+    return sum(proxy.metric(name, {**fixed, label: v}) for v in values)
+
+
+def snapshot(proxy: RunningSidecar) -> dict[str, float]:
+    """The reconciled counters, to compare before and after a session."""
+    return {
+        "u2c_events": total(proxy, "omni_sidecar_events_total", "kind", KINDS, **U2C),
+        "c2u_events": total(proxy, "omni_sidecar_events_total", "kind", KINDS, **C2U),
+        "u2c_bytes": proxy.metric("omni_sidecar_bytes_total", U2C),
+        "c2u_bytes": proxy.metric("omni_sidecar_bytes_total", C2U),
+        "dropped_events": total(proxy, "omni_sidecar_dropped_events_total", "reason", DROP_REASONS),
+        "dropped_bytes": total(proxy, "omni_sidecar_dropped_bytes_total", "reason", DROP_REASONS),
+    }
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+async def wait_metric(proxy: RunningSidecar, name: str, labels: dict[str, str], value: float,
+                      *, timeout: float = DEADLINE) -> None:
+    await wait_until(
+        lambda: proxy.metric(name, labels) == value, timeout=timeout,
+        what=f"{name}{labels} == {value} (now {proxy.metric(name, labels)})",
+    )
+
+
+async def get_metrics(proxy: RunningSidecar, accept: str | None = None) -> tuple[str, str]:
+    headers = {"Accept": accept} if accept else {}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{proxy.admin_url}/metrics", headers=headers) as resp:
+            assert resp.status == 200
+            return resp.headers["Content-Type"], await resp.text()
+
+
+class RawClient:
+    """A WebSocket client on a bare socket that reads only when told to.
+
+    aiohttp's client keeps reading into its own queue; this one has a 4 KiB
+    receive buffer and a small stream buffer, so a client that stops reading
+    stalls the sidecar's writes at once.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.sent: list[str] = []
+
+    @classmethod
+    async def connect(cls, host: str, port: int, path: str = "/v1/realtime") -> RawClient:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        async with asyncio.timeout(DEADLINE):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 101"), head
+        return cls(reader, writer)
+
+    async def _send_frame(self, opcode: int, payload: bytes) -> None:
+        mask = os.urandom(4)
+        n = len(payload)
+        if n < 126:
+            header = struct.pack("!BB", 0x80 | opcode, 0x80 | n)
+        elif n < 1 << 16:
+            header = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, n)
+        else:
+            header = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, n)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.writer.write(header + mask + masked)
+        async with asyncio.timeout(DEADLINE):
+            await self.writer.drain()
+
+    async def send(self, event: dict[str, Any]) -> None:
+        text = orjson.dumps(event).decode()
+        self.sent.append(text)
+        await self._send_frame(0x1, text.encode())
+
+    async def receive(self) -> tuple[int, bytes]:
+        """The next (opcode, payload); the sidecar never fragments or masks."""
+        async with asyncio.timeout(DEADLINE):
+            first, second = await self.reader.readexactly(2)
+            n = second & 0x7F
+            if n == 126:
+                (n,) = struct.unpack("!H", await self.reader.readexactly(2))
+            elif n == 127:
+                (n,) = struct.unpack("!Q", await self.reader.readexactly(8))
+            return first & 0x0F, await self.reader.readexactly(n)
+
+    async def close(self, code: int) -> None:
+        """Answer the sidecar's close frame and hang up."""
+        try:
+            await self._send_frame(0x8, struct.pack("!H", code))
+        except (ConnectionError, TimeoutError):
+            pass
+        self.writer.close()
+
+
+# -- a cancelled response ---------------------------------------------------------------------
+
+
+async def test_cancelled_response_counts(simulator: Any, sidecar: Any) -> None:
+    sim = await simulator(*SIMULATOR_ARGS)
+    proxy = await sidecar(upstream=sim.ws_url)
+    sim_before = await simulator_counters(sim)
+
+    record = await cancelled_session(proxy.url)
+
+    assert record.close_code == 1000
+    assert record.done is not None and record.done["response"]["status"] == "cancelled"
+    await wait_metric(proxy, "omni_sidecar_sessions_total", {"outcome": "client_closed"}, 1)
+    sim_after = await simulator_counters(sim)
+    m = proxy.metric
+    engine_audio = engine_audio_deltas(record.done)
+    sim_late = sim_after["vllm_omni_sim_late_audio_events_total"] - sim_before.get(
+        "vllm_omni_sim_late_audio_events_total", 0.0
+    )
+    late = m("omni_sidecar_dropped_events_total", {"reason": "late_audio"})
+    purged = m("omni_sidecar_dropped_events_total", {"reason": "cancelled_audio"})
+
+    # Audio: the engine's own count, split into written and dropped.
+    assert sim_late == LATE_CHUNKS
+    assert late + purged == sim_late
+    assert m("omni_sidecar_events_total", {**U2C, "kind": "audio"}) == engine_audio
+    assert record.audio_deltas() + late + purged == engine_audio
+    assert record.audio_deltas() == 2  # nothing of the response after the cancel
+    for reason in set(DROP_REASONS) - {"late_audio", "cancelled_audio"}:
+        assert m("omni_sidecar_dropped_events_total", {"reason": reason}) == 0, reason
+
+    # Every engine frame is either written to the client or dropped; bytes likewise.
+    counts = snapshot(proxy)
+    assert record.engine_frames() == record.received  # the proxy added nothing of its own
+    assert counts["u2c_events"] == sim_after["vllm_omni_sim_events_sent_total"]
+    assert counts["u2c_events"] == len(record.received) + counts["dropped_events"]
+    assert counts["u2c_bytes"] == sim_after["vllm_omni_sim_sent_bytes_total"]
+    assert counts["u2c_bytes"] == record.received_bytes + counts["dropped_bytes"] > 0
+    assert m("omni_sidecar_dropped_bytes_total", {"reason": "late_audio"}) > 0
+    assert counts["c2u_events"] == len(record.sent) == len(OPENING) + 2
+    assert counts["c2u_bytes"] == record.sent_bytes > 0
+    # Each written event waited in the buffer once.
+    assert m("omni_sidecar_output_queue_delay_seconds_count") == len(record.received)
+
+    # Timings: one cancelled response, one response that made audio.
+    assert m("omni_sidecar_cancel_to_silence_seconds_count") == 1
+    assert m("omni_sidecar_first_audio_seconds_count") == 1
+    assert 0 < m("omni_sidecar_first_audio_seconds_sum") < DEADLINE
+    assert m("omni_sidecar_cancel_to_silence_seconds_sum") < CHUNK_MS * MS * 10
+
+    # Lifecycle.
+    assert m("omni_sidecar_sessions_started_total") == 1
+    assert m("omni_sidecar_upstream_connects_total") == 1
+    assert m("omni_sidecar_upstream_connect_seconds_count") == 1
+    assert m("omni_sidecar_upstream_connect_failures_total") == 0
+    for outcome in ("upstream_closed", "overflow", "engine_unavailable", "shutdown", "error"):
+        assert m("omni_sidecar_sessions_total", {"outcome": outcome}) == 0, outcome
+    assert sum(m("omni_sidecar_overflows_total", {"policy": p})
+               for p in ("close_session", "fail_response", "process_total")) == 0
+    assert m("omni_sidecar_sessions_active") == 0
+    assert m("omni_sidecar_output_pending_bytes") == 0
+    assert m("omni_sidecar_output_pending_events") == 0
+    assert m("omni_sidecar_late_audio_after_eviction_total") == 0
+
+    # Exposition: OpenMetrics on request, the classic text format otherwise.
+    content_type, body = await get_metrics(
+        proxy, "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    )
+    assert content_type.startswith("application/openmetrics-text")
+    assert body.endswith("# EOF\n")
+    parsed = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+    assert parsed[("omni_sidecar_sessions_total", (("outcome", "client_closed"),))] == 1
+    assert parsed[("omni_sidecar_dropped_events_total", (("reason", "late_audio"),))] == late
+    content_type, body = await get_metrics(proxy)
+    assert content_type.startswith("text/plain")
+    assert "# EOF" not in body
+    assert 'omni_sidecar_sessions_total{outcome="client_closed"} 1.0' in body
+
+
+# -- a client that stops reading -----------------------------------------------------------------
+
+OVERFLOW_LIMIT = 64 * 1024
+#: One 100 ms delta of 24 kHz PCM16 in base64 plus its JSON: about 6.6 KB.
+MAX_AUDIO_FRAME = 8 * 1024
+
+
+async def test_overflow_of_a_stalled_client_after_a_cancelled_session(
+    simulator: Any, sidecar: Any
+) -> None:
+    sim = await simulator(
+        "--chunk-ms", str(CHUNK_MS), "--realtime-factor", f"{0.5 * TIMEOUT_FACTOR:g}",
+        "--response-seconds", "30",
+        "--late-audio-chunks", str(LATE_CHUNKS), "--deterministic",
+    )
+    proxy = await sidecar(
+        upstream=sim.ws_url,
+        max_pending_output_bytes=OVERFLOW_LIMIT,
+        client_write_buffer_bytes=16 * 1024,
+    )
+    m = proxy.metric
+    # A well-behaved session first: an overflow must not disturb what it counted.
+    await cancelled_session(proxy.url)
+    await wait_metric(proxy, "omni_sidecar_sessions_total", {"outcome": "client_closed"}, 1)
+    before = snapshot(proxy)
+    sim_before = await simulator_counters(sim)
+
+    host, port = proxy.sidecar.bound["listen"]
+    client = await RawClient.connect(host, port)
+    for event in OPENING:
+        await client.send(event)
+
+    # The client reads nothing: /debug/sessions shows the buffer filling, then the overflow.
+    samples: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as http:
+
+        async def overflowed() -> bool:
+            async with http.get(f"{proxy.admin_url}/debug/sessions") as resp:
+                data = await resp.json()
+            if not data["sessions"]:
+                return False
+            (session,) = data["sessions"]
+            assert data["total_pending_bytes"] == session["pending_bytes"]
+            samples.append(session)
+            return bool(session["overflowed"])
+
+        await wait_until(overflowed, timeout=DEADLINE * 2, what="/debug/sessions: overflowed")
+    filling = [s["pending_bytes"] for s in samples if not s["overflowed"]]
+    assert len(set(filling)) >= 3, f"expected the buffer to grow while polled: {filling}"
+    assert max(filling) > OVERFLOW_LIMIT // 2, filling
+    assert max(filling) <= OVERFLOW_LIMIT
+    last = samples[-1]
+    assert OVERFLOW_LIMIT - MAX_AUDIO_FRAME < last["peak_pending_bytes"] <= OVERFLOW_LIMIT
+    assert last["overflows"] == 1
+    assert last["state"] == "closing"
+    assert last["dropped"]["overflow"]["events"] >= 1
+
+    # The client reads again: what was written, then the backpressure notices and 1008.
+    received: list[str] = []
+    while True:
+        opcode, payload = await client.receive()
+        if opcode == 0x8:
+            close_code = struct.unpack("!H", payload[:2])[0]
+            break
+        assert opcode == 0x1
+        received.append(payload.decode())
+    await client.close(close_code)
+    assert close_code == 1008
+    bodies = [orjson.loads(text) for text in received]
+    assert bodies[-1]["type"] == "session.closed"
+    assert bodies[-1]["reason"] == "output_backpressure"
+    errors = [b for b in bodies if b["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["output_backpressure"]
+    failed = [b for b in bodies if b["type"] == "response.done"]
+    assert [f["response"]["status"] for f in failed] == ["failed"]
+
+    await wait_metric(proxy, "omni_sidecar_sessions_total", {"outcome": "overflow"}, 1)
+    sim_after = await simulator_counters(sim)
+    assert m("omni_sidecar_overflows_total", {"policy": "close_session"}) == 1
+    assert m("omni_sidecar_overflows_total", {"policy": "fail_response"}) == 0
+    assert m("omni_sidecar_overflows_total", {"policy": "process_total"}) == 0
+    assert m("omni_sidecar_sessions_total", {"outcome": "client_closed"}) == 1
+    assert m("omni_sidecar_dropped_events_total", {"reason": "overflow"}) >= 1
+    assert m("omni_sidecar_dropped_bytes_total", {"reason": "overflow"}) > 0
+    assert m("omni_sidecar_sessions_active") == 0
+    assert m("omni_sidecar_output_pending_bytes") == 0
+    assert m("omni_sidecar_output_pending_events") == 0
+
+    # Every engine frame of this session: written to the client, or dropped.
+    record = SessionRecord(sent=client.sent, received=received)
+    engine = record.engine_frames()
+    assert len(received) - len(engine) == 3  # ours: error, failed response.done, session.closed
+    counts = delta(snapshot(proxy), before)
+    sim_sent = (sim_after["vllm_omni_sim_events_sent_total"]
+                - sim_before["vllm_omni_sim_events_sent_total"])
+    sim_bytes = (sim_after["vllm_omni_sim_sent_bytes_total"]
+                 - sim_before["vllm_omni_sim_sent_bytes_total"])
+    assert counts["u2c_events"] == sim_sent
+    assert counts["u2c_events"] == len(engine) + counts["dropped_events"]
+    assert counts["u2c_bytes"] == sim_bytes
+    assert counts["u2c_bytes"] == sum(len(t.encode()) for t in engine) + counts["dropped_bytes"]
+    assert counts["c2u_events"] == len(client.sent)
+    assert counts["c2u_bytes"] == record.sent_bytes
+
+    dump = os.environ.get("OMNI_SIDECAR_METRICS_DUMP")
+    if dump:
+        _, body = await get_metrics(proxy)
+        Path(dump).write_text(body)
+
+
+# -- the engine crashes -------------------------------------------------------------------------
+
+
+async def test_engine_crash_counts(sidecar: Any) -> None:
+    crash_after = 2000 * MS
+    engine = EngineConfig(
+        kind="simulator",
+        simulator_args=("--crash-after", f"{crash_after:.3f}", "--realtime-factor", "0"),
+    )
+    proxy = await sidecar(engine=engine)
+    m = proxy.metric
+    assert m("omni_sidecar_engine_up") == 1
+    assert m("omni_sidecar_engine_state", {"state": "ready"}) == 1
+    assert m("omni_sidecar_engine_start_seconds") > 0
+
+    types: list[str] = []
+    last: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(proxy.url) as ws:
+            await ws.send_str(orjson.dumps(OPENING[0]).decode())
+            while True:
+                msg = await ws.receive(timeout=DEADLINE)
+                if msg.type is not aiohttp.WSMsgType.TEXT:
+                    break
+                body = orjson.loads(msg.data)
+                types.append(body["type"])
+                last = body
+            close_code = ws.close_code
+    assert types[0] == "session.created", "the engine crashed before the session opened"
+    assert close_code == 1011
+    assert "error" in types
+    assert last["type"] == "session.closed" and last["reason"] == "engine_unavailable"
+
+    await wait_metric(proxy, "omni_sidecar_sessions_total", {"outcome": "engine_unavailable"}, 1)
+    await wait_metric(proxy, "omni_sidecar_engine_restarts_total", {"reason": "exited"}, 1)
+    await wait_metric(proxy, "omni_sidecar_engine_up", {}, 1, timeout=DEADLINE * 2)
+    assert m("omni_sidecar_engine_restarts_total", {"reason": "exited"}) == 1
+    assert m("omni_sidecar_engine_restarts_total", {"reason": "unhealthy"}) == 0
+    assert m("omni_sidecar_engine_restarts_total", {"reason": "start_failed"}) == 0
+    assert m("omni_sidecar_engine_state", {"state": "ready"}) == 1
+    assert m("omni_sidecar_engine_state", {"state": "restarting"}) == 0
+    assert m("omni_sidecar_sessions_total", {"outcome": "client_closed"}) == 0
+    assert m("omni_sidecar_sessions_total", {"outcome": "error"}) == 0
+    assert m("omni_sidecar_sessions_active") == 0
