@@ -265,7 +265,9 @@ class Supervisor:
                 ready.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await ready
-                return None
+        # Not a `return` inside `finally`: that would swallow our own cancellation.
+        if ready.cancelled():
+            return None
         return ready.result()
 
     async def _monitor(self, process: EngineProcess, probe: HealthProbe) -> tuple[Observation, str]:

@@ -9,9 +9,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from engine_launcher.preflight import CheckStatus, add_preflight_arguments, cheap_checks
+from engine_launcher.preflight import main_preflight
 from proxy import probe
 from proxy.config import (
     CONFIG_PATH_ENV,
+    LoadedSettings,
     add_cli_arguments,
     flag_values,
     format_settings,
@@ -22,6 +25,8 @@ from proxy.errors import ConfigError
 __all__ = ["main"]
 
 EXIT_CONFIG: int = 2
+#: A cheap preflight check failed before the engine was started.
+EXIT_PREFLIGHT: int = 3
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -45,6 +50,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "probe", help="run one realtime session against URL and print what it measured"
     )
     probe.add_probe_arguments(probe_parser)
+    preflight_parser = commands.add_parser(
+        "preflight",
+        help="check the engine setup (packages, GPUs, deploy YAML, model, port) before a long load",
+    )
+    add_preflight_arguments(preflight_parser)
+    add_cli_arguments(preflight_parser)
     return parser
 
 
@@ -64,17 +75,32 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def _serve(ns: argparse.Namespace) -> int:
-    path = ns.config or os.environ.get(CONFIG_PATH_ENV) or None
+def _load(ns: argparse.Namespace) -> LoadedSettings | None:
+    path = getattr(ns, "config", None) or os.environ.get(CONFIG_PATH_ENV) or None
     try:
-        loaded = load(flag_values(ns), os.environ, path)
+        return load(flag_values(ns), os.environ, path)
     except ConfigError as exc:
         print(f"omni-sidecar: configuration error: {exc}", file=sys.stderr)
+        return None
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    loaded = _load(ns)
+    if loaded is None:
         return EXIT_CONFIG
     if ns.print_config:
         print(format_settings(loaded))
         return 0
     _configure_logging(loaded.settings.log_level)
+    if loaded.settings.engine.kind != "external":
+        # Say why before a long model load fails, not after.
+        failures = [
+            r for r in cheap_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL
+        ]
+        for result in failures:
+            logging.getLogger("omni_sidecar").error("preflight: %s", result.line())
+        if failures:
+            return EXIT_PREFLIGHT
     _install_uvloop()
     from proxy.server import serve
 
@@ -86,6 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command == "preflight":
+        loaded = _load(ns)
+        if loaded is None:
+            return EXIT_CONFIG
+        return main_preflight(ns, loaded.settings.engine)
     if ns.command == "probe":
         _install_uvloop()
         return probe.main_probe(ns)

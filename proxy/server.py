@@ -100,6 +100,7 @@ class Sidecar:
         self.bound: dict[str, tuple[str, int]] = {}
         self._runners: list[web.AppRunner] = []
         self._announced = False
+        self._restart_reason = "exited"
         self.metrics.set_engine_state("starting")
 
     # -- engine state → proxy ------------------------------------------------------------
@@ -120,8 +121,11 @@ class Sidecar:
                 self.metrics.engine_start_seconds.set(self.supervisor.last_start_seconds)
             self._announce()
         if state is EngineState.RESTARTING and cause in _FAILING_CAUSES:
-            self.metrics.engine_restarts.labels(_restart_reason(cause)).inc()
+            # Counted when the restart really happens (the supervisor may give up).
+            self._restart_reason = _restart_reason(cause)
             self._fail_sessions(detail)
+        if state is EngineState.STARTING and cause is Observation.RESTART:
+            self.metrics.engine_restarts.labels(self._restart_reason).inc()
 
     def _fail_sessions(self, detail: str) -> None:
         relays = list(self.sessions.relays.values())

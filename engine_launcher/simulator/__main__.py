@@ -1,0 +1,27 @@
+"""``python -m engine_launcher.simulator``: run the vLLM-Omni engine simulator."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine_launcher.simulator.config import parse_args
+from engine_launcher.simulator.server import run
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, configure logging to stderr, run; return the exit code."""
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Command-line configuration of the engine simulator.
+
+The simulator is started by the launcher (or by tests) exactly like the real
+engine: as a child process with flags. Everything it needs is parsed here into
+one frozen value object, so the rest of the package never touches ``argv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = [
+    "DEFAULT_CHUNK_MS",
+    "DEFAULT_HOST",
+    "DEFAULT_MODEL",
+    "DEFAULT_PORT",
+    "EventNaming",
+    "SimulatorConfig",
+    "build_parser",
+    "parse_args",
+]
+
+EventNaming = Literal["ga", "beta"]
+
+DEFAULT_HOST: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 8091
+DEFAULT_MODEL: Final = "omni-sim"
+DEFAULT_CHUNK_MS: Final = 1000
+DEFAULT_SAMPLE_RATE: Final = 24000
+DEFAULT_REALTIME_FACTOR: Final = 1.0
+DEFAULT_RESPONSE_SECONDS: Final = 4.0
+DEFAULT_LATE_AUDIO_CHUNKS: Final = 3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulatorConfig:
+    """Everything one simulator process needs to know.
+
+    Durations are float seconds; ``None`` disables a fault knob.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    model: str = DEFAULT_MODEL
+    chunk_ms: int = DEFAULT_CHUNK_MS
+    sample_rate: int = DEFAULT_SAMPLE_RATE
+    realtime_factor: float = DEFAULT_REALTIME_FACTOR
+    response_seconds: float = DEFAULT_RESPONSE_SECONDS
+    late_audio_chunks: int = DEFAULT_LATE_AUDIO_CHUNKS
+    audio_path: str | None = None
+    event_names: EventNaming = "ga"
+    deterministic: bool = False
+    listen_events: bool = False
+    startup_delay: float = 0.0
+    crash_after: float | None = None
+    health_fail_after: float | None = None
+    ignore_sigterm: bool = False
+    stall_after: float | None = None
+
+    def __post_init__(self) -> None:
+        # Validate here so a bad value fails at start-up with a message that
+        # names the flag, not later inside a session task.
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.chunk_ms <= 0:
+            raise ValueError(f"--chunk-ms must be positive, got {self.chunk_ms}")
+        if self.sample_rate < 8000 or self.sample_rate > 192000:
+            raise ValueError(f"--sample-rate must be in 8000..192000, got {self.sample_rate}")
+        if self.realtime_factor < 0 or not math.isfinite(self.realtime_factor):
+            raise ValueError(f"--realtime-factor must be >= 0, got {self.realtime_factor}")
+        if self.response_seconds <= 0 or not math.isfinite(self.response_seconds):
+            raise ValueError(f"--response-seconds must be positive, got {self.response_seconds}")
+        if self.late_audio_chunks < 0:
+            raise ValueError(f"--late-audio-chunks must be >= 0, got {self.late_audio_chunks}")
+        if self.event_names not in ("ga", "beta"):
+            raise ValueError(f"--event-names must be ga or beta, got {self.event_names!r}")
+        for name in ("startup_delay", "crash_after", "health_fail_after", "stall_after"):
+            value = getattr(self, name)
+            if value is not None and (value < 0 or not math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+    @property
+    def chunks_per_response(self) -> int:
+        """Number of audio deltas in one uninterrupted response."""
+        return max(1, math.ceil(self.response_seconds * 1000 / self.chunk_ms))
+
+    @property
+    def chunk_interval(self) -> float:
+        """Seconds between two produced chunks (0 means as fast as possible)."""
+        return self.chunk_ms * self.realtime_factor / 1000
+
+    @property
+    def listen_interval(self) -> float:
+        """Period of ``response.listen`` while idle (``--listen-events``).
+
+        One chunk period of wall time; with ``--realtime-factor 0`` it stays at
+        the nominal chunk length so an idle session does not flood the client.
+        """
+        interval = self.chunk_interval
+        return interval if interval > 0 else self.chunk_ms / 1000
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of ``python -m engine_launcher.simulator``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_launcher.simulator",
+        description=(
+            "CPU stand-in for `vllm-omni serve MODEL --omni`: speaks the vLLM-Omni 0.30 "
+            "duplex realtime protocol with generated PCM16 audio."
+        ),
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help="bind address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name (default %(default)s)")
+    parser.add_argument(
+        "--chunk-ms",
+        type=int,
+        default=DEFAULT_CHUNK_MS,
+        help="audio length of one output delta in ms (default %(default)s)",
+    )
+    parser.add_argument(
+        "--sample-rate",
+        type=int,
+        default=DEFAULT_SAMPLE_RATE,
+        help="output PCM16 mono rate in Hz (default %(default)s)",
+    )
+    parser.add_argument(
+        "--realtime-factor",
+        type=_non_negative_float,
+        default=DEFAULT_REALTIME_FACTOR,
+        help="pace: chunk_ms*factor/1000 s between chunks; 0 = as fast as possible",
+    )
+    parser.add_argument(
+        "--response-seconds",
+        type=float,
+        default=DEFAULT_RESPONSE_SECONDS,
+        help="audio length of each response (default %(default)s)",
+    )
+    parser.add_argument(
+        "--late-audio-chunks",
+        type=int,
+        default=DEFAULT_LATE_AUDIO_CHUNKS,
+        help="audio deltas of a cancelled response still sent after the cancel "
+        "(the released engines' flaw; default %(default)s)",
+    )
+    parser.add_argument("--audio", dest="audio_path", help="WAV file (PCM16) used as the voice")
+    parser.add_argument(
+        "--event-names",
+        choices=("ga", "beta"),
+        default="ga",
+        help="ga = 0.30 response.output_audio.*; beta = 0.28 response.audio.*",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="ids come from per-session counters (byte-identical sessions)",
+    )
+    parser.add_argument(
+        "--listen-events",
+        action="store_true",
+        help="send response.listen once per chunk period while idle",
+    )
+    fault = parser.add_argument_group("fault knobs")
+    fault.add_argument("--startup-delay", type=_non_negative_float, default=0.0, metavar="S")
+    fault.add_argument("--crash-after", type=_non_negative_float, metavar="S")
+    fault.add_argument("--health-fail-after", type=_non_negative_float, metavar="S")
+    fault.add_argument("--ignore-sigterm", action="store_true")
+    fault.add_argument("--stall-after", type=_non_negative_float, metavar="S")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
+    """Parse ``argv`` into a :class:`SimulatorConfig`.
+
+    Raises:
+        SystemExit: on invalid flags (argparse prints the reason, exit code 2).
+    """
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return SimulatorConfig(
+            host=ns.host,
+            port=ns.port,
+            model=ns.model,
+            chunk_ms=ns.chunk_ms,
+            sample_rate=ns.sample_rate,
+            realtime_factor=ns.realtime_factor,
+            response_seconds=ns.response_seconds,
+            late_audio_chunks=ns.late_audio_chunks,
+            audio_path=ns.audio_path,
+            event_names=ns.event_names,
+            deterministic=ns.deterministic,
+            listen_events=ns.listen_events,
+            startup_delay=ns.startup_delay,
+            crash_after=ns.crash_after,
+            health_fail_after=ns.health_fail_after,
+            ignore_sigterm=ns.ignore_sigterm,
+            stall_after=ns.stall_after,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,356 @@
+"""What each client event does to a simulated session (reference §2.2, §3.2).
+
+One function per canonical client event type; :data:`HANDLERS` is the dispatch
+table (aliases are resolved before lookup, see ``protocol.CLIENT_ALIASES``).
+Handlers only call the session's state and emitting API; they do no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from engine_launcher.simulator.conversation import Conversation, InputAudioError, InputBuffer
+from engine_launcher.simulator.settings import SettingsError, apply_update, truthy
+
+if TYPE_CHECKING:
+    from engine_launcher.simulator.session import DuplexSession
+
+__all__ = ["HANDLERS", "OPENING_EVENTS", "Handler"]
+
+Payload = dict[str, Any]
+Handler = Callable[["DuplexSession", Payload], None]
+
+# First messages that open (or resume) a session themselves instead of
+# triggering a default open (reference §1.2).
+OPENING_EVENTS: Final = frozenset({"session.update", "session.resume"})
+
+
+def _named_response(event: Payload) -> str | None:
+    named = event.get("response_id")
+    return named if isinstance(named, str) and named else None
+
+
+# ------------------------------------------------------------------ sessions
+
+
+def on_session_update(s: DuplexSession, event: Payload) -> None:
+    """First one opens (created + updated); later ones answer ``session.updated``."""
+    session = event.get("session", {})
+    if not isinstance(session, dict):
+        s.error("bad_event", "session must be an object", event)
+        return
+    try:
+        s.settings = apply_update(s.settings, session)
+    except SettingsError as exc:
+        s.error(exc.code, str(exc), event)
+        return
+    if s.session_id:
+        s.emit({"type": "session.updated", "session": s.session_object()})
+    else:
+        s.open()
+
+
+def on_session_resume(s: DuplexSession, event: Payload) -> None:
+    """Sessions do not outlive their socket here, so nothing can be resumed."""
+    s.error("unknown_session", "no such session to resume", event)
+
+
+def on_event_ack(s: DuplexSession, event: Payload) -> None:
+    """``session.event_ack`` only trims the replay journal: no answer."""
+
+
+def on_heartbeat(s: DuplexSession, event: Payload) -> None:
+    """Refresh the lease: ``session.heartbeat_ack``."""
+    s.emit({"type": "session.heartbeat_ack", "session_id": s.session_id})
+
+
+def on_session_close(s: DuplexSession, event: Payload) -> None:
+    """``session.closed`` (given reason or ``client_close``), then close 1000."""
+    reason = event.get("reason")
+    s.request_close(reason if isinstance(reason, str) and reason else "client_close", 1000)
+
+
+# --------------------------------------------------------------------- input
+
+
+def on_append(s: DuplexSession, event: Payload) -> None:
+    """Buffer input audio; with server VAD, speech during a response barges in."""
+    try:
+        audio = InputBuffer.decode(event, s.settings.input_format, s.settings.input_rate)
+    except InputAudioError as exc:
+        s.error(exc.code, str(exc), event)
+        return
+    if s.settings.server_vad and s.active is not None and InputBuffer.is_speech(event, audio):
+        _vad_barge_in(s)
+    s.input.add(audio)
+
+
+def _input_item(s: DuplexSession) -> str:
+    if s.input.item_id is None:
+        s.input.item_id = s.new_item_id()
+    return s.input.item_id
+
+
+def _vad_barge_in(s: DuplexSession) -> None:
+    # reference §3.2: confirmed speech during a response → speech_started,
+    # overlap.decision{barge_in}, cancel with reason turn_detected.
+    assert s.active is not None
+    s.emit(
+        {
+            "type": "input_audio_buffer.speech_started",
+            "audio_start_ms": int(s.input.total_ms),
+            "item_id": _input_item(s),
+        }
+    )
+    # Wheel 0.30 ``OverlapDecision``: session_id and epoch at the top level, no
+    # response_id there; ``metadata`` is the engine's internal decision event.
+    decision = {"policy": "barge_in_on_speech", "action": "barge_in", "reason": "speech_started"}
+    s.emit(
+        {
+            "type": "overlap.decision",
+            "session_id": s.session_id,
+            "epoch": s.epoch,
+            **decision,
+            "metadata": {
+                "type": "overlap.decision",
+                "session_id": s.session_id,
+                "epoch": s.epoch,
+                **decision,
+                "response_id": s.active.response_id,
+                "source": "server_vad",
+            },
+        }
+    )
+    s.cancel_active("turn_detected")
+
+
+def on_commit(s: DuplexSession, event: Payload) -> None:
+    """Commit fan-out (reference §2.4); starts a response only when asked to."""
+    if event.get("is_speech") is False:
+        # Silence declaration: the model keeps listening (reference §2.2).
+        s.input.clear()
+        s.produce_listen()
+        return
+    if s.input.bytes == 0:
+        s.error("input_audio_buffer_empty", "no audio appended since last commit", event)
+        return
+    item_id = _input_item(s)
+    audio_ms = int(s.input.ms)
+    s.input.clear()
+    s.turn_id += 1
+    # DESIGN §9: a commit starts a response only with extra_body.auto_response
+    # or an explicit response_create/create_response flag.
+    create = (
+        truthy(event.get("response_create"))
+        or truthy(event.get("create_response"))
+        or s.settings.auto_response
+    )
+    item = Conversation.user_audio_item(item_id, audio_ms)
+    previous = s.history.add(item)
+    for payload in Conversation.added_events(item, previous):
+        s.emit(payload)
+    s.emit(
+        {
+            "type": "input_audio_buffer.committed",
+            "previous_item_id": previous,
+            "item_id": item_id,
+            "event": {
+                "turn_id": s.turn_id,
+                "epoch": s.epoch,
+                "history_len": len(s.history),
+                "audio_ms": audio_ms,
+                "response_create_deferred": create and s.active is not None,
+            },
+        }
+    )
+    s.emit(
+        {
+            "type": "conversation.item.input_audio_transcription.completed",
+            "item_id": item_id,
+            "content_index": 0,
+            "transcript": item["content"][0]["transcript"],
+        }
+    )
+    s.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+    if create:
+        if s.active is not None:
+            s.error("response_already_active", "a response is already active", event)
+        else:
+            s.start_response()
+
+
+def on_input_clear(s: DuplexSession, event: Payload) -> None:
+    """Drop uncommitted input: ``input_audio_buffer.cleared``."""
+    s.input.clear()
+    s.emit({"type": "input_audio_buffer.cleared"})
+
+
+def on_input_cancel(s: DuplexSession, event: Payload) -> None:
+    """Clear input and cancel (reason ``barge_in``); always advances the epoch."""
+    s.input.clear()
+    s.emit({"type": "input_audio_buffer.cleared"})
+    if s.active is not None:
+        s.cancel_active("barge_in")
+    else:
+        s.epoch += 1
+
+
+def on_text_append(s: DuplexSession, event: Payload) -> None:
+    """Model-native sessions reject text input."""
+    s.error("native_text_append_unsupported", "model-native sessions take no text input", event)
+
+
+# -------------------------------------------------------------- conversation
+
+
+def on_item_create(s: DuplexSession, event: Payload) -> None:
+    """Add a client item; a user or tool-output item counts as input for a response."""
+    raw = event.get("item")
+    if not isinstance(raw, dict):
+        s.error("bad_event", "item must be an object", event)
+        return
+    item = dict(raw)
+    if not isinstance(item.get("id"), str):
+        item["id"] = s.new_item_id()
+    item.setdefault("object", "realtime.item")
+    item.setdefault("status", "completed")
+    if item.get("type", "message") == "message":
+        item.setdefault("role", "user")
+    previous = s.history.add(item)
+    for payload in Conversation.added_events(item, previous):
+        s.emit(payload)
+    s.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+
+
+def on_item_retrieve(s: DuplexSession, event: Payload) -> None:
+    """``conversation.item.retrieved`` or ``item_not_found``."""
+    item = s.history.get(str(event.get("item_id")))
+    if item is None:
+        s.error("item_not_found", f"no item {event.get('item_id')!r}", event)
+    else:
+        s.emit({"type": "conversation.item.retrieved", "item": item})
+
+
+def on_item_delete(s: DuplexSession, event: Payload) -> None:
+    """``conversation.item.deleted`` or ``item_not_found``."""
+    item_id = str(event.get("item_id"))
+    if s.history.delete(item_id):
+        # The engine echoes its internal event under ``event`` (wheel 0.30 ``ItemDeleted``).
+        s.emit(
+            {
+                "type": "conversation.item.deleted",
+                "item_id": item_id,
+                "event": {"type": "conversation.item.deleted", "item_id": item_id},
+            }
+        )
+    else:
+        s.error("item_not_found", f"no item {item_id!r}", event)
+
+
+def on_item_truncate(s: DuplexSession, event: Payload) -> None:
+    """``capabilities.supports_audio_truncate`` is false for this engine."""
+    s.error("unsupported_audio_truncate", "audio truncation is not supported", event)
+
+
+def on_playback_ack(s: DuplexSession, event: Payload) -> None:
+    """Answer with the playback ledger (reference §3.4)."""
+    played = event.get("played_ms", 0)
+    # Wheel 0.30 ``PlaybackAcknowledged`` renders only ``event`` (the ledger).
+    s.emit(
+        {
+            "type": "playback.acknowledged",
+            "event": {
+                "type": "playback.acknowledged",
+                "session_id": s.session_id,
+                "epoch": s.epoch,
+                "item_id": event.get("item_id"),
+                "played_ms": played,
+                "committed_ms": event.get("committed_ms", played),
+                "truncate": bool(event.get("truncate", False)),
+            },
+        }
+    )
+
+
+# ----------------------------------------------------------------- responses
+
+
+def on_response_create(s: DuplexSession, event: Payload) -> None:
+    """Needs committed input and no active response."""
+    if s.active is not None:
+        s.error("response_already_active", "a response is already active", event)
+    elif not s.history.pending_input:
+        s.error("response_create_without_input", "commit input audio first", event)
+    else:
+        s.start_response()
+
+
+def on_response_cancel(s: DuplexSession, event: Payload) -> None:
+    """reference §2.2: a named id that is not the active one is an error, unless idle."""
+    named = _named_response(event)
+    if s.active is not None:
+        if named is None or named == s.active.response_id:
+            s.cancel_active("client_cancelled")
+        else:
+            s.error("response_not_active", f"response {named!r} is not active", event)
+    elif named is None:
+        s.error("response_not_active", "no response is active", event)
+    # A named response that already ended is silently ignored.
+
+
+def on_output_clear(s: DuplexSession, event: Payload) -> None:
+    """Cancel the active response (with ``output_audio_buffer.cleared``), or just answer."""
+    named = _named_response(event)
+    if s.active is not None and named in (None, s.active.response_id):
+        s.cancel_active("output_audio_buffer_clear", output_cleared=True)
+    else:
+        s.emit({"type": "output_audio_buffer.cleared", "response_id": named or s.last_response_id})
+
+
+def on_barge_in(s: DuplexSession, event: Payload) -> None:
+    """Hard interrupt (``supports_barge_in``); advances the epoch even when idle."""
+    if s.active is not None:
+        s.cancel_active("barge_in")
+    else:
+        s.epoch += 1
+
+
+def on_turn_signal(s: DuplexSession, event: Payload) -> None:
+    """``turn.signal{event, payload}``: barge_in, response.cancel or input.cancel."""
+    signal = event.get("event")
+    payload = event.get("payload")
+    payload = payload if isinstance(payload, dict) else {}
+    if signal == "barge_in":
+        on_barge_in(s, event)
+    elif signal == "response.cancel":
+        target = {**payload, "event_id": event.get("event_id")}
+        target.setdefault("response_id", event.get("response_id"))
+        on_response_cancel(s, target)
+    elif signal == "input.cancel":
+        on_input_cancel(s, event)
+    # Other turn signals are accepted without a visible effect here.
+
+
+HANDLERS: Final[dict[str, Handler]] = {
+    "session.update": on_session_update,
+    "session.resume": on_session_resume,
+    "session.event_ack": on_event_ack,
+    "session.heartbeat": on_heartbeat,
+    "session.close": on_session_close,
+    "input_audio_buffer.append": on_append,
+    "input_audio_buffer.commit": on_commit,
+    "input_audio_buffer.clear": on_input_clear,
+    "input.cancel": on_input_cancel,
+    "input.text.append": on_text_append,
+    "conversation.item.create": on_item_create,
+    "conversation.item.retrieve": on_item_retrieve,
+    "conversation.item.delete": on_item_delete,
+    "conversation.item.truncate": on_item_truncate,
+    "response.create": on_response_create,
+    "response.cancel": on_response_cancel,
+    "output_audio_buffer.clear": on_output_clear,
+    "barge_in": on_barge_in,
+    "turn.signal": on_turn_signal,
+    "playback.ack": on_playback_ack,
+}

@@ -1,0 +1,375 @@
+"""Sans-I/O core of one simulated duplex session.
+
+Like websockets' ``Protocol``, :class:`DuplexSession` does no I/O and never
+reads a clock: the server shell feeds it client frames (``receive_*``), asks it
+to produce the next audio chunk when the pace says so (``produce_*``), and
+drains what it must send (``events_to_send``) in order. Because the drained
+list is sent strictly FIFO, stamping ``event_id`` and ``server_event_seq`` at
+emit time is the same as stamping at send time, as the engine's journal does.
+
+Phases: AWAITING_OPEN (no session yet) → OPEN → CLOSED (``session.closed``
+queued; nothing else is emitted afterwards). What each client event does is
+in :mod:`engine_launcher.simulator.handlers`; this module owns the state and
+the response lifecycle (start, produce, complete, cancel).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from engine_launcher.simulator.audio import AudioBank
+from engine_launcher.simulator.config import SimulatorConfig
+from engine_launcher.simulator.conversation import Conversation, InputBuffer
+from engine_launcher.simulator.handlers import HANDLERS, OPENING_EVENTS
+from engine_launcher.simulator.protocol import (
+    CLIENT_ALIASES,
+    IdFactory,
+    dumps,
+    error_payload,
+    names_for,
+)
+from engine_launcher.simulator.responses import ResponseEvents, ResponseState
+from engine_launcher.simulator.settings import SessionSettings
+
+__all__ = [
+    "CloseFrame",
+    "DuplexSession",
+    "Outgoing",
+    "Phase",
+    "SimulatorStats",
+]
+
+Payload = dict[str, Any]
+
+
+class Phase(enum.Enum):
+    """Lifecycle of a session on one socket."""
+
+    AWAITING_OPEN = "awaiting_open"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class CloseFrame:
+    """Instruction to the shell: close the socket with ``code``/``reason`` (last item)."""
+
+    code: int
+    reason: str
+
+
+Outgoing = str | CloseFrame
+
+
+@dataclass(slots=True)
+class SimulatorStats:
+    """Process-wide counters, shared by all sessions (rendered by ``/metrics``)."""
+
+    sessions_active: int = 0
+    sessions_total: int = 0
+    events_sent: int = 0
+    bytes_sent: int = 0
+    responses_completed: int = 0
+    responses_cancelled: int = 0
+    late_audio_events: int = 0
+    errors_sent: int = 0
+    outbox_events: int = 0
+    outbox_bytes: int = 0
+
+
+class DuplexSession:
+    """Protocol state of one simulated duplex session.
+
+    The attributes below are read and changed by the event handlers.
+
+    Args:
+        config: simulator configuration (pace is applied by the shell).
+        bank: precomputed output audio.
+        stats: process-wide counters to update.
+        model: model named in the query string, if any.
+
+    Attributes:
+        phase: lifecycle phase.
+        session_id: ``duplex-<32hex>`` once open.
+        epoch: cancellation fence; every accepted cancel advances it.
+        turn_id: number of committed user turns.
+        settings: effective session configuration.
+        input: uncommitted input audio.
+        history: conversation items.
+        active: the response being produced, if any.
+        last_response_id: the most recent response, active or not.
+    """
+
+    def __init__(
+        self,
+        config: SimulatorConfig,
+        bank: AudioBank,
+        stats: SimulatorStats,
+        *,
+        model: str | None = None,
+    ) -> None:
+        self.config = config
+        self._stats = stats
+        self._ids = IdFactory(deterministic=config.deterministic)
+        # A separate counter for event ids: they follow send order only, so
+        # object ids stay the same whatever interleaving the pace produces.
+        self._event_ids = IdFactory(deterministic=config.deterministic)
+        self._builder = ResponseEvents(names_for(config.event_names), bank)
+        self._seq = 0
+        self._out: list[Outgoing] = []
+        self._new_responses: list[str] = []
+        self.phase = Phase.AWAITING_OPEN
+        self.session_id = ""
+        self.epoch = 0
+        self.turn_id = 0
+        self.settings = SessionSettings(model=model or config.model)
+        self.input = InputBuffer()
+        self.history = Conversation()
+        self.active: ResponseState | None = None
+        self.last_response_id: str | None = None
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def active_response_id(self) -> str | None:
+        """Id of the response being produced, if any."""
+        return self.active.response_id if self.active is not None else None
+
+    def is_active(self, response_id: str) -> bool:
+        """True while ``response_id`` is still being produced."""
+        return self.active is not None and self.active.response_id == response_id
+
+    def events_to_send(self) -> list[Outgoing]:
+        """Drain the frames to send, in order. A :class:`CloseFrame` is always last."""
+        out, self._out = self._out, []
+        return out
+
+    def responses_to_start(self) -> list[str]:
+        """Drain ids of responses the shell must now pace with :meth:`produce_chunk`."""
+        started, self._new_responses = self._new_responses, []
+        return started
+
+    # ----------------------------------------------------------------- emitting
+
+    def emit(self, payload: Payload) -> None:
+        """Stamp ``payload`` with ``event_id`` and ``server_event_seq`` and queue it."""
+        if self.phase is Phase.CLOSED:
+            return  # session.closed is always the last event (reference §2.3)
+        payload["event_id"] = "event_" + self._event_ids.hex32()
+        # reference §2.1: session.created is not journaled and has no seq.
+        if payload["type"] != "session.created":
+            self._seq += 1
+            payload["server_event_seq"] = self._seq
+        if payload["type"] == "error":
+            self._stats.errors_sent += 1
+        self._out.append(dumps(payload))
+
+    def error(self, code: str, message: str, event: Payload | None = None) -> None:
+        """Queue an ``error`` envelope, echoing the client event's ``event_id``."""
+        client_id = event.get("event_id") if event is not None else None
+        self.emit(error_payload(code, message, client_id if isinstance(client_id, str) else None))
+
+    def new_item_id(self) -> str:
+        """A fresh user item id, ``item_<32hex>``."""
+        return "item_" + self._ids.hex32()
+
+    def session_object(self) -> Payload:
+        """The ``session`` object of ``session.created``/``session.updated``."""
+        s = self.settings
+        obj: Payload = {
+            "id": self.session_id,
+            "object": "realtime.session",
+            "model": s.model,
+            "state": "active",
+            "turn_state": "speaking" if self.active is not None else "listening",
+            "epoch": self.epoch,
+            "turn_id": self.turn_id,
+            "active_response_id": self.active_response_id,
+            "modalities": list(s.modalities),
+            "turn_detection": s.turn_detection,
+            "formats": {"input": s.input_format, "output": "pcm16"},
+            "audio": {
+                "input": {
+                    "format": s.input_format,
+                    "sample_rate_hz": s.input_rate,
+                    "turn_detection": s.turn_detection,
+                },
+                "output": {"format": "pcm16", "sample_rate_hz": self.config.sample_rate},
+            },
+            "overlap_policy": "barge_in_on_speech" if s.server_vad else "listen_only",
+            "playback_commit_policy": "commit_all_on_done",
+            "capabilities": {
+                "implementation_level": "simulated",
+                "supports_barge_in": True,
+                "supports_session_resume": True,
+                "supports_audio_truncate": False,
+                "chunk_period_ms": self.config.chunk_ms,
+            },
+            "extra_body": dict(s.extra_body),
+            "ref_audio": s.ref_audio_present,
+        }
+        obj.update(s.echo)
+        return obj
+
+    # ------------------------------------------------------------------ opening
+
+    def open(self) -> None:
+        """Open the session: ``session.created`` (no seq) then ``session.updated``."""
+        if self.phase is not Phase.AWAITING_OPEN:
+            return
+        self.session_id = "duplex-" + self._ids.hex32()
+        self.phase = Phase.OPEN
+        self.emit(
+            {
+                "type": "session.created",
+                "session": self.session_object(),
+                "attachment_generation": 1,
+                "resume_token": self._ids.hex32(),
+            }
+        )
+        # reference §2.3: session.created is immediately followed by session.updated.
+        self.emit({"type": "session.updated", "session": self.session_object()})
+
+    # ------------------------------------------------------------------ feeding
+
+    def receive_text(self, text: str) -> None:
+        """Handle one client text frame."""
+        if self.phase is Phase.CLOSED:
+            return
+        try:
+            event = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            self.error("invalid_json", "message is not valid JSON")
+            return
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            self.error("bad_event", "event must be an object with a string type")
+            return
+        kind = CLIENT_ALIASES.get(event["type"], event["type"])
+        if self.phase is Phase.AWAITING_OPEN and kind not in OPENING_EVENTS:
+            # reference §1.2: any other first message opens a default session
+            # and is then executed as a command.
+            self.open()
+        handler = HANDLERS.get(kind)
+        if handler is None:
+            self.error("unknown_event", f"unknown event type {event['type']!r}", event)
+            return
+        handler(self, event)
+
+    def receive_binary(self) -> None:
+        """Binary frames are not part of the protocol (reference §1.4)."""
+        self.error("bad_event", "binary frames are not supported")
+
+    def receive_oversized(self, size: int) -> None:
+        """A client frame above 15 MiB (reference §1.4)."""
+        self.error("event_too_large", f"event of {size} bytes exceeds 15 MiB")
+
+    def receive_open_timeout(self) -> None:
+        """No first message within the open deadline: ``config_timeout``, then close."""
+        if self.phase is Phase.AWAITING_OPEN:
+            self.error("config_timeout", "no first message received in time")
+            self._out.append(CloseFrame(1000, "config_timeout"))
+            self.phase = Phase.CLOSED
+
+    def request_close(self, reason: str, code: int) -> None:
+        """Queue ``session.closed`` (when open) and the close frame; idempotent."""
+        if self.phase is Phase.CLOSED:
+            return
+        if self.phase is Phase.OPEN:
+            # Wheel 0.30 ``SessionClosed`` always renders ``event`` (the internal close event).
+            internal = {"type": "session.closed", "session_id": self.session_id, "reason": reason}
+            self.emit({**internal, "event": dict(internal)})
+        self.active = None
+        self._out.append(CloseFrame(code, reason))
+        self.phase = Phase.CLOSED
+
+    # --------------------------------------------------------------- responses
+
+    def start_response(self) -> None:
+        """Accept a response: emit ``response.created`` … ``response.speak``."""
+        rid = f"resp-{self.session_id}-{self.epoch}-{self._ids.hex8()}"
+        resp = ResponseState(
+            response_id=rid,
+            item_id="item_" + rid,
+            epoch=self.epoch,
+            turn_id=self.turn_id,
+            total_chunks=self.config.chunks_per_response,
+            chunk_ms=self.config.chunk_ms,
+            previous_item_id=self.history.last_item_id,
+        )
+        self.active = resp
+        self.last_response_id = rid
+        self.history.pending_input = False
+        for payload in self._builder.opening(resp, self.settings.modalities):
+            self.emit(payload)
+        self._new_responses.append(rid)
+
+    def produce_chunk(self, response_id: str) -> None:
+        """Emit the next audio + transcript delta; finish the response after the last."""
+        resp = self.active
+        if resp is None or resp.response_id != response_id or self.phase is not Phase.OPEN:
+            return
+        for payload in self._builder.chunk(resp):
+            self.emit(payload)
+        if resp.remaining <= 0:
+            for payload in self._builder.completed(resp):
+                self.emit(payload)
+            self.history.add({"id": resp.item_id, "role": "assistant"})
+            self.active = None
+            self._stats.responses_completed += 1
+
+    def produce_listen(self) -> None:
+        """``response.listen``: the model keeps listening (idle timer or silence)."""
+        if self.phase is Phase.OPEN and self.active is None:
+            # Wheel 0.30 ``Listen``: session_id/epoch at the top, the internal event
+            # as ``response.metadata``; no response_id (none was pre-created).
+            internal = {
+                "type": "response.listen",
+                "session_id": self.session_id,
+                "epoch": self.epoch,
+            }
+            self.emit(
+                {
+                    "type": "response.listen",
+                    "session_id": self.session_id,
+                    "epoch": self.epoch,
+                    "response": {
+                        "object": "realtime.response",
+                        "status": "listening",
+                        "metadata": internal,
+                    },
+                }
+            )
+
+    def cancel_active(self, reason: str, *, output_cleared: bool = False) -> None:
+        """Accept a cancel of the active response.
+
+        Advances the epoch, flushes the late audio, then emits the cancel
+        terminal sequence of reference §3.1.
+
+        Args:
+            reason: ``status_details.reason`` of the cancelled ``response.done``.
+            output_cleared: the trigger was ``output_audio_buffer.clear``.
+        """
+        resp = self.active
+        if resp is None:
+            return
+        self.epoch += 1
+        # The released engines' flaw (reference §3.3): audio already produced
+        # and queued is still delivered ahead of the cancelled response.done,
+        # and never more than the response had left.
+        late = min(self.config.late_audio_chunks, resp.remaining)
+        for _ in range(late):
+            for payload in self._builder.chunk(resp):
+                self.emit(payload)
+        self._stats.late_audio_events += late
+        for payload in self._builder.cancelled(
+            resp, reason=reason, new_epoch=self.epoch, output_cleared=output_cleared
+        ):
+            self.emit(payload)
+        self.history.add({"id": resp.item_id, "role": "assistant"})
+        self.active = None
+        self._stats.responses_cancelled += 1

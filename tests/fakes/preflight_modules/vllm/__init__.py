@@ -1,0 +1,1 @@
+raise ImportError("stand-in vllm: preflight must locate vllm, never import it")
