@@ -104,6 +104,7 @@ class Relay:
         self._upstream_gone = asyncio.Event()
         self._client_gone = asyncio.Event()
         self._intake: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
         self.bytes_client_to_upstream = 0
         self.bytes_upstream_to_client = 0
         self.log = logging.LoggerAdapter(log, {"session": session_key})
@@ -117,7 +118,9 @@ class Relay:
             timer = asyncio.get_running_loop().call_later(self._max_duration, self._expire)
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
+                self._reader = tg.create_task(
+                    self._client_to_upstream(), name=f"{self.key}:client"
+                )
                 self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
                 tg.create_task(self._deliver(), name=f"{self.key}:deliver")
         except Exception:
@@ -334,6 +337,11 @@ class Relay:
         core = self.core
         code = core.close_code if core.close_code is not None else CLOSE_NORMAL
         if not self.client.closed:
+            # Stop our own reader first: with a reader waiting, aiohttp's close()
+            # drops the connection right after sending Close, and the client
+            # would see 1006 instead of our code. Without it, close() waits
+            # (up to close_timeout) for the client's Close reply.
+            await self._stop_reader()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self._close_timeout):
                     await self.client.close(code=code, message=self._close_message())
@@ -357,6 +365,13 @@ class Relay:
             transport = getattr(self._protocol, "transport", None)
             if transport is not None and not self.client.closed:
                 transport.abort()
+
+    async def _stop_reader(self) -> None:
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
     def _close_message(self) -> bytes:
         outcome = self.core.outcome

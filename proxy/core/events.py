@@ -246,18 +246,71 @@ def _flat_string_field(segment: str, key: str) -> str | None | bool:
     return segment[i + 1 : end]
 
 
+def _valid_members(fragment: str) -> bool:
+    """True when ``fragment`` is empty or a run of JSON object members."""
+    if not fragment.strip():
+        return True
+    try:
+        return isinstance(orjson.loads("{" + fragment + "}"), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _scan_payload(text: str, start: int, payload_key: str) -> tuple[str, int] | None:
+    """Validate a frame whose bulk is one plain string under ``payload_key``.
+
+    The frame must read ``{"type":"X"`` + members + ``"key":"payload"`` +
+    members + ``}``. The members before and after are small and are checked
+    with orjson; the payload is checked for quotes and escapes (base64 has
+    neither), not parsed. Not checked: raw control characters inside the
+    payload (an O(n) scan that would cost more than parsing the frame).
+
+    Returns:
+        (the members before the payload, payload length), or None to parse.
+    """
+    value_at = _find_key(text, payload_key, start)
+    if value_at < 0 or not text.startswith('"', value_at):
+        return None
+    end = text.find('"', value_at + 1)
+    if end < 0 or text.find("\\", value_at + 1, end) >= 0:
+        return None
+    before = text[start:value_at]
+    # before = ',' [members ','] '"key":' ; after = [',' members] '}'
+    lead = before[: before.rfind('"' + payload_key + '"')].strip()
+    if not lead.startswith(","):
+        return None
+    members_before = lead[1:].strip()
+    if members_before:
+        if not members_before.endswith(","):
+            return None
+        members_before = members_before[:-1]
+        if not members_before.strip():
+            return None
+    tail = text[end + 1 :].rstrip()
+    if not tail.endswith("}"):
+        return None
+    members_after = tail[:-1].strip()
+    if members_after:
+        if not members_after.startswith(","):
+            return None
+        members_after = members_after[1:]
+        if not members_after.strip():
+            return None
+    if not _valid_members(members_before) or not _valid_members(members_after):
+        return None
+    return members_before, end - value_at - 1
+
+
 def _scan_payload_frame(text: str, start: int, payload_key: str) -> str | bool:
     """Scan a large frame whose bulk is one base64 string under payload_key.
 
     Returns the top-level response_id, or False if the frame must be parsed
     instead (also when response_id does not precede the payload: it may follow).
     """
-    if not text.rstrip().endswith("}"):
+    scanned = _scan_payload(text, start, payload_key)
+    if scanned is None:
         return False
-    value_at = _find_key(text, payload_key, start)
-    if value_at < 0:
-        return False
-    found = _flat_string_field(text[start:value_at], "response_id")
+    found = _flat_string_field("," + scanned[0] + ",", "response_id")
     return False if found is None else found
 
 
@@ -377,22 +430,6 @@ def classify_client(text: str) -> ClientEvent:
 
 
 def _scan_append_audio(text: str, start: int) -> int:
-    """Length of the base64 ``audio`` of a flat append frame, or -1 to parse."""
-    if not text.rstrip().endswith("}"):
-        return -1
-    i = _find_key(text, "audio", start)
-    if i < 0:
-        return -1
-    prefix = text[start:i]
-    if "{" in prefix or "[" in prefix or "\\" in prefix:
-        return -1
-    if not text.startswith('"', i):
-        return -1
-    end = text.find('"', i + 1)
-    if end < 0:
-        return -1
-    value_len = end - i - 1
-    # base64 has no backslash; an escape means this is not plain base64.
-    if text.find("\\", i + 1, end) >= 0:
-        return -1
-    return value_len
+    """Length of the base64 ``audio`` of a well-formed append frame, or -1 to parse."""
+    scanned = _scan_payload(text, start, "audio")
+    return -1 if scanned is None else scanned[1]

@@ -428,7 +428,8 @@ class SessionCore:
         if self.state is not SessionState.OPEN:
             return
         if dropped is None:
-            self._overflows += 1
+            # Shedding for the process-wide cap: the registry counts it under
+            # policy="process_total", so it is not a session overflow here.
             target = self.ledger.active_response()
         if dropped is not None:
             self._count_drop(DropReason.OVERFLOW, dropped.size)

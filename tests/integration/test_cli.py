@@ -1,0 +1,187 @@
+"""The ``omni-sidecar`` command as real processes (asyncio subprocesses).
+
+``serve`` runs on free loopback ports; readiness is ``/readyz`` = 200 under a
+deadline; the engine child is found through ``/proc`` (its parent pid), so
+the tests can check that SIGTERM leaves nothing behind. Every process a test
+starts is killed in its ``finally`` if it is still there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import aiohttp
+
+from proxy.probe import ProbeOptions, run_probe
+from tests.conftest import DEADLINE, free_port, http_ok, wait_until
+from tests.integration.helpers import children_of, clean_env, cli_argv, cmdline, run_cli
+
+#: A quick built-in simulator: 3 chunks of 200 ms, unpaced.
+_FAST_SIMULATOR = "--realtime-factor 0 --chunk-ms 200 --response-seconds 0.6"
+
+
+@dataclass
+class Serve:
+    proc: asyncio.subprocess.Process
+    port: int
+    admin_port: int
+    log: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    async def wait_ready(self) -> None:
+        async def ready() -> bool:
+            assert self.proc.returncode is None, f"serve exited early:\n{self.log_tail()}"
+            return await http_ok(self.http_url + "/readyz")
+
+        await wait_until(ready, timeout=DEADLINE * 2, what="serve /readyz 200")
+
+    async def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(DEADLINE):
+            return await self.proc.wait()
+
+
+def _log_sink(path: Path) -> BinaryIO:
+    return path.open("wb")
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[Serve]:
+    port, admin_port = free_port(), free_port()
+    log = tmp_path / f"serve-{port}.log"
+    with _log_sink(log) as sink:
+        proc = await asyncio.create_subprocess_exec(
+            *cli_argv(
+                "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen",
+                f"127.0.0.1:{admin_port}", "--log-level", "info", *args,
+            ),
+            stdout=sink,
+            stderr=sink,
+            env=env or clean_env(),
+        )  # fmt: skip
+    try:
+        yield Serve(proc, port, admin_port, log)
+    finally:
+        if proc.returncode is None:
+            leftovers = children_of(proc.pid)
+            proc.kill()
+            await proc.wait()
+            for pid in leftovers:  # the engine runs in its own process group
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def _simulator_port(pid: int) -> str:
+    argv = cmdline(pid)
+    assert "engine_launcher.simulator" in argv, argv
+    return argv[argv.index("--port") + 1]
+
+
+def _simulators_on(port: str) -> list[int]:
+    """Live simulator processes listening on ``port`` (from their command lines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        argv = cmdline(int(entry.name))
+        if "engine_launcher.simulator" not in argv or "--port" not in argv:
+            continue
+        if argv[argv.index("--port") + 1] == port:
+            with contextlib.suppress(OSError):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+async def test_serve_with_the_builtin_simulator_probe_then_sigterm(tmp_path: Path) -> None:
+    async with serve(tmp_path, "--engine-simulator-args", _FAST_SIMULATOR) as srv:
+        await srv.wait_ready()
+        children = children_of(srv.proc.pid)
+        assert len(children) == 1, children
+        engine_port = _simulator_port(children[0])
+
+        rc, out, err = await run_cli(
+            "probe", srv.ws_url, "--json", "--no-realtime", "--input-seconds", "0.2"
+        )
+        assert rc == 0, f"probe failed: {err}\n{srv.log_tail()}"
+        result = json.loads(out)
+        assert result["completed"] is True
+        assert result["response_statuses"] == ["completed"]
+        assert result["audio_frames"] == 3
+        assert result["session_closed_reason"] == "client_close"
+
+        metrics_url = f"http://127.0.0.1:{srv.admin_port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(metrics_url) as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        assert 'omni_sidecar_sessions_total{outcome="client_closed"} 1.0' in text
+
+        assert await srv.terminate() == 0, srv.log_tail()
+    assert _simulators_on(engine_port) == []
+    assert "engine_launcher.simulator" not in cmdline(children[0])
+
+
+async def test_print_config_shows_values_and_their_sources(tmp_path: Path) -> None:
+    config = tmp_path / "sidecar.toml"
+    config.write_text('max_pending_output_bytes = 1048576\n[engine]\nkind = "simulator"\n')
+    rc, out, err = await run_cli(
+        "serve", "--config", str(config), "--print-config", "--max-sessions", "7",
+        env=clean_env(OMNI_SIDECAR_DRAIN_TIMEOUT="3", OMNI_SIDECAR_MAX_SESSIONS="5"),
+    )  # fmt: skip
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert "max_sessions = 7  # flag --max-sessions" in lines  # the flag beats the env
+    assert "drain_timeout = 3.0  # env OMNI_SIDECAR_DRAIN_TIMEOUT" in lines
+    assert f"max_pending_output_bytes = 1048576  # file {config}" in lines
+    assert f'engine.kind = "simulator"  # file {config}' in lines
+    assert 'listen = "127.0.0.1:8000"  # default' in lines
+
+
+async def test_a_bad_env_value_exits_non_zero_naming_key_and_source(tmp_path: Path) -> None:
+    port = free_port()
+    rc, _, err = await run_cli(
+        "serve", "--listen", f"127.0.0.1:{port}",
+        env=clean_env(OMNI_SIDECAR_MAX_SESSIONS="abc"),
+    )  # fmt: skip
+    assert rc != 0
+    assert "max_sessions" in err
+    assert "env OMNI_SIDECAR_MAX_SESSIONS" in err
+    assert "'abc'" in err
+    assert not await http_ok(f"http://127.0.0.1:{port}/healthz")
+
+
+async def test_serve_with_upstream_attaches_without_a_child(simulator, tmp_path: Path) -> None:
+    sim = await simulator(*_FAST_SIMULATOR.split())
+    async with serve(tmp_path, "--upstream", sim.ws_url) as srv:
+        await srv.wait_ready()
+        assert children_of(srv.proc.pid) == []
+        result = await run_probe(
+            ProbeOptions(url=srv.ws_url, realtime=False, input_seconds=0.2, timeout=DEADLINE)
+        )
+        assert result.completed
+        assert result.audio_frames == 3
+        assert await srv.terminate() == 0, srv.log_tail()
+    # The external engine is not ours to stop.
+    assert sim.process.poll() is None
+    assert await http_ok(sim.http_url + "/health")
