@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
-    "AudioBank",
     "DEFAULT_LOOP_SECONDS",
     "TRANSCRIPT_WORDS",
+    "AudioBank",
     "input_bytes_per_sample",
     "load_wav",
     "make_audio_bank",
@@ -35,10 +35,11 @@ PCM16_MAX: Final = 32767
 
 # One transcript word per audio delta: the real engine sends exactly one
 # transcript delta per audio delta (reference §2.3), possibly empty.
-TRANSCRIPT_WORDS: Final[tuple[str, ...]] = tuple(
-    "This is the simulated omni engine speaking in short chunks of synthetic audio "
-    "so that the sidecar can be measured without a GPU .".split()
-)
+TRANSCRIPT_WORDS: Final[tuple[str, ...]] = (
+    "This", "is", "the", "simulated", "omni", "engine", "speaking", "in", "short",
+    "chunks", "of", "synthetic", "audio", "so", "that", "the", "sidecar", "can", "be",
+    "measured", "without", "a", "GPU.",
+)  # fmt: skip
 
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 
@@ -83,7 +84,7 @@ def synthesize_voice(sample_rate: int, seconds: float) -> array.array[int]:
     Returns:
         Signed 16-bit samples.
     """
-    n = max(1, int(round(sample_rate * seconds)))
+    n = max(1, round(sample_rate * seconds))
     harmonics = ((1, 0.55), (2, 0.25), (3, 0.12), (4, 0.06))
     syllable_rate = 4.0  # syllables per second, typical of conversational speech
     word_length = 6  # syllables per "word"; the last one is a pause

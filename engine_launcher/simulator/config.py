@@ -172,11 +172,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="send response.listen once per chunk period while idle",
     )
     fault = parser.add_argument_group("fault knobs")
-    fault.add_argument("--startup-delay", type=_non_negative_float, default=0.0, metavar="S")
-    fault.add_argument("--crash-after", type=_non_negative_float, metavar="S")
-    fault.add_argument("--health-fail-after", type=_non_negative_float, metavar="S")
-    fault.add_argument("--ignore-sigterm", action="store_true")
-    fault.add_argument("--stall-after", type=_non_negative_float, metavar="S")
+    fault.add_argument(
+        "--startup-delay",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds before binding the port (a model load)",
+    )
+    fault.add_argument(
+        "--crash-after",
+        type=_non_negative_float,
+        metavar="S",
+        help="exit abruptly (os._exit(1)) S seconds after listening",
+    )
+    fault.add_argument(
+        "--health-fail-after",
+        type=_non_negative_float,
+        metavar="S",
+        help='GET /health answers 503 {"status":"unhealthy"} after S seconds',
+    )
+    fault.add_argument(
+        "--ignore-sigterm",
+        action="store_true",
+        help="ignore SIGTERM (only SIGKILL or SIGINT stops it)",
+    )
+    fault.add_argument(
+        "--stall-after",
+        type=_non_negative_float,
+        metavar="S",
+        help="after S seconds stop reading and sending on every socket (kept open)",
+    )
     return parser
 
 

@@ -208,7 +208,9 @@ class SessionRunner:
             stats.outbox_events -= 1
             await self._stall_gate()
             if isinstance(item, CloseFrame):
-                with contextlib.suppress(ConnectionError):
+                # A client that never answers the close frame costs at most
+                # CLOSE_TIMEOUT; either way this socket is finished.
+                with contextlib.suppress(ConnectionError, TimeoutError):
                     async with asyncio.timeout(CLOSE_TIMEOUT):
                         await ws.close(code=item.code, message=item.reason.encode()[:123])
                 raise _SessionEnded

@@ -80,7 +80,11 @@ class InputBuffer:
         if width is None or not isinstance(fmt, str):
             raise InputAudioError("unsupported_audio_format", f"input audio format {fmt!r}")
         rate = event.get("sample_rate_hz")
-        rate = rate if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else default_rate
+        rate = (
+            rate
+            if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0
+            else default_rate
+        )
         duration = event.get("duration_ms")
         if not isinstance(duration, int | float) or isinstance(duration, bool) or duration < 0:
             duration = len(raw) / width / rate * 1000

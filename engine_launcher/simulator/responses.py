@@ -124,7 +124,12 @@ class ResponseEvents:
                 "previous_item_id": resp.previous_item_id,
                 "item": item,
             },
-            {"type": "response.output_item.added", "response_id": rid, "output_index": 0, "item": item},
+            {
+                "type": "response.output_item.added",
+                "response_id": rid,
+                "output_index": 0,
+                "item": item,
+            },
             {
                 "type": "response.content_part.added",
                 "response_id": rid,
@@ -183,14 +188,24 @@ class ResponseEvents:
         item = self._item(resp, status)
         return [
             {"type": self._names.audio_done, **address, "content_index": 0},
-            {"type": self._names.transcript_done, **address, "content_index": 0, "transcript": text},
+            {
+                "type": self._names.transcript_done,
+                **address,
+                "content_index": 0,
+                "transcript": text,
+            },
             {
                 "type": "response.content_part.done",
                 **address,
                 "content_index": 0,
                 "part": {"type": "audio", "transcript": text},
             },
-            {"type": "response.output_item.done", "response_id": rid, "output_index": 0, "item": item},
+            {
+                "type": "response.output_item.done",
+                "response_id": rid,
+                "output_index": 0,
+                "item": item,
+            },
             {
                 "type": "conversation.item.done",
                 "response_id": rid,

@@ -125,9 +125,24 @@ def render_metrics(state: SimulatorState) -> str:
             [("", s.late_audio_events)],
         ),
         ("errors_total", "counter", "Error events sent.", [("", s.errors_sent)]),
-        ("outbox_events", "gauge", "Events queued in the unbounded outboxes.", [("", s.outbox_events)]),
-        ("outbox_bytes", "gauge", "Bytes queued in the unbounded outboxes.", [("", s.outbox_bytes)]),
-        ("stalled", "gauge", "Whether --stall-after has fired (0 or 1).", [("", int(state.stalled.is_set()))]),
+        (
+            "outbox_events",
+            "gauge",
+            "Events queued in the unbounded outboxes.",
+            [("", s.outbox_events)],
+        ),
+        (
+            "outbox_bytes",
+            "gauge",
+            "Bytes queued in the unbounded outboxes.",
+            [("", s.outbox_bytes)],
+        ),
+        (
+            "stalled",
+            "gauge",
+            "Whether --stall-after has fired (0 or 1).",
+            [("", int(state.stalled.is_set()))],
+        ),
     ]
     lines: list[str] = []
     for suffix, kind, help_text, samples in families:
@@ -141,7 +156,9 @@ def render_metrics(state: SimulatorState) -> str:
 async def handle_metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: see :func:`render_metrics`."""
     body = render_metrics(request.app[STATE_KEY]).encode()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
 
 
 # ------------------------------------------------------------- WebSocket
@@ -164,8 +181,10 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
     session = DuplexSession(state.config, state.bank, state.stats, model=model)
     # reference §1.2: with model= and autostart not disabled, the session opens
     # before any client message (the pitfall the proxy avoids with autostart=0).
-    if model is not None and not is_false_flag(query.get("autostart")) and not truthy(
-        query.get("resume")
+    if (
+        model is not None
+        and not is_false_flag(query.get("autostart"))
+        and not truthy(query.get("resume"))
     ):
         session.open()
     await SessionRunner(ws, session, state).run()
@@ -223,9 +242,11 @@ async def _shutdown(runner: web.AppRunner, state: SimulatorState) -> None:
         await site.stop()  # stop accepting first
     for session in list(state.sessions):
         session.request_close("shutdown", 1001)  # 1001 going away, not 1000
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(SHUTDOWN_DRAIN_TIMEOUT):
-            await state.no_sessions.wait()
+    # A stalled server sends nothing, so waiting for sessions to drain is moot.
+    if not state.stalled.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHUTDOWN_DRAIN_TIMEOUT):
+                await state.no_sessions.wait()
     await runner.cleanup()
 
 

@@ -248,14 +248,15 @@ class DuplexSession:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             self.error("bad_event", "event must be an object with a string type")
             return
-        kind = CLIENT_ALIASES.get(event["type"], event["type"])
+        event_type: str = event["type"]
+        kind = CLIENT_ALIASES.get(event_type, event_type)
         if self.phase is Phase.AWAITING_OPEN and kind not in OPENING_EVENTS:
             # reference §1.2: any other first message opens a default session
             # and is then executed as a command.
             self.open()
         handler = HANDLERS.get(kind)
         if handler is None:
-            self.error("unknown_event", f"unknown event type {event['type']!r}", event)
+            self.error("unknown_event", f"unknown event type {event_type!r}", event)
             return
         handler(self, event)
 
