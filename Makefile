@@ -18,5 +18,9 @@ lint:
 	$(VENV)/bin/python -m ruff check proxy engine_launcher metrics tests
 	$(VENV)/bin/python -m mypy proxy engine_launcher metrics
 
+# The heavier tier against the real vLLM-Omni serving layer (own venv, ~9 GB):
+#   make test-real-engine
+include mk/real-engine.mk
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -64,7 +64,17 @@ def response_failed(event_id: str, response_id: str, reason: str) -> UpstreamEve
                 "object": "realtime.response",
                 "status": "failed",
                 "status_details": {"type": "failed", "reason": reason},
-                "output": [],
+                # The engine always lists the assistant item, even when empty.
+                "output": [
+                    {
+                        "id": "item_" + response_id,
+                        "object": "realtime.item",
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "failed",
+                        "content": [],
+                    }
+                ],
                 "metadata": {"committed": False, "reason": reason},
             },
         }
@@ -78,7 +88,8 @@ def session_closed(
     body: dict[str, Any] = {
         "type": "session.closed",
         "event_id": event_id,
-        "session_id": session_id,
+        # A string like the engine's (SessionClosed.session_id is str), "" if unknown.
+        "session_id": session_id or "",
         "reason": reason,
         "event": {} if detail is None else {"detail": detail},
     }

@@ -319,6 +319,8 @@ class SessionCore:
             self._close(event, CLOSE_NORMAL, self._closed_outcome(), now)
             return event
 
+        if rid is None and event.body is not None:
+            rid = self._response_of_item(event.body)
         verdict = self.ledger.verdict(rid, is_audio=event.is_audio, now=now)
         if verdict is Verdict.CANCELLED:
             self._count_drop(DropReason.LATE_AUDIO, event.size)
@@ -334,6 +336,20 @@ class SessionCore:
         elif offer is Offer.REJECTED_FULL:
             self._overflow(event, now)
         return event
+
+    def _response_of_item(self, body: dict[str, object]) -> str | None:
+        """The response an assistant item event belongs to (``item_<response_id>``).
+
+        The real engine's ``conversation.item.*`` events carry no response_id;
+        without this, events of a failed response would still reach the client.
+        """
+        item = body.get("item")
+        item_id = item.get("id") if isinstance(item, dict) else body.get("item_id")
+        if isinstance(item_id, str) and item_id.startswith("item_"):
+            candidate = item_id[5:]
+            if self.ledger.is_open(candidate) or self.ledger.cancelled_at(candidate) is not None:
+                return candidate
+        return None
 
     def _closed_outcome(self) -> Outcome:
         return Outcome.CLIENT_CLOSED if self.client_close_requested else Outcome.UPSTREAM_CLOSED

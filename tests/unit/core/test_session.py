@@ -60,7 +60,8 @@ def assert_failed_done(d: Delivered, response_id: str) -> None:
     assert response["metadata"]["committed"] is False
 
 
-def assert_closed(d: Delivered, reason: str, session_id: str | None = None) -> None:
+def assert_closed(d: Delivered, reason: str, session_id: str = "") -> None:
+    """``session_id`` is "" until the engine's session.created named one."""
     assert d.closure
     assert d.type == "session.closed"
     assert d.body["reason"] == reason
@@ -709,6 +710,20 @@ class TestOverflowFailResponse:
         assert drop_events(p, DropReason.OVERFLOW) == 0
         assert p.core.statistics().overflows == 1
         assert p.upstream_sent == [{"type": "response.cancel", "response_id": "r1"}]
+
+    def test_item_events_without_response_id_are_attributed_by_item_id(self) -> None:
+        """The real engine's conversation.item.* carry no response_id, only the
+        assistant item ``item_<response_id>``: those of a failed response are dropped."""
+        p = pair(max_events=4, policy=OverflowPolicy.FAIL_RESPONSE)
+        p.upstream(h.response_created("r1"), h.audio("r1", seq=0), h.audio("r1", seq=1))
+        p.upstream(h.audio("r1", seq=2), h.audio("r1", seq=3))  # overflow → r1 failed
+        item_done = h.dumps(
+            {"type": "conversation.item.done", "item": {"id": "item_r1", "role": "assistant"}}
+        )
+        user_item = h.dumps({"type": "conversation.item.done", "item": {"id": "item_user1"}})
+        p.upstream(item_done, user_item)
+        out = p.deliver()
+        assert [d.text for d in out if d.type == "conversation.item.done"] == [user_item]
 
     def test_unrelated_event_kept_after_the_failure(self) -> None:
         p = pair(max_events=4, policy=OverflowPolicy.FAIL_RESPONSE)

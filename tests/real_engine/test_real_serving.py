@@ -1,0 +1,214 @@
+"""The sidecar in front of vLLM-Omni 0.30's real serving layer (``make test-real-engine``).
+
+Needs ``vllm==0.30.0`` + ``vllm-omni==0.30.0`` (and their CUDA torch builds)
+installed; skipped otherwise. No GPU and no weights: vLLM-Omni's own router and
+``OmniDuplexSessionHandler`` run on uvicorn over a stand-in engine
+(``stand_in_engine.py``) whose wire events come from the engine's real Realtime
+projection. Clients: vLLM-Omni's installed ``DuplexClient`` and the OpenAI SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pytest
+
+pytest.importorskip(
+    "vllm_omni.entrypoints", reason="needs vllm-omni 0.30.0 + vllm 0.30.0: make test-real-engine"
+)
+uvicorn = pytest.importorskip("uvicorn")
+
+from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port
+from tests.integration.helpers import pcm16_b64
+from tests.integration.vllm_omni_wheel import run_duplex_session
+from tests.real_engine.stand_in_engine import (
+    Pace,
+    StandInEngine,
+    build_app,
+    build_omni,
+)
+
+pytestmark = pytest.mark.real_engine
+
+MODEL: Final = "omni-stand-in"
+AUDIO_DELTA: Final = "response.output_audio.delta"
+PACE: Final = Pace(chunk_ms=200, chunks=5, interval_s=0.2 * TIMEOUT_FACTOR, late_chunks=3)
+
+
+@dataclass
+class RealServer:
+    engine: StandInEngine
+    app: Any
+    port: int
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+async def real_server() -> AsyncIterator[RealServer]:
+    """vLLM-Omni's app (router + duplex handler) on uvicorn, loopback, ephemeral port."""
+    engine = StandInEngine(PACE)
+    app = build_app(build_omni(engine, model=MODEL))
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    async with asyncio.timeout(DEADLINE):
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+    try:
+        yield RealServer(engine, app, port)
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(DEADLINE):
+                await task
+
+
+def _client_module() -> Any:
+    from vllm_omni.clients import duplex
+
+    return duplex
+
+
+async def test_health_route_is_vllm_omnis_own(real_server: RealServer) -> None:
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{real_server.http_url}/health") as resp,
+    ):
+        assert resp.status == 200
+        assert await resp.json() == {"status": "healthy"}
+
+
+async def test_duplex_client_session_through_the_sidecar(
+    real_server: RealServer, sidecar: Any
+) -> None:
+    acks: list[int] = []
+    handler = real_server.app.state.openai_serving_duplex
+    registry = handler._attachment_registry
+    acknowledge = registry.acknowledge
+
+    async def recording_acknowledge(session_id: str, sequence: int) -> int:
+        acks.append(sequence)
+        return await acknowledge(session_id, sequence)
+
+    registry.acknowledge = recording_acknowledge  # the real handler's journal trim
+
+    proxy = await sidecar(upstream=real_server.ws_url)
+    host, port = proxy.sidecar.bound["listen"]
+    run = await run_duplex_session(
+        _client_module(),
+        f"ws://{host}:{port}",
+        model=MODEL,
+        deadline=DEADLINE,
+        audio_type=AUDIO_DELTA,
+    )
+    received = run.received()
+    assert received[0]["type"] == "session.created"
+    assert run.session_id and run.session_id.startswith("duplex-")
+    assert run.statuses == ("completed", "cancelled")
+
+    deltas = [
+        e for e in received if e["type"] == AUDIO_DELTA and e["response_id"] == run.completed_id
+    ]
+    assert len(deltas) == PACE.chunks
+    assert run.completed_audio == b"".join(base64.b64decode(e["delta"]) for e in deltas)
+    assert run.completed_transcript == "Hello from the stand-in engine"
+
+    after = run.after_first_sent("response.cancel")
+    stale = [e for e in after if e["type"] == AUDIO_DELTA and e["response_id"] == run.cancelled_id]
+    assert stale == []
+    assert real_server.engine.late_audio_sent >= 1  # the engine did send some
+    assert proxy.metric("omni_sidecar_dropped_events_total", {"reason": "late_audio"}) >= 1
+
+    # Acks went through the sidecar into the real handler's journal.
+    seqs = [e["server_event_seq"] for e in received if "server_event_seq" in e]
+    assert acks == seqs[:-1]
+    assert received[-1]["type"] == "session.closed"
+    assert received[-1]["reason"] == "client_close"
+    assert run.closed_expected and run.close_code == 1000
+
+
+async def test_duplex_client_straight_to_real_serving_sees_stale_audio(
+    real_server: RealServer,
+) -> None:
+    """Control: without the sidecar the released serving path delivers late audio."""
+    run = await run_duplex_session(
+        _client_module(),
+        f"ws://127.0.0.1:{real_server.port}",
+        model=MODEL,
+        deadline=DEADLINE,
+        audio_type=AUDIO_DELTA,
+    )
+    after = run.after_first_sent("response.cancel")
+    stale = [e for e in after if e["type"] == AUDIO_DELTA and e["response_id"] == run.cancelled_id]
+    assert len(stale) >= 1
+
+
+async def test_openai_ga_client_through_the_sidecar(real_server: RealServer, sidecar: Any) -> None:
+    openai = pytest.importorskip("openai")
+    proxy = await sidecar(upstream=real_server.ws_url)
+    client = openai.AsyncOpenAI(base_url=f"{proxy.http_url}/v1", api_key="sk-test", max_retries=0)
+    events: list[Any] = []
+
+    async def until(conn: Any, match: Any) -> Any:
+        check = (lambda e: e.type == match) if isinstance(match, str) else match
+        async with asyncio.timeout(DEADLINE):
+            while True:
+                event = await conn.recv()
+                events.append(event)
+                if check(event):
+                    return event
+
+    try:
+        async with asyncio.timeout(DEADLINE * 4):
+            async with client.realtime.connect(model=MODEL) as conn:
+                # ?model= opens a default session at once (reference §1.2).
+                await until(conn, "session.created")
+                await until(conn, "session.updated")
+                await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
+                await until(conn, "session.updated")
+                pcm = pcm16_b64(200, amplitude=0.3)  # speech-like: silence would be "listen"
+                for _ in range(2):
+                    await conn.input_audio_buffer.append(audio=pcm)
+                    await conn.input_audio_buffer.commit()
+                    await until(conn, "input_audio_buffer.committed")
+                    await conn.response.create()
+                    first = await until(conn, AUDIO_DELTA)
+                    if len([e for e in events if e.type == "response.created"]) == 2:
+                        break
+                    await until(conn, "response.done")
+                mark = len(events)
+                await conn.response.cancel()
+                done = await until(
+                    conn, lambda e: e.type == "response.done" and e.response.id == first.response_id
+                )
+                assert done.response.status == "cancelled"
+                stale = [
+                    e for e in events[mark:]
+                    if e.type == AUDIO_DELTA and e.response_id == first.response_id
+                ]  # fmt: skip
+                assert stale == []
+                await conn.send({"type": "session.close"})  # type: ignore[arg-type]
+                closed = await until(conn, "session.closed")
+                assert closed.reason == "client_close"
+    finally:
+        await client.close()
+    statuses = [e.response.status for e in events if e.type == "response.done"]
+    assert statuses == ["completed", "cancelled"]
+    assert real_server.engine.late_audio_sent >= 1
