@@ -1,0 +1,196 @@
+"""Start the paths under test on loopback: engine, nginx, omni-sidecar, bare relay.
+
+``Stack`` starts one engine (the bench engine, or the project's simulator) on
+the load core and, in front of it, each proxy on the proxy core:
+
+* ``direct``: the client talks to the engine itself;
+* ``nginx``: Debian's nginx as a plain WebSocket proxy, one worker, generated
+  config (standard Upgrade/Connection map, default 4k ``proxy_buffer_size``),
+  run as our own process with ``-p tmpdir -c conf -g 'daemon off;'``;
+* ``sidecar``: ``omni-sidecar serve --upstream ws://engine`` as a real process;
+* ``bare``: :mod:`bench.bare_relay`, aiohttp + uvloop forwarding frames only.
+
+Each proxy is pinned to ``PROXY_CPU`` when it is measured. Only one proxy is
+measured at a time, but all of them stay up for the scenario (idle ones cost
+nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from bench.common import LOAD_CPU, PROXY_CPU, ROOT, Proc, free_port, python, start, wait_port
+
+__all__ = ["CONFIGS", "Stack", "ensure_nginx"]
+
+CONFIGS: Final = ("direct", "nginx", "bare", "sidecar")
+
+_NGINX_CONF: Final = """\
+worker_processes 1;
+worker_rlimit_nofile 65536;
+error_log {tmp}/error.log warn;
+pid {tmp}/nginx.pid;
+events {{ worker_connections 30000; multi_accept on; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body;
+  proxy_temp_path {tmp}/proxy;
+  map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass http://127.0.0.1:{upstream};
+      proxy_http_version 1.1;
+      proxy_set_header Upgrade $http_upgrade;
+      proxy_set_header Connection $connection_upgrade;
+      proxy_set_header Host $host;
+      proxy_read_timeout 3600s;
+      proxy_send_timeout 3600s;
+      proxy_buffer_size {buffer};
+    }}
+  }}
+}}
+"""
+
+
+def ensure_nginx() -> str:
+    """Path of nginx; installs Debian's package when missing (we run as root here)."""
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if found:
+        return found
+    print("nginx not found: apt-get install -y nginx-light", file=sys.stderr, flush=True)
+    subprocess.run(["apt-get", "update", "-qq"], check=False, timeout=300)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "nginx-light"], check=True, timeout=600)
+    found = shutil.which("nginx") or "/usr/sbin/nginx"
+    return found
+
+
+def nginx_version() -> str:
+    try:
+        out = subprocess.run([ensure_nginx(), "-v"], capture_output=True, timeout=10, check=False)
+        return out.stderr.decode().strip().split("/")[-1]
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+@dataclass
+class Stack:
+    """Engine plus proxies. ``sidecar_args`` are extra ``serve`` flags."""
+
+    engine: str = "bench"  # or "simulator"
+    simulator_args: list[str] = field(default_factory=list)
+    sidecar_args: list[str] = field(default_factory=list)
+    configs: tuple[str, ...] = CONFIGS
+    nginx_buffer: str = "4k"
+    procs: dict[str, Proc] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __enter__(self) -> Stack:  # noqa: PYI034 - final in practice
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        engine_port = free_port()
+        self.ports["direct"] = engine_port
+        if self.engine == "bench":
+            argv = [python(), "-m", "bench.engine", "--port", str(engine_port)]
+        else:
+            argv = [
+                python(), "-m", "engine_launcher.simulator", "--port", str(engine_port),
+                *self.simulator_args,
+            ]
+        self.procs["engine"] = start("engine", argv, cpu=LOAD_CPU)
+        wait_port(engine_port, proc=self.procs["engine"].popen)
+        upstream = f"ws://127.0.0.1:{engine_port}"
+        if "nginx" in self.configs:
+            port = free_port()
+            tmp = Path(tempfile.mkdtemp(prefix="omni-bench-nginx-"))
+            (tmp / "body").mkdir()
+            (tmp / "proxy").mkdir()
+            conf = tmp / "nginx.conf"
+            conf.write_text(
+                _NGINX_CONF.format(tmp=tmp, port=port, upstream=engine_port, buffer=self.nginx_buffer)
+            )
+            self.procs["nginx"] = start(
+                "nginx",
+                [ensure_nginx(), "-p", str(tmp), "-c", str(conf), "-g", "daemon off; user root;"],
+                cpu=PROXY_CPU,
+            )
+            wait_port(port, proc=self.procs["nginx"].popen)
+            self.ports["nginx"] = port
+        if "bare" in self.configs:
+            port = free_port()
+            self.procs["bare"] = start(
+                "bare",
+                [python(), "-m", "bench.bare_relay", "--port", str(port), "--upstream", upstream],
+                cpu=PROXY_CPU,
+            )
+            wait_port(port, proc=self.procs["bare"].popen)
+            self.ports["bare"] = port
+        if "sidecar" in self.configs:
+            port = free_port()
+            admin = free_port()
+            sidecar = str(Path(python()).with_name("omni-sidecar"))
+            argv = [
+                sidecar if os.path.exists(sidecar) else "omni-sidecar", "serve",
+                "--upstream", upstream,
+                "--listen", f"127.0.0.1:{port}",
+                "--admin-listen", f"127.0.0.1:{admin}",
+                "--max-sessions", "0",
+                "--log-level", "warning",
+                *self.sidecar_args,
+            ]
+            self.procs["sidecar"] = start("sidecar", argv, cpu=PROXY_CPU)
+            wait_port(port, timeout=30, proc=self.procs["sidecar"].popen)
+            self.ports["sidecar"] = port
+            self.ports["sidecar_admin"] = admin
+
+    def url(self, config: str, query: str = "") -> str:
+        base = f"ws://127.0.0.1:{self.ports[config]}/v1/realtime"
+        return base + ("?" + query if query else "")
+
+    def stats_url(self) -> str:
+        return f"ws://127.0.0.1:{self.ports['direct']}/stats"
+
+    def proxy_pids(self, config: str) -> list[int]:
+        proc = self.procs.get(config)
+        return proc.pids() if proc is not None else []
+
+    def engine_pid(self) -> int:
+        return self.procs["engine"].pid
+
+    def watch_args(self, config: str) -> list[str]:
+        args = ["--watch", f"engine={self.engine_pid()}"]
+        pids = self.proxy_pids(config)
+        if pids:
+            args += ["--watch", "proxy=" + ",".join(str(p) for p in pids)]
+        return args
+
+    def stop(self) -> None:
+        for name in ("sidecar", "bare", "nginx", "engine"):
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+
+
+def root() -> Path:
+    return ROOT
