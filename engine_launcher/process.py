@@ -188,7 +188,8 @@ class EngineProcess:
 
     async def start(self) -> None:
         """Spawn the child in its own process group; its output goes to our log."""
-        env = dict(os.environ)
+        # The engine needs none of our settings, and some are secrets (API keys).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
         env.update(self._env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         log.info("starting engine: %s", " ".join(self.argv))

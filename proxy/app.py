@@ -160,7 +160,12 @@ class Admission:
     async def release(self) -> None:
         self.active -= 1
         async with self._freed:
-            self._freed.notify()
+            self._freed.notify_all()
+
+    async def wait_idle(self) -> None:
+        """Wait until no session holds a slot (handshakes in flight included)."""
+        async with self._freed:
+            await self._freed.wait_for(lambda: self.active == 0)
 
     def set_ready(self, ready: bool, reason: str = "") -> None:
         self.engine_ready = ready
@@ -347,7 +352,6 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     client = web.WebSocketResponse(
         protocols=_CLIENT_SUBPROTOCOLS,
         heartbeat=heartbeat,
-        receive_timeout=settings.client_idle_timeout or None,
         max_msg_size=settings.max_client_message_bytes,
         compress=False,
         autoping=True,
@@ -374,9 +378,12 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         upstream_close_timeout=settings.upstream_close_timeout,
         max_pending_input_bytes=settings.max_pending_input_bytes,
         max_session_duration=settings.max_session_duration,
+        client_idle_timeout=settings.client_idle_timeout,
     )
     metrics.sessions_started.inc()
     state.registry.add(relay)
+    if state.registry.closing_all:
+        relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
     relay.log.info("session open: %s -> %s", request.remote, url)
     try:
         await relay.run()
@@ -415,8 +422,12 @@ async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
         return _json_error(503, "not_ready", "engine is not ready")
     url = target.http_base + request.path_qs
     headers = CIMultiDict(
-        (k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in _HOP_BY_HOP and k.lower() != "authorization"
     )
+    # Same rule as for WebSockets: upstream_authorization decides what the engine sees.
+    headers.update(_upstream_headers(state, request))
     data = request.content if request.body_exists else None
     try:
         async with state.client_session().request(
@@ -467,6 +478,7 @@ def build_client_app(state: ProxyState) -> web.Application:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.registry.flush_metrics()
     accept = request.headers.get("Accept", "")
     if "application/openmetrics-text" in accept:
         body = generate_openmetrics(state.metrics.registry)

@@ -38,6 +38,9 @@ def load_api_keys(keys: Iterable[str], keys_file: str | None) -> tuple[str, ...]
                         found.append(line)
         except OSError as exc:
             raise ConfigError("api_keys_file", f"cannot read: {exc.strerror}", keys_file) from None
+        if not found:
+            # An empty file must not silently turn authentication off.
+            raise ConfigError("api_keys_file", "contains no keys", keys_file)
     return tuple(dict.fromkeys(found))
 
 

@@ -104,7 +104,11 @@ def _serve(ns: argparse.Namespace) -> int:
     _install_uvloop()
     from proxy.server import serve
 
-    return asyncio.run(serve(loaded.settings))
+    try:
+        return asyncio.run(serve(loaded.settings))
+    except ConfigError as exc:  # found while building the app (e.g. an empty keys file)
+        print(f"omni-sidecar: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def main(argv: Sequence[str] | None = None) -> int:

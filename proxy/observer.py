@@ -19,6 +19,7 @@ from proxy.core.buffer import Entry
 from proxy.core.events import EventKind, UpstreamEvent
 
 if TYPE_CHECKING:
+    from proxy.core.session import SessionCore
     from proxy.relay import Relay
 
 __all__ = ["SessionObserver", "SessionRegistry"]
@@ -27,17 +28,6 @@ log = logging.getLogger(__name__)
 
 _C2U = "client_to_upstream"
 _U2C = "upstream_to_client"
-
-
-def _event_kind_label(event: UpstreamEvent) -> str:
-    kind = event.kind
-    if kind is EventKind.AUDIO_DELTA:
-        return "audio"
-    if kind is EventKind.ERROR:
-        return "error"
-    if kind is EventKind.MALFORMED:
-        return "invalid"
-    return "control"
 
 
 class SessionRegistry:
@@ -52,11 +42,14 @@ class SessionRegistry:
         self.metrics = metrics
         self.max_total = max_total_pending_output_bytes
         self.relays: dict[str, Relay] = {}
+        self._observers: dict[str, SessionObserver] = {}
         self._pending_bytes: dict[str, int] = {}
         self._pending_events: dict[str, int] = {}
         self.total_pending_bytes = 0
         self.total_pending_events = 0
         self._empty: asyncio.Event | None = None
+        #: Set at shutdown: a session admitted after it is told to close at once.
+        self.closing_all = False
         # Read at scrape time: no gauge update on the per-event path.
         metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
         metrics.output_pending_events.set_function(lambda: self.total_pending_events)
@@ -78,6 +71,7 @@ class SessionRegistry:
 
     def remove(self, relay: Relay) -> None:
         self.relays.pop(relay.key, None)
+        self._observers.pop(relay.key, None)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
         self.total_pending_events -= self._pending_events.pop(relay.key, 0)
         self.metrics.sessions_active.set(len(self.relays))
@@ -85,7 +79,14 @@ class SessionRegistry:
             self._empty.set()
 
     def observer(self, key: str) -> SessionObserver:
-        return SessionObserver(self, key)
+        observer = SessionObserver(self, key)
+        self._observers[key] = observer
+        return observer
+
+    def flush_metrics(self) -> None:
+        """Move per-session event/byte counts into the counters (before a scrape)."""
+        for observer in self._observers.values():
+            observer.flush()
 
     def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
         """Record a session's current buffer size; shed the largest if over the cap."""
@@ -150,11 +151,17 @@ class SessionRegistry:
 
 
 class SessionObserver:
-    """Hooks a relay calls; keeps per-event work to a few counter increments."""
+    """Hooks a relay calls, kept to plain integer arithmetic per event.
+
+    Event and byte counts are accumulated per session and added to the
+    Prometheus counters by ``flush`` (at every scrape and at session end), so
+    the hot path takes no metric locks.
+    """
 
     __slots__ = (
         "_registry", "_key", "_m", "_delay", "_overflows_seen", "_late_evicted_seen",
-        "_c2u_events", "_c2u_audio", "_c2u_invalid", "_c2u_bytes", "_u2c_events", "_u2c_bytes",
+        "_last_pending", "c2u_control", "c2u_audio", "c2u_invalid", "c2u_bytes",
+        "u2c_audio", "u2c_control", "u2c_error", "u2c_invalid", "u2c_bytes", "_flushed",
     )
 
     def __init__(self, registry: SessionRegistry, key: str) -> None:
@@ -165,39 +172,78 @@ class SessionObserver:
         self._delay = m.output_queue_delay
         self._overflows_seen = 0
         self._late_evicted_seen = 0
-        # Resolve label children once: per-event work is then a plain increment.
-        self._c2u_events = m.events.labels(_C2U, "control")
-        self._c2u_audio = m.events.labels(_C2U, "audio")
-        self._c2u_invalid = m.events.labels(_C2U, "invalid")
-        self._c2u_bytes = m.bytes.labels(_C2U)
-        self._u2c_events = {
-            label: m.events.labels(_U2C, label) for label in ("audio", "control", "error", "invalid")
-        }
-        self._u2c_bytes = m.bytes.labels(_U2C)
+        self._last_pending = (0, 0)
+        self.c2u_control = self.c2u_audio = self.c2u_invalid = self.c2u_bytes = 0
+        self.u2c_audio = self.u2c_control = self.u2c_error = self.u2c_invalid = 0
+        self.u2c_bytes = 0
+        self._flushed = (0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
-        if forwarded:
-            (self._c2u_audio if audio else self._c2u_events).inc()
-            self._c2u_bytes.inc(size)
+        if not forwarded:
+            self.c2u_invalid += 1
+            return
+        if audio:
+            self.c2u_audio += 1
         else:
-            self._c2u_invalid.inc()
+            self.c2u_control += 1
+        self.c2u_bytes += size
 
     def upstream_event(self, event: UpstreamEvent) -> None:
-        self._u2c_events[_event_kind_label(event)].inc()
-        self._u2c_bytes.inc(event.size)
+        kind = event.kind
+        if kind is EventKind.AUDIO_DELTA:
+            self.u2c_audio += 1
+        elif kind is EventKind.ERROR:
+            self.u2c_error += 1
+        elif kind is EventKind.MALFORMED:
+            self.u2c_invalid += 1
+        else:
+            self.u2c_control += 1
+        self.u2c_bytes += event.size
+
+    def flush(self) -> None:
+        """Add the counts accumulated since the last flush to the counters."""
+        now = (
+            self.c2u_control, self.c2u_audio, self.c2u_invalid, self.c2u_bytes,
+            self.u2c_audio, self.u2c_control, self.u2c_error, self.u2c_invalid, self.u2c_bytes,
+        )
+        before = self._flushed
+        if now == before:
+            return
+        d = [a - b for a, b in zip(now, before, strict=True)]
+        m = self._m
+        for value, counter in (
+            (d[0], m.events.labels(_C2U, "control")),
+            (d[1], m.events.labels(_C2U, "audio")),
+            (d[2], m.events.labels(_C2U, "invalid")),
+            (d[3], m.bytes.labels(_C2U)),
+            (d[4], m.events.labels(_U2C, "audio")),
+            (d[5], m.events.labels(_U2C, "control")),
+            (d[6], m.events.labels(_U2C, "error")),
+            (d[7], m.events.labels(_U2C, "invalid")),
+            (d[8], m.bytes.labels(_U2C)),
+        ):
+            if value:
+                counter.inc(value)
+        self._flushed = now
 
     def delivered(self, entry: Entry, written_at: float) -> None:
         self._delay.observe(max(0.0, written_at - entry.enqueued_at))
 
     def after_core_call(self, relay: Relay) -> None:
-        """Sync buffer size, drops, overflows and timing observations."""
+        """Sync buffer size; export drops, overflows and timings when there is news."""
         core = relay.core
         buffer = core.buffer
-        stats_bytes = buffer.pending_bytes
-        self._registry.update_pending(self._key, stats_bytes, len(buffer))
+        pending = (buffer.pending_bytes, len(buffer))
+        if pending != self._last_pending:
+            self._last_pending = pending
+            self._registry.update_pending(self._key, pending[0], pending[1])
+        if core.news:
+            core.news = False
+            self._export_news(core)
+
+    def _export_news(self, core: SessionCore) -> None:
         m = self._m
-        drops = core.take_drops()
-        for reason, (events, size) in drops.items():
+        for reason, (events, size) in core.take_drops().items():
             m.dropped_events.labels(reason.value).inc(events)
             m.dropped_bytes.labels(reason.value).inc(size)
         overflows = core.overflow_count
@@ -218,7 +264,10 @@ class SessionObserver:
 
     def session_observations(self, relay: Relay) -> None:
         """The session ended: final sync and its outcome."""
+        core = relay.core
+        core.news = False
+        self._export_news(core)
         self.after_core_call(relay)
-        outcome = relay.core.outcome
+        self.flush()
+        outcome = core.outcome
         self._m.sessions.labels(outcome.value if outcome else "error").inc()
-

@@ -84,6 +84,7 @@ class Relay:
         upstream_close_timeout: float,
         max_pending_input_bytes: int = 0,
         max_session_duration: float = 0.0,
+        client_idle_timeout: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.key = session_key
@@ -97,6 +98,11 @@ class Relay:
         self._upstream_close_timeout = upstream_close_timeout
         self._max_pending_input = max_pending_input_bytes
         self._max_duration = max_session_duration
+        self._idle_timeout = client_idle_timeout
+        self._last_client_frame = clock()
+        self._idle_timer: asyncio.TimerHandle | None = None
+        #: The timeout scope of the delivery loop; closing sessions get a deadline.
+        self._deadline: asyncio.Timeout | None = None
         self._clock = clock
         self.started_at = clock()
         self._wake = asyncio.Event()
@@ -105,6 +111,8 @@ class Relay:
         self._client_gone = asyncio.Event()
         self._intake: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        #: The delivery task is parked waiting for output (fast path allowed).
+        self._delivery_idle = False
         self.bytes_client_to_upstream = 0
         self.bytes_upstream_to_client = 0
         self.log = logging.LoggerAdapter(log, {"session": session_key})
@@ -113,9 +121,12 @@ class Relay:
 
     async def run(self) -> None:
         """Relay until both sides are closed. Never raises for peer behaviour."""
+        loop = asyncio.get_running_loop()
         timer = None
         if self._max_duration > 0:
-            timer = asyncio.get_running_loop().call_later(self._max_duration, self._expire)
+            timer = loop.call_later(self._max_duration, self._expire)
+        if self._idle_timeout > 0:
+            self._idle_timer = loop.call_later(self._idle_timeout, self._check_idle)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._reader = tg.create_task(
@@ -130,6 +141,8 @@ class Relay:
         finally:
             if timer is not None:
                 timer.cancel()
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
             self.core.finish()
             self._observer.session_observations(self)
             with contextlib.suppress(Exception):
@@ -145,6 +158,23 @@ class Relay:
         self.log.info("max_session_duration reached")
         self.core.end(
             self._clock(), reason="max_session_duration", code=CLOSE_NORMAL,
+            outcome=Outcome.CLIENT_CLOSED,
+        )
+        self._after_core_call()
+
+    def _check_idle(self) -> None:
+        """client_idle_timeout: no client frame for that long (the heartbeat,
+        not this timer, detects peers that stopped answering pings)."""
+        idle = self._clock() - self._last_client_frame
+        if idle < self._idle_timeout:
+            self._idle_timer = asyncio.get_running_loop().call_later(
+                self._idle_timeout - idle, self._check_idle
+            )
+            return
+        self._idle_timer = None
+        self.log.info("client idle for %.1f s; closing", idle)
+        self.core.end(
+            self._clock(), reason="client_idle_timeout", code=CLOSE_NORMAL,
             outcome=Outcome.CLIENT_CLOSED,
         )
         self._after_core_call()
@@ -169,6 +199,7 @@ class Relay:
         try:
             while True:
                 msg = await client.receive()
+                self._last_client_frame = self._clock()
                 kind = msg.type
                 if kind is aiohttp.WSMsgType.TEXT:
                     text: str = msg.data
@@ -192,7 +223,8 @@ class Relay:
                             self.bytes_client_to_upstream += decision.event.size
                             await self._send_upstream(text)
                     self._after_core_call()
-                    await self._flush_upstream_commands()
+                    if core.has_upstream_commands:
+                        await self._flush_upstream_commands()
                 elif kind is aiohttp.WSMsgType.BINARY:
                     core.reject_client_frame(
                         "binary_unsupported",
@@ -247,19 +279,33 @@ class Relay:
     async def _upstream_to_client(self) -> None:
         upstream = self.upstream
         core = self.core
+        observer = self._observer
+        protocol = self._protocol if self._protocol is not None else _NeverPaused()
         clean = False
         try:
             while True:
                 msg = await upstream.receive()
                 kind = msg.type
                 if kind is aiohttp.WSMsgType.TEXT:
-                    event = core.receive_upstream(msg.data, self._clock())
-                    self._observer.upstream_event(event)
+                    now = self._clock()
+                    event = core.receive_upstream(msg.data, now)
+                    observer.upstream_event(event)
                     self.bytes_upstream_to_client += event.size
                     if event.kind is EventKind.SESSION_CLOSED:
                         self._upstream_session_closed.set()
+                    if (
+                        self._delivery_idle
+                        and core.state is SessionState.OPEN
+                        and not protocol.writing_paused
+                    ):
+                        # Fast path: nothing queued or being written, the client
+                        # can take it: write now instead of waking the delivery
+                        # task (saves a task switch per event). Same checks as
+                        # delivery: next_delivery re-validates the event.
+                        await self._write_ready(now)
                     self._after_core_call()
-                    await self._flush_upstream_commands()
+                    if core.has_upstream_commands:
+                        await self._flush_upstream_commands()
                 elif kind is aiohttp.WSMsgType.BINARY:
                     event = core.receive_upstream("\x00binary", self._clock())
                     self._observer.upstream_event(event)
@@ -279,8 +325,46 @@ class Relay:
     # -- delivery -------------------------------------------------------------------------------
 
     def _after_core_call(self) -> None:
-        self._wake.set()
+        core = self.core
+        if core.buffer.has_output() or core.state is not SessionState.OPEN:
+            self._wake.set()
+            if core.state is SessionState.CLOSING:
+                self._arm_close_deadline()
         self._observer.after_core_call(self)
+
+    def _arm_close_deadline(self) -> None:
+        """A closing session gets a bounded time to deliver its last events,
+        also while delivery is blocked on a client that stopped reading."""
+        deadline = self._deadline
+        if deadline is None or deadline.when() is not None:
+            return
+        budget = (
+            self._drain_timeout
+            if self.core.outcome is Outcome.ENGINE_UNAVAILABLE
+            else self._close_timeout
+        )
+        deadline.reschedule(asyncio.get_running_loop().time() + budget)
+
+    async def _write_ready(self, now: float) -> None:
+        """Write what is ready while the client transport takes it (fast path)."""
+        core = self.core
+        buffer = core.buffer
+        while buffer.idle and buffer.has_output():
+            entry = core.next_delivery(now)
+            if entry is None:
+                return
+            try:
+                await self.client.send_str(entry.event.text)
+            except (ConnectionError, RuntimeError):
+                # The delivery task sees the closed client and winds down.
+                buffer.release_held()
+                self._wake.set()
+                return
+            written = self._clock()
+            core.delivered(entry, written)
+            self._observer.delivered(entry, now)
+            if self._protocol is not None and self._protocol.writing_paused:
+                return
 
     async def _wait_writable(self) -> None:
         """Wait until the client transport is below its high-water mark."""
@@ -294,21 +378,22 @@ class Relay:
         client = self.client
         try:
             async with asyncio.timeout(None) as deadline:
+                self._deadline = deadline
                 while True:
                     if core.state is SessionState.CLOSED:
                         break
-                    if core.state is SessionState.CLOSING and deadline.when() is None:
-                        budget = (
-                            self._drain_timeout
-                            if core.outcome is Outcome.ENGINE_UNAVAILABLE
-                            else self._close_timeout
-                        )
-                        deadline.reschedule(asyncio.get_running_loop().time() + budget)
+                    if core.state is SessionState.CLOSING:
+                        self._arm_close_deadline()
                     if not core.buffer.has_output():
                         self._wake.clear()
-                        await self._wake.wait()
+                        self._delivery_idle = True
+                        try:
+                            await self._wake.wait()
+                        finally:
+                            self._delivery_idle = False
                         continue
-                    await self._wait_writable()
+                    if self._protocol is not None and self._protocol.writing_paused:
+                        await self._wait_writable()
                     if client.closed:
                         break
                     now = self._clock()
@@ -382,6 +467,10 @@ class Relay:
             await self.client.close(code=self.core.close_code or CLOSE_NORMAL)
         if not self.upstream.closed:
             await self.upstream.close()
+
+
+class _NeverPaused:
+    writing_paused = False
 
 
 async def _first(*events: asyncio.Event) -> None:

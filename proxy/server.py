@@ -211,11 +211,16 @@ class Sidecar:
         self.admission.draining = True
         self.admission.set_ready(False, "draining")
         await self._drain()
+        self.sessions.closing_all = True
         for relay in list(self.sessions.relays.values()):
             relay.shutdown()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.close_timeout + 1.0):
+            # Handshakes still in flight register, see closing_all and close too.
+            async with asyncio.timeout(
+                self.settings.close_timeout + self.settings.handshake_timeout + 1.0
+            ):
                 await self.sessions.wait_empty()
+                await self.admission.wait_idle()
         for runner in reversed(self._runners):
             with contextlib.suppress(Exception):
                 await runner.cleanup()

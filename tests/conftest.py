@@ -133,6 +133,8 @@ class RunningSidecar:
         return f"http://{host}:{port}"
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        # Per-event counts reach the counters at scrape time, as for /metrics.
+        self.sidecar.sessions.flush_metrics()
         value = self.sidecar.registry.get_sample_value(name, labels or {})
         return 0.0 if value is None else float(value)
 

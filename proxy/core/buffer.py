@@ -293,6 +293,11 @@ class OutputBuffer:
         return entry
 
     @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing held: a write now cannot overtake anything."""
+        return not self._queue and self._held is None
+
+    @property
     def held_is_valid(self) -> bool:
         """False when the held event was invalidated after it was taken."""
         return self._held is not None and self._held_valid

@@ -167,6 +167,9 @@ class SessionCore:
         # drops by reason: [events since take_drops, bytes since, events total, bytes total]
         self._drops: dict[DropReason, list[int]] = {r: [0, 0, 0, 0] for r in DropReason}
         self._drops_dirty = False
+        #: Set when drops, overflows or timing observations changed; the shell
+        #: clears it after exporting them (keeps the per-event path cheap).
+        self.news = False
         self._overflows = 0
         self._cancels = 0
         self._overflowed = False
@@ -328,6 +331,8 @@ class SessionCore:
         if verdict is Verdict.FAILED:
             self._count_drop(DropReason.FAILED_RESPONSE, event.size)
             return event
+        if verdict is Verdict.EVICTED:
+            self.news = True  # late_audio_after_eviction changed
 
         offer = self.buffer.offer(event, now)
         if offer.accepted:
@@ -417,6 +422,7 @@ class SessionCore:
 
     def _overflow(self, event: UpstreamEvent, now: float) -> None:
         self._overflows += 1
+        self.news = True
         target = self._response_to_fail(event)
         if self.settings.overflow_policy is OverflowPolicy.FAIL_RESPONSE and target is not None:
             self._fail_response(target, DropReason.FAILED_RESPONSE, now)
@@ -582,6 +588,7 @@ class SessionCore:
             created = self._create_time.pop(rid, None)
             if created is not None:
                 self._first_audio_observed.append(max(0.0, now - created))
+                self.news = True
         elif event.kind is EventKind.RESPONSE_DONE:
             self.ledger.on_done_delivered(rid, now)
             self._create_time.pop(rid, None)
@@ -591,8 +598,13 @@ class SessionCore:
         window = self._silence.pop(response_id, None)
         if window is not None:
             self._silence_observed.append(max(0.0, window[1] - window[0]))
+            self.news = True
 
     # -- outputs for the shell -------------------------------------------------------------------------
+
+    @property
+    def has_upstream_commands(self) -> bool:
+        return bool(self._to_upstream)
 
     def events_to_upstream(self) -> list[str]:
         """Frames the proxy itself must send to the engine (cancel, close)."""
@@ -647,6 +659,7 @@ class SessionCore:
         if events <= 0:
             return
         self._drops_dirty = True
+        self.news = True
         counter = self._drops[reason]
         counter[0] += events
         counter[1] += size
