@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 STATE: Final = web.AppKey("omni_sidecar_state", "ProxyState")
 
+#: aiohttp's writer awaits a drain after this many bytes; ours never does.
+_NO_WRITER_DRAIN: Final = 1 << 62
 #: Largest frame accepted from the engine (DuplexClient allows 64 MiB too).
 MAX_UPSTREAM_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 #: Headers never copied between hops (RFC 9110 §7.6.1) or recomputed by aiohttp.
@@ -355,7 +357,10 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         max_msg_size=settings.max_client_message_bytes,
         compress=False,
         autoping=True,
-        writer_limit=settings.client_write_buffer_bytes,
+        # Flow control is ours: the relay writes only while the transport is
+        # below client_write_buffer_bytes. aiohttp's own drain inside send_str
+        # would block the engine reader (the fast path writes from it).
+        writer_limit=_NO_WRITER_DRAIN,
     )
     try:
         async with asyncio.timeout(settings.handshake_timeout):

@@ -349,7 +349,7 @@ class Relay:
         """Write what is ready while the client transport takes it (fast path)."""
         core = self.core
         buffer = core.buffer
-        while buffer.idle and buffer.has_output():
+        while not buffer.holding and buffer.has_output():
             entry = core.next_delivery(now)
             if entry is None:
                 return

@@ -293,9 +293,9 @@ class OutputBuffer:
         return entry
 
     @property
-    def idle(self) -> bool:
-        """Nothing queued and nothing held: a write now cannot overtake anything."""
-        return not self._queue and self._held is None
+    def holding(self) -> bool:
+        """An event was taken and is not yet released (a write is in progress)."""
+        return self._held is not None
 
     @property
     def held_is_valid(self) -> bool:

@@ -2,14 +2,12 @@
 
 The relay forwards the original frame text and parses only what a decision
 needs (house rule 3). Most frames are audio: large, frequent and boring. They
-are classified by a prefix scan that reads the top-level ``type`` and
-``response_id`` without touching the base64 payload; everything else is small
+are classified without parsing the base64 payload; everything else is small
 and is parsed with orjson so that its fields can be trusted.
 
-The scan is only trusted when the text before ``"delta"``/``"audio"`` is a flat
-run of simple key/value pairs (no nested object, array or escape). Anything
-else falls back to a full parse, so a hostile frame can make classification
-slower, never wrong.
+The base64 payload is cut out of the text and the rest, which is small, is
+parsed (see ``_splice_payload``). Anything unusual falls back to a full
+parse, so a hostile frame can make classification slower, never wrong.
 
 Nothing here performs I/O or reads a clock.
 """
@@ -174,7 +172,52 @@ class ClientEvent:
         return self.kind not in (ClientKind.INVALID_JSON, ClientKind.BAD_EVENT)
 
 
-# --- prefix scan -------------------------------------------------------------
+# --- payload splice ------------------------------------------------------------
+
+
+def _splice_payload(text: str, key: str) -> tuple[dict[str, Any], int] | None:
+    """Parse a frame without its bulk: the string value of ``key``.
+
+    The value's characters are checked for what could end or escape a JSON
+    string (a quote is where it ends; a backslash sends the frame to the full
+    parser), then the frame is parsed with the value cut out, which is small.
+    That one parse validates everything else: structure, ``type``, repeated
+    keys (the last one wins, as in a full parse). If the cut was not the
+    top-level ``key`` (a nested one came first) the parsed ``key`` is not the
+    empty string, and if ``key`` appears again after the value the frame may
+    hold a duplicate: both send the frame to the full parser. Not checked: raw control characters inside the value (an
+    O(n) scan that would cost more than parsing the frame).
+
+    Returns:
+        (the frame's object with ``key`` = "", the value's length), or None.
+    """
+    marker = '"' + key + '"'
+    at = text.find(marker)
+    if at < 0:
+        return None
+    i = at + len(marker)
+    if text.startswith(':"', i):  # compact JSON: the common case
+        start = i + 2
+    else:
+        i = _skip_ws(text, i)
+        if not text.startswith(":", i):
+            return None
+        i = _skip_ws(text, i + 1)
+        if not text.startswith('"', i):
+            return None
+        start = i + 1
+    end = text.find('"', start)
+    if end < 0 or text.find("\\", start, end) >= 0:
+        return None
+    if text.find(marker, end) >= 0:
+        return None  # the key again (a duplicate, or nested): only a full parse decides
+    try:
+        doc = orjson.loads(text[:start] + text[end:])
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or doc.get(key) != "":
+        return None
+    return doc, end - start
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -182,145 +225,6 @@ def _skip_ws(text: str, i: int) -> int:
     while i < n and text[i] in " \t\r\n":
         i += 1
     return i
-
-
-def _leading_type(text: str) -> tuple[str, int] | None:
-    """Read ``{"type": "X"`` at the very start; return (X, index after it)."""
-    i = _skip_ws(text, 0)
-    if not text.startswith("{", i):
-        return None
-    i = _skip_ws(text, i + 1)
-    if not text.startswith('"type"', i):
-        return None
-    i = _skip_ws(text, i + 6)
-    if not text.startswith(":", i):
-        return None
-    i = _skip_ws(text, i + 1)
-    if not text.startswith('"', i):
-        return None
-    end = text.find('"', i + 1)
-    if end < 0:
-        return None
-    value = text[i + 1 : end]
-    if "\\" in value:
-        return None
-    return value, end + 1
-
-
-def _find_key(text: str, key: str, start: int, end: int | None = None) -> int:
-    """Index just after ``"key":`` used as a key (not a value), or -1."""
-    marker = '"' + key + '"'
-    stop = len(text) if end is None else end
-    pos = text.find(marker, start, stop)
-    while pos >= 0:
-        j = pos - 1
-        while j >= start and text[j] in " \t\r\n":
-            j -= 1
-        i = _skip_ws(text, pos + len(marker))
-        if j >= 0 and text[j] in ",{" and text.startswith(":", i):
-            return _skip_ws(text, i + 1)
-        pos = text.find(marker, pos + 1, stop)
-    return -1
-
-
-def _flat_string_field(segment: str, key: str) -> str | None | bool:
-    """Find top-level ``"key": "value"`` in a flat segment.
-
-    Returns the value, None when absent, or False when the segment is not flat
-    enough to trust (then the caller parses the whole frame).
-    """
-    if "{" in segment or "[" in segment or "\\" in segment:
-        return False
-    if segment.count('"' + key + '"') > 1:
-        return False  # duplicate keys: let the parser decide (it keeps the last)
-    i = _find_key(segment, key, 0)
-    if i < 0:
-        return None
-    if segment.startswith("null", i):
-        return None
-    if not segment.startswith('"', i):
-        return False
-    end = segment.find('"', i + 1)
-    if end < 0:
-        return False
-    return segment[i + 1 : end]
-
-
-def _members(fragment: str) -> dict[str, Any] | None:
-    """Parse a (possibly empty) run of JSON object members; None if invalid."""
-    if not fragment.strip():
-        return {}
-    try:
-        value = orjson.loads("{" + fragment + "}")
-    except orjson.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _scan_payload(
-    text: str, start: int, payload_key: str
-) -> tuple[dict[str, Any], int] | None:
-    """Validate a frame whose bulk is one plain string under ``payload_key``.
-
-    The frame must read ``{"type":"X"`` + members + ``"key":"payload"`` +
-    members + ``}``. The members before and after are small and are parsed
-    with orjson; the payload is checked for quotes and escapes (base64 has
-    neither), not parsed. Not checked: raw control characters inside the
-    payload (an O(n) scan that would cost more than parsing the frame).
-    A repeated ``type`` or payload key sends the frame to the full parser;
-    other repeated members resolve like a full parse (the last one wins).
-
-    Returns:
-        (the other members, payload length), or None to parse the whole frame.
-    """
-    value_at = _find_key(text, payload_key, start)
-    if value_at < 0 or not text.startswith('"', value_at):
-        return None
-    end = text.find('"', value_at + 1)
-    if end < 0 or text.find("\\", value_at + 1, end) >= 0:
-        return None
-    before = text[start:value_at]
-    # before = ',' [members ','] '"key":' ; after = [',' members] '}'
-    lead = before[: before.rfind('"' + payload_key + '"')].strip()
-    if not lead.startswith(","):
-        return None
-    members_before = lead[1:].strip()
-    if members_before:
-        if not members_before.endswith(","):
-            return None
-        members_before = members_before[:-1]
-        if not members_before.strip():
-            return None
-    tail = text[end + 1 :].rstrip()
-    if not tail.endswith("}"):
-        return None
-    members_after = tail[:-1].strip()
-    if members_after:
-        if not members_after.startswith(","):
-            return None
-        members_after = members_after[1:]
-        if not members_after.strip():
-            return None
-    first = _members(members_before)
-    second = _members(members_after)
-    if first is None or second is None:
-        return None
-    if payload_key in first or payload_key in second or "type" in first or "type" in second:
-        return None  # a second payload or type: only the full parser keeps the last one
-    first.update(second)
-    return first, end - value_at - 1
-
-
-def _scan_payload_frame(text: str, start: int, payload_key: str) -> str | bool:
-    """Scan a large frame whose bulk is one base64 string under payload_key.
-
-    Returns the top-level response_id, or False if the frame must be parsed.
-    """
-    scanned = _scan_payload(text, start, payload_key)
-    if scanned is None:
-        return False
-    response_id = scanned[0].get("response_id")
-    return response_id if isinstance(response_id, str) else False
 
 
 def _parse_object(text: str) -> dict[str, Any] | str:
@@ -355,12 +259,15 @@ def classify_upstream(text: str) -> UpstreamEvent:
     """
     size = frame_size(text)
     if len(text) >= _SCAN_MIN_CHARS:
-        lead = _leading_type(text)
-        if lead is not None and lead[0] in AUDIO_DELTA_TYPES:
-            scanned = _scan_payload_frame(text, lead[1], "delta")
-            if not isinstance(scanned, bool):
+        spliced = _splice_payload(text, "delta")
+        if spliced is not None:
+            doc = spliced[0]
+            event_type = doc.get("type")
+            if event_type in AUDIO_DELTA_TYPES:
+                assert isinstance(event_type, str)
                 return UpstreamEvent(
-                    text, size, lead[0], EventKind.AUDIO_DELTA, response_id=scanned
+                    text, size, event_type, EventKind.AUDIO_DELTA,
+                    response_id=_str_or_none(doc.get("response_id")),
                 )
     body = _parse_object(text)
     if isinstance(body, str):
@@ -401,14 +308,12 @@ def classify_client(text: str) -> ClientEvent:
     """
     size = frame_size(text)
     if len(text) >= _SCAN_MIN_CHARS:
-        lead = _leading_type(text)
-        if lead is not None and lead[0] == "input_audio_buffer.append":
-            audio_chars, event_id = _scan_append_audio(text, lead[1])
-            if audio_chars >= 0:
-                return ClientEvent(
-                    text, size, lead[0], ClientKind.AUDIO_APPEND, audio_chars=audio_chars,
-                    event_id=event_id,
-                )
+        spliced = _splice_payload(text, "audio")
+        if spliced is not None and spliced[0].get("type") == "input_audio_buffer.append":
+            return ClientEvent(
+                text, size, "input_audio_buffer.append", ClientKind.AUDIO_APPEND,
+                audio_chars=spliced[1], event_id=_str_or_none(spliced[0].get("event_id")),
+            )
     body = _parse_object(text)
     if isinstance(body, str):
         detail = "frame is not valid JSON" if body == "invalid_json" else (
@@ -437,12 +342,3 @@ def classify_client(text: str) -> ClientEvent:
         text, size, event_type, kind, response_id=response_id, cancels=cancels,
         audio_chars=audio_chars, event_id=event_id, body=body,
     )
-
-
-def _scan_append_audio(text: str, start: int) -> tuple[int, str | None]:
-    """(length of the base64 ``audio``, event_id) of a well-formed append, or (-1, None)."""
-    scanned = _scan_payload(text, start, "audio")
-    if scanned is None:
-        return -1, None
-    event_id = scanned[0].get("event_id")
-    return scanned[1], event_id if isinstance(event_id, str) else None

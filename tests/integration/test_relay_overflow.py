@@ -233,8 +233,9 @@ async def test_a_stalled_session_does_not_hold_up_another(flood_sim, sidecar) ->
 
 async def _shed_scenario(engine: ScriptedEngine, sidecar: Any) -> Any:
     """A stalls with about 200 KiB pending (under its own 4 MiB budget and under
-    the 256 KiB process cap); a frame for B tips the total over the cap: A, the
-    largest, must be shed with the overflow sequence and 1008; B carries on."""
+    the 256 KiB process cap); B reads, so its events never pend; one more frame
+    for A tips the total over the cap: A, the largest, must be shed with the
+    overflow sequence and 1008; B carries on."""
     proxy = await sidecar(
         upstream=engine.ws_url,
         max_pending_output_bytes=4 * MIB,
@@ -265,13 +266,17 @@ async def _shed_scenario(engine: ScriptedEngine, sidecar: Any) -> Any:
             await wait_until(lambda n=sent: audio_read() == n, what="the proxy read A's frame")
         assert overflows(proxy, "process_total") == 0
 
-        # B is reading; one 80 KiB event for it pushes the process total over the cap.
+        # B is reading: what it gets is written at once and never pends.
         await conn_b.send(
             {"type": "response.created", "response_id": "rb", "response": {"id": "rb"}}
         )
         assert (await b.recv())["type"] == "response.created"
         await conn_b.send({"type": AUDIO_DELTA, "response_id": "rb", "delta": "B" * (80 * KIB)})
         assert (await b.recv())["type"] == AUDIO_DELTA
+        assert overflows(proxy, "process_total") == 0
+        # One more 80 KiB event for the stalled A pushes the process total over the
+        # cap (A's own 4 MiB budget is far away): A, the largest, is shed.
+        await conn_a.send({**a_frame, "delta": "A" * (80 * KIB), "n": sent})
         await wait_metric(
             lambda: overflows(proxy, "process_total"), 1, what="overflows{process_total}"
         )

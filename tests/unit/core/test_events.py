@@ -307,15 +307,30 @@ class TestAudioScan:
         assert ev.response_id == expected
         assert ev.size == len(text.encode())
 
-    def test_type_not_first_is_parsed(self) -> None:
+    def test_type_not_first_is_scanned_too(self) -> None:
         body = {
             "response_id": "r1",
             "type": "response.output_audio.delta",
             "delta": h.audio_payload(BIG),
         }
         ev = classify_upstream(h.dumps(body))
+        assert ev.body is None  # key order does not matter to the splice
+        assert (ev.kind, ev.response_id) == (EventKind.AUDIO_DELTA, "r1")
+
+    def test_nested_delta_before_the_payload_falls_back_to_parse(self) -> None:
+        text = (
+            '{"type":"response.output_audio.delta","metadata":{"delta":"x"},'
+            '"response_id":"r1","delta":"' + h.audio_payload(BIG) + '"}'
+        )
+        ev = classify_upstream(text)
         assert ev.body is not None
         assert (ev.kind, ev.response_id) == (EventKind.AUDIO_DELTA, "r1")
+
+    def test_repeated_payload_key_resolves_like_a_full_parse(self) -> None:
+        empty_last = '{"type":"input_audio_buffer.append","audio":"' + h.audio_payload(BIG) + '","audio":""}'
+        empty_first = '{"type":"input_audio_buffer.append","audio":"","audio":"' + h.audio_payload(BIG) + '"}'
+        assert classify_client(empty_last).audio_chars == 0
+        assert classify_client(empty_first).audio_chars == len(h.audio_payload(BIG))
 
     def test_large_non_audio_is_parsed(self) -> None:
         text = h.error(pad=BIG)
