@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "TRANSITIONS",
     "Backoff",
     "EngineState",
     "EngineStateMachine",
     "InvalidTransition",
     "Observation",
     "RestartBudget",
-    "TRANSITIONS",
 ]
 
 
@@ -67,7 +67,7 @@ class InvalidTransition(RuntimeError):
 
 
 S = EngineState
-O = Observation  # noqa: E741
+O = Observation
 
 TRANSITIONS: Final[dict[EngineState, dict[Observation, EngineState]]] = {
     S.STARTING: {

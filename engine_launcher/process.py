@@ -93,7 +93,9 @@ def build_argv(config: EngineConfig, port: int) -> list[str]:
             *config.simulator_args,
         ]
     if config.kind == "command":
-        return [part.replace("{host}", host).replace("{port}", str(port)) for part in config.command]
+        return [
+            part.replace("{host}", host).replace("{port}", str(port)) for part in config.command
+        ]
     raise EngineStartError(f"engine kind {config.kind!r} has no process to start")
 
 

@@ -97,7 +97,9 @@ class Supervisor:
         before = self.machine.state
         state = self.machine.apply(observation)
         if state is not before or observation in (Observation.READY,):
-            log.info("engine %s -> %s (%s) %s", before.value, state.value, observation.value, detail)
+            log.info(
+                "engine %s -> %s (%s) %s", before.value, state.value, observation.value, detail
+            )
         if not self.machine.serving:
             self.target = None
         self._on_state(state, observation, detail)
@@ -176,8 +178,11 @@ class Supervisor:
                     break
                 await self._stop_process()  # sweep the old process group first
                 if not self._budget.allows(time.monotonic()):
-                    self._move(Observation.GIVE_UP, f"{self.config.max_restarts} restarts "
-                               f"within {self.config.restart_window:.0f} s")
+                    self._move(
+                        Observation.GIVE_UP,
+                        f"{self.config.max_restarts} restarts "
+                        f"within {self.config.restart_window:.0f} s",
+                    )
                     raise RestartBudgetExhausted(
                         f"engine restarted {self.config.max_restarts} times within "
                         f"{self.config.restart_window:.0f} s; last failure: {detail}",
@@ -215,7 +220,11 @@ class Supervisor:
                     self._move(Observation.STOP)
                     return Observation.STOP, "stop requested"
                 await self._stop_process()
-                cause = Observation.EXITED if process.returncode is not None else Observation.START_FAILED
+                cause = (
+                    Observation.EXITED
+                    if process.returncode is not None
+                    else Observation.START_FAILED
+                )
                 self._move(cause, str(exc))
                 return cause, str(exc)
             if elapsed is None:

@@ -69,20 +69,75 @@ ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
 #: Time an event waits in the output buffer: sub-ms when the client keeps up,
 #: up to tens of seconds for a stalled reader before overflow.
 QUEUE_DELAY_BUCKETS: Final = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 #: Cancel trigger → last audio byte of that response written: 0 is the goal.
 CANCEL_TO_SILENCE_BUCKETS: Final = (
-    0.0, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    0.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 #: response.create → first audio: model latency dominates (0.3 s – several s).
 FIRST_AUDIO_BUCKETS: Final = (
-    0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    30.0,
 )
 #: Upstream WebSocket connect on loopback: ~ms; seconds mean trouble.
 CONNECT_BUCKETS: Final = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 
 
@@ -113,54 +168,72 @@ class SidecarMetrics:
             registry=registry,
         )
         self.events = Counter(
-            f"{p}_events", "Events relayed, by direction and kind.",
-            ["direction", "kind"], registry=registry,
+            f"{p}_events",
+            "Events relayed, by direction and kind.",
+            ["direction", "kind"],
+            registry=registry,
         )
         self.bytes = Counter(
             f"{p}_bytes", "Frame bytes relayed, by direction.", ["direction"], registry=registry
         )
         self.dropped_events = Counter(
-            f"{p}_dropped_events", "Events not delivered, by reason.", ["reason"],
+            f"{p}_dropped_events",
+            "Events not delivered, by reason.",
+            ["reason"],
             registry=registry,
         )
         self.dropped_bytes = Counter(
-            f"{p}_dropped_bytes", "Frame bytes not delivered, by reason.", ["reason"],
+            f"{p}_dropped_bytes",
+            "Frame bytes not delivered, by reason.",
+            ["reason"],
             registry=registry,
         )
         self.overflows = Counter(
-            f"{p}_overflows", "Output buffer overflows, by policy applied.", ["policy"],
+            f"{p}_overflows",
+            "Output buffer overflows, by policy applied.",
+            ["policy"],
             registry=registry,
         )
         self.output_pending_bytes = Gauge(
-            f"{p}_output_pending_bytes", "Bytes queued for clients, all sessions.",
+            f"{p}_output_pending_bytes",
+            "Bytes queued for clients, all sessions.",
             registry=registry,
         )
         self.output_pending_events = Gauge(
-            f"{p}_output_pending_events", "Events queued for clients, all sessions.",
+            f"{p}_output_pending_events",
+            "Events queued for clients, all sessions.",
             registry=registry,
         )
         self.output_queue_delay = Histogram(
-            f"{p}_output_queue_delay_seconds", "Time an event waited in the output buffer.",
-            buckets=QUEUE_DELAY_BUCKETS, registry=registry,
+            f"{p}_output_queue_delay_seconds",
+            "Time an event waited in the output buffer.",
+            buckets=QUEUE_DELAY_BUCKETS,
+            registry=registry,
         )
         self.cancel_to_silence = Histogram(
             f"{p}_cancel_to_silence_seconds",
             "Cancel trigger to the last audio byte of that response written to the client.",
-            buckets=CANCEL_TO_SILENCE_BUCKETS, registry=registry,
+            buckets=CANCEL_TO_SILENCE_BUCKETS,
+            registry=registry,
         )
         self.first_audio = Histogram(
-            f"{p}_first_audio_seconds", "response.create to the first audio frame written.",
-            buckets=FIRST_AUDIO_BUCKETS, registry=registry,
+            f"{p}_first_audio_seconds",
+            "response.create to the first audio frame written.",
+            buckets=FIRST_AUDIO_BUCKETS,
+            registry=registry,
         )
         self.upstream_connect = Histogram(
-            f"{p}_upstream_connect_seconds", "Upstream WebSocket connect time.",
-            buckets=CONNECT_BUCKETS, registry=registry,
+            f"{p}_upstream_connect_seconds",
+            "Upstream WebSocket connect time.",
+            buckets=CONNECT_BUCKETS,
+            registry=registry,
         )
         self.upstream_connects = Counter(
             f"{p}_upstream_connects", "Upstream WebSocket connect attempts.", registry=registry
         )
         self.upstream_connect_failures = Counter(
-            f"{p}_upstream_connect_failures", "Upstream WebSocket connects that failed.",
+            f"{p}_upstream_connect_failures",
+            "Upstream WebSocket connects that failed.",
             registry=registry,
         )
         self.late_audio_after_eviction = Counter(
@@ -169,18 +242,19 @@ class SidecarMetrics:
             "because its tombstone had been evicted (max_tombstones / tombstone_ttl too small).",
             registry=registry,
         )
-        self.engine_up = Gauge(
-            f"{p}_engine_up", "1 when the engine is ready.", registry=registry
-        )
+        self.engine_up = Gauge(f"{p}_engine_up", "1 when the engine is ready.", registry=registry)
         self.engine_state = Gauge(
-            f"{p}_engine_state", "Engine supervisor state (1 for the current one).", ["state"],
+            f"{p}_engine_state",
+            "Engine supervisor state (1 for the current one).",
+            ["state"],
             registry=registry,
         )
         self.engine_restarts = Counter(
             f"{p}_engine_restarts", "Engine restarts, by reason.", ["reason"], registry=registry
         )
         self.engine_start_seconds = Gauge(
-            f"{p}_engine_start_seconds", "Duration of the last engine start until ready.",
+            f"{p}_engine_start_seconds",
+            "Duration of the last engine start until ready.",
             registry=registry,
         )
         self.build = Info(f"{p}_build", "Build information.", registry=registry)

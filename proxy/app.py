@@ -51,7 +51,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATE: Final = web.AppKey("omni_sidecar_state", "ProxyState")
+STATE: Final[web.AppKey[ProxyState]] = web.AppKey("omni_sidecar_state")
 
 #: aiohttp's writer awaits a drain after this many bytes; ours never does.
 _NO_WRITER_DRAIN: Final = 1 << 62
@@ -60,8 +60,16 @@ MAX_UPSTREAM_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 #: Headers never copied between hops (RFC 9110 §7.6.1) or recomputed by aiohttp.
 _HOP_BY_HOP: Final = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
         "content-encoding",
     }
 )
@@ -246,7 +254,12 @@ async def _readyz(request: web.Request) -> web.Response:
         )
     if not state.admission._has_slot():
         return web.json_response(
-            {"status": "not_ready", "reason": "capacity", "detail": "all session slots are in use", **body},
+            {
+                "status": "not_ready",
+                "reason": "capacity",
+                "detail": "all session slots are in use",
+                **body,
+            },
             status=503,
         )
     return web.json_response({"status": "ready", **body})
@@ -486,7 +499,7 @@ async def _metrics(request: web.Request) -> web.Response:
     state.registry.flush_metrics()
     accept = request.headers.get("Accept", "")
     if "application/openmetrics-text" in accept:
-        body = generate_openmetrics(state.metrics.registry)
+        body = generate_openmetrics(state.metrics.registry)  # type: ignore[no-untyped-call]
         content_type = OPENMETRICS_CONTENT_TYPE
     else:
         body = generate_latest(state.metrics.registry)

@@ -17,7 +17,7 @@ from typing import Final
 
 from proxy.errors import ConfigError
 
-__all__ = ["AuthPolicy", "AuthResult", "KEY_SUBPROTOCOL_PREFIX", "load_api_keys"]
+__all__ = ["KEY_SUBPROTOCOL_PREFIX", "AuthPolicy", "AuthResult", "load_api_keys"]
 
 KEY_SUBPROTOCOL_PREFIX: Final = "openai-insecure-api-key."
 

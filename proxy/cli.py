@@ -9,8 +9,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine_launcher.preflight import CheckStatus, add_preflight_arguments, cheap_checks
-from engine_launcher.preflight import main_preflight
+from engine_launcher.preflight import (
+    CheckStatus,
+    add_preflight_arguments,
+    cheap_checks,
+    main_preflight,
+)
 from proxy import probe
 from proxy.config import (
     CONFIG_PATH_ENV,
@@ -94,9 +98,7 @@ def _serve(ns: argparse.Namespace) -> int:
     _configure_logging(loaded.settings.log_level)
     if loaded.settings.engine.kind != "external":
         # Say why before a long model load fails, not after.
-        failures = [
-            r for r in cheap_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL
-        ]
+        failures = [r for r in cheap_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL]
         for result in failures:
             logging.getLogger("omni_sidecar").error("preflight: %s", result.line())
         if failures:

@@ -100,16 +100,17 @@ class SessionRegistry:
             self._shed_largest()
 
     def _shed_largest(self) -> None:
-        candidates = [
-            key for key, relay in self.relays.items() if not relay.core.buffer.closed
-        ]
+        candidates = [key for key, relay in self.relays.items() if not relay.core.buffer.closed]
         if not candidates:
             return
         key = max(candidates, key=self._pending_bytes.__getitem__)
         relay = self.relays[key]
         log.warning(
             "pending output %d bytes over the process cap %d; shedding session %s (%d bytes)",
-            self.total_pending_bytes, self.max_total, key, self._pending_bytes[key],
+            self.total_pending_bytes,
+            self.max_total,
+            key,
+            self._pending_bytes[key],
         )
         self.metrics.overflows.labels("process_total").inc()
         relay.shed()
@@ -142,7 +143,9 @@ class SessionRegistry:
                     "overflowed": relay.core.outcome is not None
                     and relay.core.outcome.value == "overflow",
                     "cancels": stats.cancels,
-                    "dropped": {r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e},
+                    "dropped": {
+                        r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e
+                    },
                     "bytes_client_to_upstream": relay.bytes_client_to_upstream,
                     "bytes_upstream_to_client": relay.bytes_upstream_to_client,
                 }
@@ -159,9 +162,23 @@ class SessionObserver:
     """
 
     __slots__ = (
-        "_registry", "_key", "_m", "_delay", "_overflows_seen", "_late_evicted_seen",
-        "_last_pending", "c2u_control", "c2u_audio", "c2u_invalid", "c2u_bytes",
-        "u2c_audio", "u2c_control", "u2c_error", "u2c_invalid", "u2c_bytes", "_flushed",
+        "_delay",
+        "_flushed",
+        "_key",
+        "_last_pending",
+        "_late_evicted_seen",
+        "_m",
+        "_overflows_seen",
+        "_registry",
+        "c2u_audio",
+        "c2u_bytes",
+        "c2u_control",
+        "c2u_invalid",
+        "u2c_audio",
+        "u2c_bytes",
+        "u2c_control",
+        "u2c_error",
+        "u2c_invalid",
     )
 
     def __init__(self, registry: SessionRegistry, key: str) -> None:
@@ -203,8 +220,15 @@ class SessionObserver:
     def flush(self) -> None:
         """Add the counts accumulated since the last flush to the counters."""
         now = (
-            self.c2u_control, self.c2u_audio, self.c2u_invalid, self.c2u_bytes,
-            self.u2c_audio, self.u2c_control, self.u2c_error, self.u2c_invalid, self.u2c_bytes,
+            self.c2u_control,
+            self.c2u_audio,
+            self.c2u_invalid,
+            self.c2u_bytes,
+            self.u2c_audio,
+            self.u2c_control,
+            self.u2c_error,
+            self.u2c_invalid,
+            self.u2c_bytes,
         )
         before = self._flushed
         if now == before:

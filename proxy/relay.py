@@ -129,9 +129,7 @@ class Relay:
             self._idle_timer = loop.call_later(self._idle_timeout, self._check_idle)
         try:
             async with asyncio.TaskGroup() as tg:
-                self._reader = tg.create_task(
-                    self._client_to_upstream(), name=f"{self.key}:client"
-                )
+                self._reader = tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
                 self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
                 tg.create_task(self._deliver(), name=f"{self.key}:deliver")
         except Exception:
@@ -157,7 +155,9 @@ class Relay:
     def _expire(self) -> None:
         self.log.info("max_session_duration reached")
         self.core.end(
-            self._clock(), reason="max_session_duration", code=CLOSE_NORMAL,
+            self._clock(),
+            reason="max_session_duration",
+            code=CLOSE_NORMAL,
             outcome=Outcome.CLIENT_CLOSED,
         )
         self._after_core_call()
@@ -174,7 +174,9 @@ class Relay:
         self._idle_timer = None
         self.log.info("client idle for %.1f s; closing", idle)
         self.core.end(
-            self._clock(), reason="client_idle_timeout", code=CLOSE_NORMAL,
+            self._clock(),
+            reason="client_idle_timeout",
+            code=CLOSE_NORMAL,
             outcome=Outcome.CLIENT_CLOSED,
         )
         self._after_core_call()
@@ -210,11 +212,17 @@ class Relay:
                         audio=decision.event.kind is ClientKind.AUDIO_APPEND,
                     )
                     if decision.forward:
-                        if self._input_backlog() + decision.event.size > self._max_pending_input > 0:
+                        if (
+                            self._input_backlog() + decision.event.size
+                            > self._max_pending_input
+                            > 0
+                        ):
                             self.log.warning("engine is not reading input; failing the session")
                             core.end(
-                                self._clock(), reason="input_backpressure",
-                                code=CLOSE_POLICY_VIOLATION, outcome=Outcome.OVERFLOW,
+                                self._clock(),
+                                reason="input_backpressure",
+                                code=CLOSE_POLICY_VIOLATION,
+                                outcome=Outcome.OVERFLOW,
                                 error_code="input_backpressure",
                                 error_message="the engine is not accepting input; more than "
                                 f"{self._max_pending_input} bytes are waiting",
@@ -256,7 +264,7 @@ class Relay:
             return 0
         try:
             return int(transport.get_write_buffer_size())
-        except Exception:  # pragma: no cover - closed transport
+        except (AttributeError, RuntimeError, OSError):  # pragma: no cover - closed transport
             return 0
 
     def _delivered_closure(self) -> bool:
@@ -309,7 +317,9 @@ class Relay:
                 elif kind is aiohttp.WSMsgType.BINARY:
                     event = core.receive_upstream("\x00binary", self._clock())
                     self._observer.upstream_event(event)
-                    self.log.warning("upstream sent a binary frame (%d bytes); dropped", len(msg.data))
+                    self.log.warning(
+                        "upstream sent a binary frame (%d bytes); dropped", len(msg.data)
+                    )
                 else:
                     code = upstream.close_code
                     clean = code in _UPSTREAM_CLEAN_CLOSES and kind is not aiohttp.WSMsgType.ERROR

@@ -72,7 +72,7 @@ class Sidecar:
         self.settings = settings
         self.environ = dict(os.environ if environ is None else environ)
         # *_created samples would become look-alike series (e.g. sessions_created).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry, version=_version())
         self.admission = Admission(
@@ -115,7 +115,9 @@ class Sidecar:
         if serving and not self.admission.draining:
             self.admission.set_ready(True)
         else:
-            self.admission.set_ready(False, f"engine is {state.value}" + (f": {detail}" if detail else ""))
+            self.admission.set_ready(
+                False, f"engine is {state.value}" + (f": {detail}" if detail else "")
+            )
         if state is EngineState.READY and cause is Observation.READY:
             if self.supervisor.last_start_seconds is not None:
                 self.metrics.engine_start_seconds.set(self.supervisor.last_start_seconds)
@@ -176,7 +178,8 @@ class Sidecar:
             site = web.TCPSite(runner, host, port, reuse_address=True)
             await site.start()
             self._runners.append(runner)
-            sockets = [s for s in (site._server.sockets if site._server else [])]  # type: ignore[union-attr]
+            server = site._server
+            sockets = list(getattr(server, "sockets", None) or [])
             bound_port = sockets[0].getsockname()[1] if sockets else port
             self.bound[name] = (host, int(bound_port))
             log.info("%s listener bound on %s", name, _url(host, int(bound_port)))
@@ -237,7 +240,8 @@ class Sidecar:
         forced = asyncio.ensure_future(self.force_stop.wait())
         try:
             await asyncio.wait(
-                (empty, forced), timeout=self.settings.drain_timeout,
+                (empty, forced),
+                timeout=self.settings.drain_timeout,
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:

@@ -135,21 +135,21 @@ class OutputBuffer:
     """
 
     __slots__ = (
-        "_limits",
-        "_queue",
-        "_ordinary_bytes",
-        "_ordinary_events",
-        "_reserve_bytes",
-        "_reserve_events",
-        "_peak_bytes",
-        "_closure",
         "_closed",
+        "_closure",
         "_closure_taken",
         "_held",
         "_held_valid",
-        "_invalidated_events",
         "_invalidated_bytes",
+        "_invalidated_events",
+        "_limits",
+        "_ordinary_bytes",
+        "_ordinary_events",
+        "_peak_bytes",
+        "_queue",
         "_rejected_full",
+        "_reserve_bytes",
+        "_reserve_events",
     )
 
     def __init__(self, limits: BufferLimits) -> None:
@@ -245,9 +245,7 @@ class OutputBuffer:
             self._held_valid = False
         removed_events = 0
         removed_bytes = 0
-        if not any(
-            e.event.response_id == response_id and e.event.is_audio for e in self._queue
-        ):
+        if not any(e.event.response_id == response_id and e.event.is_audio for e in self._queue):
             return 0, 0
         kept: deque[Entry] = deque()
         for entry in self._queue:
@@ -348,5 +346,4 @@ class OutputBuffer:
 
     def _note_peak(self) -> None:
         total = self._ordinary_bytes + self._reserve_bytes
-        if total > self._peak_bytes:
-            self._peak_bytes = total
+        self._peak_bytes = max(self._peak_bytes, total)

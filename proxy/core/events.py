@@ -262,11 +262,13 @@ def classify_upstream(text: str) -> UpstreamEvent:
         spliced = _splice_payload(text, "delta")
         if spliced is not None:
             doc = spliced[0]
-            event_type = doc.get("type")
-            if event_type in AUDIO_DELTA_TYPES:
-                assert isinstance(event_type, str)
+            audio_type = doc.get("type")
+            if isinstance(audio_type, str) and audio_type in AUDIO_DELTA_TYPES:
                 return UpstreamEvent(
-                    text, size, event_type, EventKind.AUDIO_DELTA,
+                    text,
+                    size,
+                    audio_type,
+                    EventKind.AUDIO_DELTA,
                     response_id=_str_or_none(doc.get("response_id")),
                 )
     body = _parse_object(text)
@@ -288,8 +290,14 @@ def classify_upstream(text: str) -> UpstreamEvent:
     elif kind is EventKind.OVERLAP_DECISION:
         action = _str_or_none(body.get("action"))
     return UpstreamEvent(
-        text, size, event_type, kind, response_id=response_id, status=status,
-        action=action, body=body,
+        text,
+        size,
+        event_type,
+        kind,
+        response_id=response_id,
+        status=status,
+        action=action,
+        body=body,
     )
 
 
@@ -311,13 +319,19 @@ def classify_client(text: str) -> ClientEvent:
         spliced = _splice_payload(text, "audio")
         if spliced is not None and spliced[0].get("type") == "input_audio_buffer.append":
             return ClientEvent(
-                text, size, "input_audio_buffer.append", ClientKind.AUDIO_APPEND,
-                audio_chars=spliced[1], event_id=_str_or_none(spliced[0].get("event_id")),
+                text,
+                size,
+                "input_audio_buffer.append",
+                ClientKind.AUDIO_APPEND,
+                audio_chars=spliced[1],
+                event_id=_str_or_none(spliced[0].get("event_id")),
             )
     body = _parse_object(text)
     if isinstance(body, str):
-        detail = "frame is not valid JSON" if body == "invalid_json" else (
-            "frame must be a JSON object with a string 'type'"
+        detail = (
+            "frame is not valid JSON"
+            if body == "invalid_json"
+            else ("frame must be a JSON object with a string 'type'")
         )
         kind = ClientKind.INVALID_JSON if body == "invalid_json" else ClientKind.BAD_EVENT
         return ClientEvent(text, size, "", kind, detail=detail)
@@ -339,6 +353,13 @@ def classify_client(text: str) -> ClientEvent:
         audio = body.get("audio")
         audio_chars = len(audio) if isinstance(audio, str) else 0
     return ClientEvent(
-        text, size, event_type, kind, response_id=response_id, cancels=cancels,
-        audio_chars=audio_chars, event_id=event_id, body=body,
+        text,
+        size,
+        event_type,
+        kind,
+        response_id=response_id,
+        cancels=cancels,
+        audio_chars=audio_chars,
+        event_id=event_id,
+        body=body,
     )

@@ -85,14 +85,14 @@ class CancellationLedger:
     """
 
     __slots__ = (
-        "_max",
-        "_ttl",
-        "_open",
-        "_tombs",
         "_evicted",
         "_evictions",
         "_expirations",
         "_late_after_eviction",
+        "_max",
+        "_open",
+        "_tombs",
+        "_ttl",
     )
 
     def __init__(

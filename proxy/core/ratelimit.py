@@ -32,7 +32,7 @@ class TokenBucket:
         capacity: the most that can be taken at once after idling.
     """
 
-    __slots__ = ("rate", "capacity", "_tokens", "_at")
+    __slots__ = ("_at", "_tokens", "capacity", "rate")
 
     def __init__(self, rate: float, capacity: float) -> None:
         self.rate = rate
