@@ -341,7 +341,6 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         metrics.sessions_rejected.labels("not_ready").inc()
         return _json_error(503, "not_ready", "engine is not ready", **{"Retry-After": "5"})
     url = _upstream_url(state, target, request)
-    heartbeat = settings.heartbeat_interval or None
     metrics.upstream_connects.inc()
     started = time.monotonic()
     try:
@@ -351,10 +350,11 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
             upstream = await state.client_session().ws_connect(
                 url,
                 headers=_upstream_headers(state, request),
-                heartbeat=heartbeat,
+                # Keepalive is the relay's own (see Relay._heartbeat_tick): aiohttp's
+                # re-arms a timer on every received message.
                 max_msg_size=MAX_UPSTREAM_MESSAGE_BYTES,
                 compress=0,
-                autoping=True,
+                autoping=False,
                 timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=settings.close_timeout),
             )
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -366,10 +366,9 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
 
     client = web.WebSocketResponse(
         protocols=_CLIENT_SUBPROTOCOLS,
-        heartbeat=heartbeat,
         max_msg_size=settings.max_client_message_bytes,
         compress=False,
-        autoping=True,
+        autoping=False,
         # Flow control is ours: the relay writes only while the transport is
         # below client_write_buffer_bytes. aiohttp's own drain inside send_str
         # would block the engine reader (the fast path writes from it).
@@ -397,6 +396,7 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         max_pending_input_bytes=settings.max_pending_input_bytes,
         max_session_duration=settings.max_session_duration,
         client_idle_timeout=settings.client_idle_timeout,
+        heartbeat_interval=settings.heartbeat_interval,
     )
     metrics.sessions_started.inc()
     state.registry.add(relay)

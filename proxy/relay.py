@@ -85,6 +85,7 @@ class Relay:
         max_pending_input_bytes: int = 0,
         max_session_duration: float = 0.0,
         client_idle_timeout: float = 0.0,
+        heartbeat_interval: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.key = session_key
@@ -101,6 +102,11 @@ class Relay:
         self._idle_timeout = client_idle_timeout
         self._last_client_frame = clock()
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._heartbeat = heartbeat_interval
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
+        self._last_upstream_frame = self._last_client_frame
+        self._ping_client = False
+        self._ping_upstream = False
         #: The timeout scope of the delivery loop; closing sessions get a deadline.
         self._deadline: asyncio.Timeout | None = None
         self._clock = clock
@@ -127,6 +133,8 @@ class Relay:
             timer = loop.call_later(self._max_duration, self._expire)
         if self._idle_timeout > 0:
             self._idle_timer = loop.call_later(self._idle_timeout, self._check_idle)
+        if self._heartbeat > 0:
+            self._heartbeat_timer = loop.call_later(self._heartbeat, self._heartbeat_tick)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._reader = tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
@@ -141,6 +149,8 @@ class Relay:
                 timer.cancel()
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
+            if self._heartbeat_timer is not None:
+                self._heartbeat_timer.cancel()
             self.core.finish()
             self._observer.session_observations(self)
             with contextlib.suppress(Exception):
@@ -161,6 +171,55 @@ class Relay:
             outcome=Outcome.CLIENT_CLOSED,
         )
         self._after_core_call()
+
+    def _heartbeat_tick(self) -> None:
+        """Keepalive on both sides (heartbeat_interval): a side silent for one
+        interval is pinged; silent for two (no frame, no pong) it is gone.
+
+        Activity is a timestamp stored per received frame, so keepalive costs
+        nothing per event; pings are sent by the delivery task.
+        """
+        now = self._clock()
+        interval = self._heartbeat
+        for side, last in (
+            ("client", self._last_client_frame),
+            ("upstream", self._last_upstream_frame),
+        ):
+            silent = now - last
+            if silent >= 2 * interval:
+                self.log.info("%s silent for %.1f s (no pong): gone", side, silent)
+                self._abort(side)
+            elif silent >= interval:
+                if side == "client":
+                    self._ping_client = True
+                else:
+                    self._ping_upstream = True
+                self._wake.set()
+        self._heartbeat_timer = asyncio.get_running_loop().call_later(
+            interval, self._heartbeat_tick
+        )
+
+    def _abort(self, side: str) -> None:
+        if side == "client":
+            transport = getattr(self._protocol, "transport", None)
+        else:
+            connection = getattr(getattr(self.upstream, "_response", None), "connection", None)
+            transport = getattr(connection, "transport", None)
+            if transport is None:
+                transport = getattr(getattr(self.upstream, "_writer", None), "transport", None)
+        if transport is not None:
+            transport.abort()
+
+    async def _send_pings(self) -> None:
+        if self._ping_client:
+            self._ping_client = False
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.client.ping()
+        if self._ping_upstream:
+            self._ping_upstream = False
+            if not self.upstream.closed:
+                with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
+                    await self.upstream.ping()
 
     def _check_idle(self) -> None:
         """client_idle_timeout: no client frame for that long (the heartbeat,
@@ -203,6 +262,12 @@ class Relay:
                 msg = await client.receive()
                 self._last_client_frame = self._clock()
                 kind = msg.type
+                if kind is aiohttp.WSMsgType.PING:
+                    with contextlib.suppress(ConnectionError, RuntimeError):
+                        await client.pong(msg.data)
+                    continue
+                if kind is aiohttp.WSMsgType.PONG:
+                    continue
                 if kind is aiohttp.WSMsgType.TEXT:
                     text: str = msg.data
                     decision = core.receive_client(text, self._clock())
@@ -293,7 +358,14 @@ class Relay:
         try:
             while True:
                 msg = await upstream.receive()
+                self._last_upstream_frame = self._clock()
                 kind = msg.type
+                if kind is aiohttp.WSMsgType.PING:
+                    with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
+                        await upstream.pong(msg.data)
+                    continue
+                if kind is aiohttp.WSMsgType.PONG:
+                    continue
                 if kind is aiohttp.WSMsgType.TEXT:
                     now = self._clock()
                     event = core.receive_upstream(msg.data, now)
@@ -394,6 +466,8 @@ class Relay:
                         break
                     if core.state is SessionState.CLOSING:
                         self._arm_close_deadline()
+                    if self._ping_client or self._ping_upstream:
+                        await self._send_pings()
                     if not core.buffer.has_output():
                         self._wake.clear()
                         self._delivery_idle = True
