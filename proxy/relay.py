@@ -134,7 +134,7 @@ class Relay:
         if self._idle_timeout > 0:
             self._idle_timer = loop.call_later(self._idle_timeout, self._check_idle)
         if self._heartbeat > 0:
-            self._heartbeat_timer = loop.call_later(self._heartbeat, self._heartbeat_tick)
+            self._heartbeat_timer = loop.call_later(self._heartbeat / 2, self._heartbeat_tick)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._reader = tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
@@ -173,8 +173,10 @@ class Relay:
         self._after_core_call()
 
     def _heartbeat_tick(self) -> None:
-        """Keepalive on both sides (heartbeat_interval): a side silent for one
-        interval is pinged; silent for two (no frame, no pong) it is gone.
+        """Keepalive on both sides (heartbeat_interval): every half interval, a
+        side silent for half an interval is pinged; silent for two intervals (no
+        frame, no pong) it is gone. A live peer is thus never silent for much
+        more than one interval plus a round trip: a full interval of margin.
 
         Activity is a timestamp stored per received frame, so keepalive costs
         nothing per event; pings are sent by the delivery task.
@@ -189,14 +191,14 @@ class Relay:
             if silent >= 2 * interval:
                 self.log.info("%s silent for %.1f s (no pong): gone", side, silent)
                 self._abort(side)
-            elif silent >= interval:
+            elif silent >= interval / 2:
                 if side == "client":
                     self._ping_client = True
                 else:
                     self._ping_upstream = True
                 self._wake.set()
         self._heartbeat_timer = asyncio.get_running_loop().call_later(
-            interval, self._heartbeat_tick
+            interval / 2, self._heartbeat_tick
         )
 
     def _abort(self, side: str) -> None:
