@@ -39,6 +39,7 @@ import aiohttp
 import orjson
 
 from proxy.core.events import AUDIO_DELTA_TYPES
+from proxy.core.ratelimit import BYTES_PER_SAMPLE
 from proxy.errors import ConfigError, ProxyError
 
 __all__ = [
@@ -66,15 +67,6 @@ DEFAULT_OUTPUT_SAMPLE_RATE_HZ: Final = 24_000
 MAX_MSG_BYTES: Final = 64 * 1024 * 1024
 #: Bound on each closing step: waiting for ``session.closed``, then the close frame.
 DEFAULT_CLOSE_TIMEOUT: Final = 5 * SECONDS
-#: Bytes per sample of the output formats of reference §2.2; unknown ones count as PCM16.
-_BYTES_PER_SAMPLE: Final[Mapping[str, int]] = {
-    "pcm16": 2,
-    "pcm_s16le": 2,
-    "s16le": 2,
-    "pcm_f32le": 4,
-    "g711_ulaw": 1,
-    "g711_alaw": 1,
-}
 _PROG: Final = "omni-sidecar probe"
 
 
@@ -352,7 +344,9 @@ class _Recorder:
         if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
             rate = DEFAULT_OUTPUT_SAMPLE_RATE_HZ
         audio_format = event.get("format")
-        width = _BYTES_PER_SAMPLE.get(audio_format, 2) if isinstance(audio_format, str) else 2
+        width = (
+            BYTES_PER_SAMPLE.get(audio_format, 2) if isinstance(audio_format, str) else 2
+        )  # unknown: PCM16
         seconds = size / width / rate
         self.result.audio_frames += 1
         self.result.audio_seconds += seconds

@@ -190,31 +190,28 @@ def input_bytes_per_sample(fmt: str) -> int | None:
     }.get(fmt)
 
 
-def pcm16_rms(data: bytes) -> float:
-    """Root-mean-square level of little-endian PCM16, in 0..1 of full scale.
+def _rms(data: bytes, typecode: str, full_scale: float) -> float:
+    """Root-mean-square level of little-endian samples, in 0..1 of full scale.
 
     Every 4th sample is enough for a speech/silence decision and keeps the
     cost per append low.
     """
-    samples = array.array("h")
-    samples.frombytes(data[: len(data) - len(data) % 2])
+    samples = array.array(typecode)
+    samples.frombytes(data[: len(data) - len(data) % samples.itemsize])
     if not _LITTLE_ENDIAN:
         samples.byteswap()
     picked = samples[::4]
     if not picked:
         return 0.0
     total = sum(s * s for s in picked)
-    return math.sqrt(total / len(picked)) / 32768.0
+    return math.sqrt(total / len(picked)) / full_scale
+
+
+def pcm16_rms(data: bytes) -> float:
+    """RMS level of little-endian PCM16, in 0..1 of full scale."""
+    return _rms(data, "h", 32768.0)
 
 
 def pcm_f32_rms(data: bytes) -> float:
-    """Root-mean-square level of little-endian float32 samples."""
-    samples = array.array("f")
-    samples.frombytes(data[: len(data) - len(data) % 4])
-    if not _LITTLE_ENDIAN:
-        samples.byteswap()
-    picked = samples[::4]
-    if not picked:
-        return 0.0
-    total = sum(s * s for s in picked)
-    return math.sqrt(total / len(picked))
+    """RMS level of little-endian float32 samples."""
+    return _rms(data, "f", 1.0)

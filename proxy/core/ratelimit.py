@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["TokenBucket", "audio_bytes_per_second"]
+__all__ = ["BYTES_PER_SAMPLE", "TokenBucket", "audio_bytes_per_second"]
 
-_BYTES_PER_SAMPLE = {
+#: Bytes per sample of the audio formats of vLLM-Omni and OpenAI Realtime.
+BYTES_PER_SAMPLE: dict[str, int] = {
     "pcm16": 2,
     "pcm_s16le": 2,
     "s16le": 2,
@@ -19,7 +20,7 @@ _BYTES_PER_SAMPLE = {
 
 def audio_bytes_per_second(audio_format: str | None, sample_rate_hz: int | None) -> float:
     """Raw bytes per second of mono input audio; pcm16 at 16 kHz when unknown."""
-    width = _BYTES_PER_SAMPLE.get(audio_format or "pcm16", 2)
+    width = BYTES_PER_SAMPLE.get(audio_format or "pcm16", 2)
     rate = sample_rate_hz if sample_rate_hz and sample_rate_hz > 0 else 16_000
     return float(width * rate)
 
