@@ -65,6 +65,22 @@ CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY_VIOLATION: Final = 1008
 CLOSE_ABNORMAL_ENGINE: Final = 1011
 
+#: A response request still unanswered after this long no longer counts as in flight.
+_CREATE_IN_FLIGHT: Final = 10.0
+
+#: Error codes with which the engine refuses to start a response (reference §2.5).
+_CREATE_REFUSALS: Final = frozenset(
+    {"response_create_without_input", "response_already_active", "input_audio_buffer_empty"}
+)
+
+
+def _commit_creates_response(event: ClientEvent) -> bool:
+    """An ``input_audio_buffer.commit`` that also asks for a response."""
+    if event.type not in ("input_audio_buffer.commit", "input.commit") or event.body is None:
+        return False
+    return bool(event.body.get("response_create") or event.body.get("create_response"))
+
+
 _NOTHING: Final[tuple[tuple[float, ...], tuple[float, ...]]] = ((), ())
 
 #: Response creations remembered for first-audio timing (oldest dropped).
@@ -177,7 +193,13 @@ class SessionCore:
         self._silence: dict[str, list[float]] = {}
         self._silence_observed: list[float] = []
         # first_audio: response.create times waiting for their response.created
-        self._pending_creates: deque[float] = deque(maxlen=_MAX_PENDING_CREATES)
+        # Responses the client asked for (response.create, or a commit with
+        # response_create) whose response.created has not arrived yet:
+        # (time asked, client event_id). A cancel without a response id also
+        # covers these: they are "born cancelled" when their response.created
+        # arrives, so a cancel racing a create leaks no audio.
+        self._pending_creates: deque[tuple[float, str | None]] = deque(maxlen=_MAX_PENDING_CREATES)
+        self._born_cancelled = 0
         self._create_time: dict[str, float] = {}
         self._first_audio_observed: list[float] = []
         self._input_bucket = TokenBucket(
@@ -224,8 +246,10 @@ class SessionCore:
                 return ClientDecision(event, forward=False)
         elif event.kind is ClientKind.SESSION_UPDATE:
             self._note_input_format(event)
-        elif event.kind is ClientKind.RESPONSE_CREATE:
-            self._pending_creates.append(now)
+        elif event.kind is ClientKind.RESPONSE_CREATE or (
+            event.kind is ClientKind.OTHER and _commit_creates_response(event)
+        ):
+            self._pending_creates.append((now, event.event_id))
         elif event.kind is ClientKind.SESSION_CLOSE:
             self.client_close_requested = True
             self.upstream_close_sent = True
@@ -279,6 +303,12 @@ class SessionCore:
             self._cancel(named, now)
         else:
             self._cancel_all_open(now)
+            # ...and the responses requested, not refused, and not created yet.
+            # A request older than _CREATE_IN_FLIGHT was answered some way we
+            # did not recognise; it must not cancel a later response.
+            self._born_cancelled = sum(
+                1 for asked, _ in self._pending_creates if now - asked < _CREATE_IN_FLIGHT
+            )
 
     # -- upstream → client -----------------------------------------------------------------
 
@@ -303,7 +333,12 @@ class SessionCore:
         elif kind is EventKind.RESPONSE_CREATED and rid is not None:
             self.ledger.on_created(rid)
             if self._pending_creates:
-                self._create_time[rid] = self._pending_creates.popleft()
+                self._create_time[rid] = self._pending_creates.popleft()[0]
+            if self._born_cancelled > 0:
+                self._born_cancelled -= 1
+                self._cancel(rid, now)
+        elif kind is EventKind.ERROR:
+            self._forget_rejected_create(event)
         elif kind is EventKind.RESPONSE_DONE:
             if rid is not None and event.status in ("cancelled", "failed"):
                 self._cancel(rid, now)
@@ -380,6 +415,27 @@ class SessionCore:
     def _cancel_all_open(self, now: float) -> None:
         for response_id in self.ledger.open_responses():
             self._cancel(response_id, now)
+
+    def _forget_rejected_create(self, event: UpstreamEvent) -> None:
+        """An ``error`` answering a response request: that response never comes.
+
+        Matched by the echoed ``error.event_id`` when the client set one,
+        else by the codes the engine uses to refuse a response.
+        """
+        error = (event.body or {}).get("error")
+        if not isinstance(error, dict) or not self._pending_creates:
+            return
+        echoed = error.get("event_id")
+        pending = self._pending_creates
+        index = None
+        if isinstance(echoed, str):
+            index = next((i for i, (_, eid) in enumerate(pending) if eid == echoed), None)
+        elif error.get("code") in _CREATE_REFUSALS:
+            index = 0
+        if index is None:
+            return
+        del pending[index]
+        self._born_cancelled = min(self._born_cancelled, len(pending))
 
     # -- overflow ---------------------------------------------------------------------------------
 

@@ -11,11 +11,14 @@ simulator shows it (that is what makes these tests able to fail).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+import orjson
 import pytest
 
 from proxy.probe import ProbeOptions, run_probe
@@ -305,3 +308,35 @@ async def test_probe_cli_with_cancel_through_the_sidecar(probe_sim, sidecar) -> 
     assert result["response_statuses"] == ["cancelled"]
     assert result["stale_audio_frames"] == 0
     assert result["audio_frames"] >= 6  # 1500 ms of 250 ms chunks before the cancel
+
+
+async def test_cancel_racing_the_create_leaks_no_audio(simulator, sidecar) -> None:
+    """``response.cancel`` without an id, sent right behind ``response.create``
+    (before the engine's ``response.created`` passed the proxy): the engine still
+    creates, cancels and sends its late audio; none of it reaches the client."""
+    sim = await simulator(
+        "--chunk-ms", "200", "--realtime-factor", "0", "--late-audio-chunks", "3",
+        "--response-seconds", "2",
+    )
+
+    async def run(url: str) -> list[str]:
+        types: list[str] = []
+        async with aiohttp.ClientSession() as http, http.ws_connect(url, max_msg_size=0) as ws:
+            await ws.send_str('{"type":"session.update","session":{}}')
+            await ws.send_str('{"type":"input_audio_buffer.append","audio":"AAAAAAAAAAAA"}')
+            await ws.send_str('{"type":"input_audio_buffer.commit"}')
+            await ws.send_str('{"type":"response.create"}')
+            await ws.send_str('{"type":"response.cancel"}')
+            async with asyncio.timeout(DEADLINE):
+                while "response.done" not in types:
+                    msg = await ws.receive()
+                    assert msg.type is aiohttp.WSMsgType.TEXT, msg
+                    types.append(orjson.loads(msg.data)["type"])
+        return types
+
+    direct = await run(sim.ws_url)
+    assert "response.output_audio.delta" in direct  # the engine's flaw is real
+    proxy = await sidecar(upstream=sim.ws_url)
+    proxied = await run(proxy.url)
+    assert "response.created" in proxied
+    assert "response.output_audio.delta" not in proxied

@@ -1230,3 +1230,54 @@ class TestProperties:
                 == "output_backpressure"
             ):
                 assert not any(e.response_id == d.response_id for e in out[i + 1 :])
+
+
+class TestCancelRacingCreate:
+    """A cancel without a response id sent before the engine's response.created
+    reached the proxy still covers that response (it is born cancelled)."""
+
+    def test_response_created_after_the_cancel_is_silenced(self) -> None:
+        p = pair()
+        p.client(h.dumps({"type": "response.create"}))
+        p.client(h.dumps({"type": "response.cancel"}))
+        p.upstream(
+            h.response_created("r1"),
+            h.audio("r1", seq=0),
+            h.transcript_delta("r1", seq=0),
+            h.response_done("r1", "cancelled"),
+        )
+        out = p.deliver()
+        assert types(out) == ["response.created", TRANSCRIPT, "response.done"]
+        assert drop_events(p, DropReason.LATE_AUDIO) == 1
+
+    def test_a_refused_create_does_not_cancel_the_next_response(self) -> None:
+        p = pair()
+        p.client(h.dumps({"type": "response.create", "event_id": "c1"}))
+        p.upstream(
+            h.dumps(
+                {
+                    "type": "error",
+                    "error": {"code": "response_create_without_input", "event_id": "c1"},
+                }
+            )
+        )
+        p.client(h.dumps({"type": "response.cancel"}))  # nothing in flight any more
+        p.client(h.dumps({"type": "response.create"}))
+        p.upstream(h.response_created("r2"), h.audio("r2", seq=0), h.response_done("r2"))
+        assert types(p.deliver()) == ["error", "response.created", AUDIO, "response.done"]
+
+    def test_a_commit_with_response_create_counts_as_a_request(self) -> None:
+        p = pair()
+        p.client(h.dumps({"type": "input_audio_buffer.commit", "response_create": True}))
+        p.client(h.dumps({"type": "barge_in"}))
+        p.upstream(h.response_created("r1"), h.audio("r1", seq=0))
+        assert types(p.deliver()) == ["response.created"]
+
+    def test_a_stale_request_does_not_cancel_a_later_response(self) -> None:
+        p = pair()
+        p.client(h.dumps({"type": "response.create"}))  # never answered
+        p.tick(60.0)
+        p.client(h.dumps({"type": "response.cancel"}))
+        p.client(h.dumps({"type": "response.create"}))
+        p.upstream(h.response_created("r1"), h.audio("r1", seq=0))
+        assert types(p.deliver()) == ["response.created", AUDIO]
