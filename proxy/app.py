@@ -394,6 +394,7 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         drain_timeout=settings.drain_timeout,
         upstream_close_timeout=settings.upstream_close_timeout,
         max_pending_input_bytes=settings.max_pending_input_bytes,
+        write_buffer_bytes=settings.client_write_buffer_bytes,
         max_session_duration=settings.max_session_duration,
         client_idle_timeout=settings.client_idle_timeout,
         heartbeat_interval=settings.heartbeat_interval,

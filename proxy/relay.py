@@ -23,18 +23,21 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 from aiohttp import web
 
+from proxy.core.buffer import Entry
 from proxy.core.events import ClientKind, EventKind
 from proxy.core.session import (
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
+    DropReason,
     Outcome,
     SessionCore,
     SessionState,
@@ -83,6 +86,7 @@ class Relay:
         drain_timeout: float,
         upstream_close_timeout: float,
         max_pending_input_bytes: int = 0,
+        write_buffer_bytes: int = 64 * 1024,
         max_session_duration: float = 0.0,
         client_idle_timeout: float = 0.0,
         heartbeat_interval: float = 0.0,
@@ -98,6 +102,13 @@ class Relay:
         self._drain_timeout = drain_timeout
         self._upstream_close_timeout = upstream_close_timeout
         self._max_pending_input = max_pending_input_bytes
+        self._write_buffer_bytes = write_buffer_bytes
+        #: Entries the fast path took, written at the end of the loop tick.
+        self._batch: list[tuple[Entry, float]] = []
+        self._batch_bytes = 0
+        #: Engine frames aiohttp has parsed but we have not read yet (its
+        #: reader queue; empty when unknown, which disables batching).
+        self._upstream_backlog: Sized = getattr(getattr(upstream, "_reader", None), "_buffer", ())
         self._max_duration = max_session_duration
         self._idle_timeout = client_idle_timeout
         self._last_client_frame = clock()
@@ -384,7 +395,7 @@ class Relay:
                         # can take it: write now instead of waking the delivery
                         # task (saves a task switch per event). Same checks as
                         # delivery: next_delivery re-validates the event.
-                        await self._write_ready(now)
+                        self._write_ready(now)
                     self._after_core_call()
                     if core.has_upstream_commands:
                         await self._flush_upstream_commands()
@@ -429,26 +440,67 @@ class Relay:
         )
         deadline.reschedule(asyncio.get_running_loop().time() + budget)
 
-    async def _write_ready(self, now: float) -> None:
-        """Write what is ready while the client transport takes it (fast path)."""
+    def _write_ready(self, now: float) -> None:
+        """Fast path: take what is ready into the write batch.
+
+        The batch is written as soon as no further engine frame is waiting
+        (at real-time pace: at once), else at the end of this loop tick: one
+        transport write for a burst of frames. It never grows past the client
+        write buffer size, so it never holds more than the transport would.
+        Taken entries are re-checked when written: a cancel that arrives in
+        between still drops their audio.
+        """
         core = self.core
         buffer = core.buffer
-        while not buffer.holding and buffer.has_output():
+        protocol = self._protocol
+        while buffer.has_output() and not buffer.holding:
+            if protocol is not None and protocol.writing_paused:
+                return
             entry = core.next_delivery(now)
             if entry is None:
                 return
-            try:
-                await self.client.send_str(entry.event.text)
-            except (ConnectionError, RuntimeError):
-                # The delivery task sees the closed client and winds down.
-                buffer.release_held()
-                self._wake.set()
-                return
-            written = self._clock()
-            core.delivered(entry, written)
-            self._observer.delivered(entry, now)
-            if self._protocol is not None and self._protocol.writing_paused:
-                return
+            buffer.release_held()
+            self._batch.append((entry, now))
+            self._batch_bytes += entry.event.size
+            if self._batch_bytes >= self._write_buffer_bytes or not self._upstream_backlog:
+                # Nothing more from the engine in this tick (the usual case at
+                # real-time pace), or the batch is full: write now.
+                self._flush_batch()
+            elif len(self._batch) == 1:
+                # More engine frames are already buffered: gather them, but
+                # never past this tick.
+                asyncio.get_running_loop().call_soon(self._flush_batch)
+
+    def _flush_batch(self) -> None:
+        """Write the batch as WebSocket text frames in one transport call."""
+        batch = self._batch
+        if not batch:
+            return
+        self._batch = []
+        self._batch_bytes = 0
+        core = self.core
+        transport = getattr(self._protocol, "transport", None)
+        gone = transport is None or transport.is_closing() or self.client.closed
+        parts: list[bytes] = []
+        written: list[tuple[Entry, float]] = []
+        for entry, taken_at in batch:
+            if gone:
+                core.drop_taken(entry, DropReason.SESSION_CLOSED)
+            elif not core.still_valid(entry):
+                core.drop_taken(entry, DropReason.CANCELLED_AUDIO)
+            else:
+                payload = entry.event.text.encode("utf-8", "surrogatepass")
+                parts.append(_text_frame_header(len(payload)))
+                parts.append(payload)
+                written.append((entry, taken_at))
+        if parts:
+            assert transport is not None
+            transport.writelines(parts)
+            now = self._clock()
+            for entry, taken_at in written:
+                core.delivered(entry, now, release=False)
+                self._observer.delivered(entry, taken_at)
+        self._observer.after_core_call(self)
 
     async def _wait_writable(self) -> None:
         """Wait until the client transport is below its high-water mark."""
@@ -482,6 +534,7 @@ class Relay:
                         await self._wait_writable()
                     if client.closed:
                         break
+                    self._flush_batch()  # what the fast path took goes first
                     now = self._clock()
                     entry = core.next_delivery(now)
                     if entry is None:
@@ -507,6 +560,7 @@ class Relay:
         """Close the client with the decided code, then the engine side politely."""
         core = self.core
         code = core.close_code if core.close_code is not None else CLOSE_NORMAL
+        self._flush_batch()
         if not self.client.closed:
             # Stop our own reader first: with a reader waiting, aiohttp's close()
             # drops the connection right after sending Close, and the client
@@ -553,6 +607,15 @@ class Relay:
             await self.client.close(code=self.core.close_code or CLOSE_NORMAL)
         if not self.upstream.closed:
             await self.upstream.close()
+
+
+def _text_frame_header(length: int) -> bytes:
+    """RFC 6455 §5.2 header of an unmasked, final text frame (server to client)."""
+    if length < 126:
+        return bytes((0x81, length))
+    if length < 65536:
+        return struct.pack("!BBH", 0x81, 126, length)
+    return struct.pack("!BBQ", 0x81, 127, length)
 
 
 class _NeverPaused:

@@ -627,9 +627,15 @@ class SessionCore:
                 continue
             return entry
 
-    def delivered(self, entry: Entry, now: float) -> None:
-        """The entry was written to the client."""
-        self.buffer.release_held()
+    def delivered(self, entry: Entry, now: float, *, release: bool = True) -> None:
+        """The entry was written to the client.
+
+        Args:
+            release: release the buffer's held event (False when the shell
+                released it already, e.g. for a batch of writes).
+        """
+        if release:
+            self.buffer.release_held()
         event = entry.event
         rid = event.response_id
         if entry.closure:
@@ -649,6 +655,18 @@ class SessionCore:
             self.ledger.on_done_delivered(rid, now)
             self._create_time.pop(rid, None)
             self._observe_silence(rid)
+
+    def still_valid(self, entry: Entry) -> bool:
+        """Re-check an entry taken earlier, just before it is written."""
+        event = entry.event
+        rid = event.response_id
+        return not (
+            event.is_audio and rid is not None and self.ledger.cancelled_at(rid) is not None
+        )
+
+    def drop_taken(self, entry: Entry, reason: DropReason) -> None:
+        """An entry taken for writing will not be written after all."""
+        self._count_drop(reason, entry.event.size)
 
     def _observe_silence(self, response_id: str) -> None:
         window = self._silence.pop(response_id, None)

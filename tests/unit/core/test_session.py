@@ -1281,3 +1281,28 @@ class TestCancelRacingCreate:
         p.client(h.dumps({"type": "response.create"}))
         p.upstream(h.response_created("r1"), h.audio("r1", seq=0))
         assert types(p.deliver()) == ["response.created", AUDIO]
+
+
+class TestTakenThenCancelled:
+    """The relay may take several entries before writing them in one batch: a
+    cancel in between must still keep their audio from the client."""
+
+    def test_still_valid_turns_false_after_a_cancel(self) -> None:
+        p = pair()
+        p.upstream(h.response_created("r1"), h.audio("r1", seq=0), h.transcript_delta("r1", seq=0))
+        created = p.core.next_delivery(p.now)
+        assert created is not None
+        p.core.buffer.release_held()
+        audio = p.core.next_delivery(p.now)
+        assert audio is not None
+        p.core.buffer.release_held()
+        transcript = p.core.next_delivery(p.now)
+        assert transcript is not None
+        p.core.buffer.release_held()
+        assert p.core.still_valid(audio)
+        p.client(h.dumps({"type": "response.cancel", "response_id": "r1"}))
+        assert not p.core.still_valid(audio)
+        assert p.core.still_valid(transcript)  # only audio is silenced
+        assert p.core.still_valid(created)
+        p.core.drop_taken(audio, DropReason.CANCELLED_AUDIO)
+        assert drop_events(p, DropReason.CANCELLED_AUDIO) == 1
