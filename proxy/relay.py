@@ -10,6 +10,18 @@ Three tasks in one TaskGroup (DESIGN.md §2):
 3. delivery: wait until the client transport is below its high-water mark,
    take the next event from the core (re-checked at that moment) and write it.
 
+Fast path: when the delivery task is parked (nothing queued, nothing being
+written) and the client transport is not paused, the intake takes the event
+itself and writes it, batched with the other engine frames already waiting in
+this loop tick (one transport write per burst). The intake still never waits
+on the client: the batch is bounded by ``client_write_buffer_bytes``, taken
+events are re-checked when written, and aiohttp's own drain is disabled (the
+relay waits for writability only in the delivery task).
+
+Keepalive is the relay's own: a timestamp per received frame on each side and
+a tick every half ``heartbeat_interval`` that pings a quiet side and drops one
+silent for two intervals.
+
 What can still be in flight after a cancel: the one frame being written, plus
 what the transport (``client_write_buffer_bytes``) and the kernel send buffer
 (set to the same size; Linux doubles it) hold, plus whatever the client's own
