@@ -340,7 +340,7 @@ class Relay:
                     break
         finally:
             self._client_gone.set()
-            if core.state is not SessionState.CLOSED and not self._delivered_closure():
+            if core.state is not SessionState.CLOSED and not core.buffer.closure_delivered:
                 core.client_gone()
             self._after_core_call()
             with contextlib.suppress(Exception):
@@ -356,9 +356,6 @@ class Relay:
             return int(transport.get_write_buffer_size())
         except (AttributeError, RuntimeError, OSError):  # pragma: no cover - closed transport
             return 0
-
-    def _delivered_closure(self) -> bool:
-        return self.core.buffer.closure_delivered
 
     async def _send_upstream(self, text: str) -> None:
         if self.upstream.closed or self._upstream_gone.is_set():
@@ -514,13 +511,6 @@ class Relay:
                 self._observer.delivered(entry, taken_at)
         self._observer.after_core_call(self)
 
-    async def _wait_writable(self) -> None:
-        """Wait until the client transport is below its high-water mark."""
-        protocol = self._protocol
-        if protocol is not None and getattr(protocol, "writing_paused", False):
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await protocol._drain_helper()
-
     async def _deliver(self) -> None:
         core = self.core
         client = self.client
@@ -542,8 +532,11 @@ class Relay:
                         finally:
                             self._delivery_idle = False
                         continue
-                    if self._protocol is not None and self._protocol.writing_paused:
-                        await self._wait_writable()
+                    protocol = self._protocol
+                    if protocol is not None and protocol.writing_paused:
+                        # Write only below the client transport's high-water mark.
+                        with contextlib.suppress(ConnectionError, RuntimeError):
+                            await protocol._drain_helper()
                     if client.closed:
                         break
                     self._flush_batch()  # what the fast path took goes first

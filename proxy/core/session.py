@@ -653,6 +653,9 @@ class SessionCore:
                 self.news = True
         elif event.kind is EventKind.RESPONSE_DONE:
             self.ledger.on_done_delivered(rid, now)
+            # Time has moved on: tombstones whose TTL passed go now, not only
+            # when an event of their response happens to arrive.
+            self.ledger.expire(now)
             self._create_time.pop(rid, None)
             self._observe_silence(rid)
 

@@ -1306,3 +1306,18 @@ class TestTakenThenCancelled:
         assert p.core.still_valid(created)
         p.core.drop_taken(audio, DropReason.CANCELLED_AUDIO)
         assert drop_events(p, DropReason.CANCELLED_AUDIO) == 1
+
+
+class TestTombstoneExpiry:
+    def test_expired_tombstones_go_when_a_later_done_is_delivered(self) -> None:
+        p = pair()
+        p.upstream(h.response_created("r1"), h.audio("r1", seq=0))
+        p.client(h.dumps({"type": "response.cancel", "response_id": "r1"}))
+        p.upstream(h.response_done("r1", "cancelled"))
+        p.deliver()
+        assert p.core.ledger.tombstoned() == ["r1"]
+        p.tick(p.core.settings.tombstone_ttl + 1)
+        p.upstream(h.response_created("r2"), h.response_done("r2"))
+        p.deliver()
+        assert p.core.ledger.tombstoned() == []
+        assert p.core.ledger.statistics().expirations == 1
