@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 __all__ = [
     "DIRECTIONS",
@@ -15,10 +24,16 @@ __all__ = [
     "OVERFLOW_POLICIES",
     "REJECT_REASONS",
     "SESSION_OUTCOMES",
+    "STANDARD_PREFIXES",
     "SidecarMetrics",
 ]
 
 PREFIX: Final = "omni_sidecar"
+#: Families from prometheus_client's standard collectors (process RSS, CPU
+#: seconds, open fds, start time; Python GC; python_info). They keep their
+#: conventional names, so every dashboard and alert that knows them works:
+#: the one exception to the ``omni_sidecar_`` prefix.
+STANDARD_PREFIXES: Final = ("process_", "python_")
 
 DIRECTIONS: Final = ("client_to_upstream", "upstream_to_client")
 #: Coarse event kinds for events_total (audio vs control; invalid frames).
@@ -30,7 +45,7 @@ DROP_REASONS: Final = (
     "failed_response",
     "invalid_client_frame",
     "invalid_upstream_frame",
-    # Added after DESIGN.md §11 was written (documented in README "Metrics"):
+    # Beyond the original six (see docs/design.md, Metrics):
     # client audio appends over max_input_audio_rate,
     "input_backpressure",
     # engine output that arrived after the session began closing, or was still
@@ -87,41 +102,38 @@ QUEUE_DELAY_BUCKETS: Final = (
     10.0,
     30.0,
 )
-#: Cancel trigger → last audio byte of that response written: 0 is the goal.
-CANCEL_TO_SILENCE_BUCKETS: Final = (
-    0.0,
-    0.0005,
-    0.001,
-    0.0025,
+#: Fine steps from 5 ms to 2 s, where both timings below live: a p99 read from
+#: these is off by at most one step (0.1 s around 1 s: a true 1.003 s reads
+#: between 1.0 and 1.1 s, where the old 1.0/1.5/2.0 steps read 1.495 s).
+_FINE_SECONDS: Final = (
     0.005,
     0.01,
     0.025,
     0.05,
+    0.075,
     0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
-#: response.create → first audio: model latency dominates (0.3 s – several s).
-FIRST_AUDIO_BUCKETS: Final = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
+    0.15,
     0.2,
     0.3,
+    0.4,
     0.5,
+    0.6,
     0.75,
+    0.9,
     1.0,
+    1.1,
+    1.25,
     1.5,
     2.0,
     3.0,
     5.0,
     10.0,
-    30.0,
 )
+#: Cancel trigger → last audio byte of that response written: 0 is the goal
+#: (sub-ms when nothing was in flight), up to seconds while a burst drains.
+CANCEL_TO_SILENCE_BUCKETS: Final = (0.0, 0.0005, 0.001, 0.0025, *_FINE_SECONDS)
+#: response.create → first audio: model latency dominates (0.05 s – several s).
+FIRST_AUDIO_BUCKETS: Final = (*_FINE_SECONDS, 30.0)
 #: Upstream WebSocket connect on loopback: ~ms; seconds mean trouble.
 CONNECT_BUCKETS: Final = (
     0.0005,
@@ -147,10 +159,19 @@ class SidecarMetrics:
     Args:
         registry: where to register (a fresh ``CollectorRegistry()`` in tests).
         version: reported by ``build_info``.
+        process_metrics: also register the standard process, GC and platform
+            collectors (see ``STANDARD_PREFIXES``); they read ``/proc`` at scrape
+            time only, never on the relay's path.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, version: str = "0") -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, version: str = "0", process_metrics: bool = True
+    ) -> None:
         self.registry = registry
+        if process_metrics:
+            ProcessCollector(registry=registry)
+            GCCollector(registry=registry)
+            PlatformCollector(registry=registry)
         p = PREFIX
         self.sessions_active = Gauge(
             f"{p}_sessions_active", "Client sessions currently relayed.", registry=registry
