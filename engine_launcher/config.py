@@ -4,7 +4,14 @@
 ``__post_init__`` and raises :class:`EngineConfigError` (a ``ValueError``) that
 names the offending field; ``proxy.config`` turns that into its own
 ``ConfigError`` naming ``engine.<field>`` and the value's source (file, env,
-flag). This module never imports ``proxy`` (DESIGN.md §1).
+flag). This module never imports ``proxy`` (docs/design.md, Architecture).
+
+Each field is declared once, with :func:`setting`: its default and a
+:class:`SettingDoc` (meaning, unit, bounds, whether a reload may change it).
+``proxy.config`` derives the TOML keys, env vars, flags, ``--help``,
+``--print-config`` and the example config from these declarations and from
+the top-level ``Settings`` declared the same way. The helper lives here, not in
+``proxy``, because ``proxy`` may import this module but not the reverse.
 
 Units: durations are float seconds, counts are ints.
 """
@@ -13,9 +20,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal, get_args
+from typing import Any, Final, Literal, TypeVar, get_args
 from urllib.parse import urlsplit
 
 __all__ = [
@@ -28,16 +35,84 @@ __all__ = [
     "DEFAULT_STOP_GRACE",
     "DEFAULT_VLLM_OMNI_PORT",
     "ENGINE_KINDS",
+    "SETTING_METADATA",
     "EngineConfig",
     "EngineConfigError",
     "EngineKind",
+    "SettingDoc",
+    "setting",
 ]
 
 SECONDS: Final = 1.0
 
+_T = TypeVar("_T")
+
+#: Key of :class:`SettingDoc` in a dataclass field's ``metadata``.
+SETTING_METADATA: Final = "omni_sidecar_setting"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SettingDoc:
+    """Everything about one setting except its name, type and default.
+
+    The name, the Python type and the default come from the dataclass field
+    that carries this object in its metadata (see :func:`setting`), so a
+    setting is declared in exactly one place.
+
+    Attributes:
+        help: What the setting means, for ``--help`` and the example config.
+            The first sentence is the short form shown in ``--help``.
+        unit: ``"seconds"``, ``"bytes"``, ``"count"``, ``"ratio"`` or ``""``.
+        minimum: Smallest allowed number (inclusive), or ``None``.
+        maximum: Largest allowed number (inclusive), or ``None``.
+        positive: The number must be > 0.
+        live: A SIGHUP reload applies a new value at once (to new sessions
+            and handshakes); ``False`` means a restart is needed.
+        section: Heading under which the example config lists the setting.
+        example: TOML text of a typical value, shown commented out in the
+            example config when the default is unset or empty.
+        metavar: The flag's value placeholder; derived from the unit when empty.
+        argv: A list given as text is split like a shell command line
+            (``shlex``) instead of at commas.
+        check: Further validation of the parsed value; raises ``ValueError``
+            with a message that does not repeat the key.
+        mask: Returns the value with its secret parts replaced by ``***``, for
+            ``--print-config``; ``None`` when the value holds no secret.
+    """
+
+    help: str
+    unit: str = ""
+    minimum: float | None = None
+    maximum: float | None = None
+    positive: bool = False
+    live: bool = False
+    section: str = ""
+    example: str | None = None
+    metavar: str = ""
+    argv: bool = False
+    check: Callable[[Any], None] | None = None
+    mask: Callable[[Any], Any] | None = None
+
+
+def setting(default: _T, **doc: Any) -> _T:
+    """Declare a settings field: its default and its :class:`SettingDoc`.
+
+    Use as ``max_sessions: int = setting(64, help="...", unit="count")``.
+
+    Args:
+        default: The default value (immutable: tuples, not lists).
+        **doc: The :class:`SettingDoc` fields.
+
+    Returns:
+        A dataclass ``field`` (typed as the default, for the type checker).
+    """
+    result: _T = field(default=default, metadata={SETTING_METADATA: SettingDoc(**doc)})
+    return result
+
+
 EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
 ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
-"""Every valid ``kind``, in the order of DESIGN.md §8."""
+"""Every valid ``kind`` (docs/design.md, Engine supervision)."""
 
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_VLLM_OMNI_PORT: Final = 8091
@@ -114,24 +189,122 @@ class EngineConfig:
         EngineConfigError: A field has an invalid value.
     """
 
-    kind: EngineKind = "simulator"
-    model: str | None = None
-    deploy_config: str | None = None
-    host: str = DEFAULT_HOST
-    port: int | None = None
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = field(default=())
-    python: str | None = None
-    command: tuple[str, ...] = ()
-    upstream: str | None = None
-    health_url: str | None = None
-    simulator_args: tuple[str, ...] = ()
-    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
-    health_interval: float = DEFAULT_HEALTH_INTERVAL
-    health_failures: int = DEFAULT_HEALTH_FAILURES
-    max_restarts: int = DEFAULT_MAX_RESTARTS
-    restart_window: float = DEFAULT_RESTART_WINDOW
-    stop_grace: float = DEFAULT_STOP_GRACE
+    kind: EngineKind = setting(  # noqa: RUF009 - setting() returns a dataclasses.field
+        "simulator",
+        help='"simulator" (built-in CPU stand-in), "vllm-omni" (vllm-omni serve MODEL '
+        '--omni), "command" (run `command` as given) or "external" (`upstream` URL, '
+        "no child process).",
+        metavar="KIND",
+    )
+    model: str | None = setting(
+        None,
+        help='Model to serve; required for "vllm-omni".',
+        example='"openbmb/MiniCPM-o-4_5"',
+        metavar="MODEL",
+    )
+    deploy_config: str | None = setting(
+        None,
+        help="Deploy-config YAML passed as --deploy-config to vllm-omni.",
+        example='"minicpmo_4_5.yaml"',
+        metavar="PATH",
+    )
+    host: str = setting(
+        DEFAULT_HOST,
+        help="Address the child listens on and the proxy connects to.",
+        metavar="HOST",
+    )
+    port: int | None = setting(
+        None,
+        help="Child's port. Unset: 8091 for vllm-omni, a free port for the simulator and "
+        'for "command".',
+        minimum=1,
+        maximum=65535,
+        example="8091",
+        metavar="PORT",
+    )
+    extra_args: tuple[str, ...] = setting(
+        (),
+        help="Extra argv appended to the engine's command line.",
+        example='["--trust-remote-code"]',
+        metavar="ARGS",
+        argv=True,
+    )
+    env: tuple[tuple[str, str], ...] = setting(
+        (),
+        help="Environment overrides for the child (a table of strings; env and flag "
+        "form: K=V,K2=V2).",
+        example='{CUDA_VISIBLE_DEVICES = "0"}',
+        metavar="K=V,...",
+    )
+    python: str | None = setting(
+        None,
+        help="Interpreter for the simulator and vllm-omni. Unset: the one running omni-sidecar.",
+        example='"/opt/vllm/bin/python"',
+        metavar="PATH",
+    )
+    command: tuple[str, ...] = setting(
+        (),
+        help='Full argv for kind "command".',
+        example='["/opt/engine/bin/serve", "--port", "8091"]',
+        metavar="ARGV",
+        argv=True,
+    )
+    upstream: str | None = setting(
+        None,
+        help='ws:// URL for kind "external" (or set the top-level `upstream`).',
+        example='"ws://127.0.0.1:8091"',
+        metavar="URL",
+    )
+    health_url: str | None = setting(
+        None,
+        help="Readiness and health URL. Unset: http://HOST:PORT/health.",
+        example='"http://127.0.0.1:8091/health"',
+        metavar="URL",
+    )
+    simulator_args: tuple[str, ...] = setting(
+        (),
+        help="Extra flags for the simulator (python -m engine_launcher.simulator --help).",
+        example='["--realtime-factor", "0"]',
+        metavar="ARGS",
+        argv=True,
+    )
+    startup_timeout: float = setting(
+        DEFAULT_STARTUP_TIMEOUT,
+        help="Seconds to wait for the engine's first healthy answer (loading may take 20 min).",
+        unit="seconds",
+        positive=True,
+    )
+    health_interval: float = setting(
+        DEFAULT_HEALTH_INTERVAL,
+        help="Seconds between health polls while ready.",
+        unit="seconds",
+        positive=True,
+    )
+    health_failures: int = setting(
+        DEFAULT_HEALTH_FAILURES,
+        help="Consecutive failed health polls that count as a crash.",
+        unit="count",
+        minimum=1,
+    )
+    max_restarts: int = setting(
+        DEFAULT_MAX_RESTARTS,
+        help="Restarts allowed within restart_window before omni-sidecar exits 1 "
+        "(engine failed for good).",
+        unit="count",
+        minimum=0,
+    )
+    restart_window: float = setting(
+        DEFAULT_RESTART_WINDOW,
+        help="The window, in seconds, in which restarts are counted.",
+        unit="seconds",
+        positive=True,
+    )
+    stop_grace: float = setting(
+        DEFAULT_STOP_GRACE,
+        help="Seconds between SIGTERM and SIGKILL when stopping the engine.",
+        unit="seconds",
+        minimum=0,
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:

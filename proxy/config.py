@@ -1,6 +1,15 @@
 """Settings: one flat namespace, loaded from defaults < TOML file < env < flags.
 
-Every key has the same name in each source (DESIGN.md §11): TOML key
+Each setting is declared once, as a field of :class:`Settings` (or of
+``EngineConfig`` for the ``[engine]`` table) made with
+``engine_launcher.config.setting``: name, type (the annotation), default,
+bounds, unit, meaning and whether a SIGHUP reload may change it. Everything
+else is derived from those declarations (:data:`SETTINGS`): the loader, the
+env and flag names, ``serve --help``, ``--print-config`` and the example
+config (``python -m proxy.config --example``). Adding a setting is one edit:
+a new field.
+
+Every key has the same name in each source (docs/design.md, Settings): TOML key
 ``max_sessions`` = env ``OMNI_SIDECAR_MAX_SESSIONS`` = flag ``--max-sessions``.
 The ``[engine]`` table maps to ``OMNI_SIDECAR_ENGINE_<KEY>`` and
 ``--engine-<key>``. Durations are float seconds, sizes int bytes, counts ints.
@@ -32,13 +41,23 @@ import enum
 import json
 import math
 import shlex
+import sys
+import textwrap
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from engine_launcher.config import ENGINE_KINDS, EngineConfig, EngineConfigError
+from engine_launcher.config import (
+    SETTING_METADATA,
+    EngineConfig,
+    EngineConfigError,
+    SettingDoc,
+    setting,
+)
 from proxy.errors import ConfigError
 
 __all__ = [
@@ -47,22 +66,29 @@ __all__ = [
     "DEFAULT_LISTEN",
     "ENV_PREFIX",
     "KIB",
+    "LIVE_KEYS",
+    "LOG_FORMATS",
     "LOG_LEVELS",
     "MIB",
     "OVERFLOW_POLICIES",
+    "SETTINGS",
     "SETTING_KEYS",
     "TESTS_ENV_PREFIX",
     "LoadedSettings",
+    "LogFormat",
     "LogLevel",
     "OverflowPolicy",
+    "SettingSpec",
     "Settings",
     "add_cli_arguments",
     "env_name",
+    "example_config",
     "flag_name",
     "flag_values",
     "format_settings",
     "load",
     "parse_listen",
+    "setting_value",
 ]
 
 BYTES: Final = 1
@@ -79,18 +105,96 @@ DEFAULT_LISTEN: Final = "127.0.0.1:8000"
 DEFAULT_ADMIN_LISTEN: Final = "127.0.0.1:9464"
 
 OverflowPolicy = Literal["close_session", "fail_response"]
-OVERFLOW_POLICIES: Final[tuple[str, ...]] = ("close_session", "fail_response")
+OVERFLOW_POLICIES: Final[tuple[str, ...]] = typing.get_args(OverflowPolicy)
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-LOG_LEVELS: Final[tuple[str, ...]] = ("debug", "info", "warning", "error", "critical")
+LOG_LEVELS: Final[tuple[str, ...]] = typing.get_args(LogLevel)
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: Final[tuple[str, ...]] = typing.get_args(LogFormat)
 
 _CONSTRUCTOR_SOURCE: Final = "Settings()"
+
+# Section headings of the example config, in order.
+_LISTENERS: Final = "Listeners"
+_ADMISSION: Final = "Admission"
+_LIMITS: Final = "Per-session limits"
+_CANCELLATION: Final = "Cancellation"
+_TIMERS: Final = "Timers"
+_AUTH: Final = "Auth and upstream request"
+_LOGGING: Final = "Logging"
+
+
+# --------------------------------------------------------------------------
+# Value checks and masks named by the declarations below.
+
+
+def _check_listen(value: str) -> None:
+    parse_listen(value)
+
+
+def _check_ws_url(value: str | None) -> None:
+    if value is None:
+        return
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"invalid URL {value!r}: {exc}") from None
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise ValueError(f"expected a ws:// or wss:// URL with a host, got {value!r}")
+
+
+def _check_list_items(value: tuple[str, ...]) -> None:
+    for item in value:
+        if not item or item != item.strip() or "," in item:
+            raise ValueError("entries must be non-empty, without spaces around them or commas")
+
+
+def _check_optional_path(value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ValueError("must be a path or unset")
+
+
+def _is_token(text: str) -> bool:
+    return bool(text) and text.isprintable() and not any(c.isspace() for c in text)
+
+
+def _check_upstream_authorization(value: str) -> None:
+    token = value.removeprefix("key:")
+    if value not in ("pass-through", "none") and not (
+        value.startswith("key:") and _is_token(token)
+    ):
+        raise ValueError("expected 'pass-through', 'none' or 'key:<KEY>' (a non-empty token)")
+
+
+def _mask_url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    netloc = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _mask_all(value: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple("***" for _ in value)
+
+
+def _mask_authorization(value: str) -> str:
+    return "key:***" if value.startswith("key:") else value
+
+
+# --------------------------------------------------------------------------
+# The declarations.
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """Every proxy setting (DESIGN.md §11). Build with :func:`load` or directly.
+    """Every proxy setting (docs/design.md, Settings). Build with :func:`load` or directly.
 
-    Direct construction validates too (handy in tests, with
+    Each field is the one declaration of its setting (see the module
+    docstring). Direct construction validates too (handy in tests, with
     ``dataclasses.replace``); errors then name the source ``Settings()``.
     Setting :attr:`upstream` while ``engine.kind`` is ``simulator`` switches
     the engine to ``external`` with ``engine.upstream = upstream``; with
@@ -100,66 +204,324 @@ class Settings:
         ConfigError: A value has the wrong type or is out of range.
     """
 
-    # Listeners (DESIGN.md §7), "host:port"; IPv6 as "[::1]:8000".
-    listen: str = DEFAULT_LISTEN
-    admin_listen: str = DEFAULT_ADMIN_LISTEN
-    # ws:// or wss:// URL of an existing engine (engine kind "external").
-    upstream: str | None = None
-    # Admission (DESIGN.md §6). 0 sessions = unlimited.
-    max_sessions: int = 64
-    admission_timeout: float = 0 * SECONDS
-    max_sessions_per_ip: int = 0  # 0 = off
-    # A larger client frame closes the session with 1009.
-    max_client_message_bytes: int = 15 * MIB
-    # OutputBuffer (DESIGN.md §3): ordinary budget, reserve, closure slot.
-    max_pending_output_bytes: int = 2 * MIB
-    max_pending_output_events: int = 512
-    output_reserve_bytes: int = 64 * KIB
-    output_reserve_events: int = 8
-    max_close_notice_bytes: int = 4096 * BYTES
-    max_total_pending_output_bytes: int = 256 * MIB
-    client_write_buffer_bytes: int = 64 * KIB
-    overflow_policy: OverflowPolicy = "close_session"
-    # Cancellation (DESIGN.md §4).
-    interrupt_on_speech_started: bool = False
-    max_tombstones: int = 256
-    tombstone_ttl: float = 60 * SECONDS
-    # Input toward the engine.
-    max_pending_input_bytes: int = 16 * MIB
-    max_input_audio_rate: float = 4.0  # audio seconds per wall second; 0 = off
-    # Timers. 0 turns heartbeat, idle timeout and max duration off.
-    heartbeat_interval: float = 20 * SECONDS
-    upstream_connect_timeout: float = 10 * SECONDS
-    upstream_close_timeout: float = 5 * SECONDS
-    drain_timeout: float = 30 * SECONDS
-    # Once a session is closing: time to deliver its final events and close frame.
-    close_timeout: float = 5 * SECONDS
-    handshake_timeout: float = 10 * SECONDS
-    client_idle_timeout: float = 0 * SECONDS
-    max_session_duration: float = 0 * SECONDS
-    # Auth: off when both api_keys and api_keys_file are unset.
-    api_keys: tuple[str, ...] = ()
-    api_keys_file: str | None = None
-    allowed_origins: tuple[str, ...] = ()  # checked only when the client sends Origin
-    # Upstream request: "pass-through" (client's Authorization), "none", "key:<KEY>".
-    upstream_authorization: str = "pass-through"
-    forward_query: bool = True
-    # Add autostart=0 upstream unless the client set autostart. Off by default:
-    # clients that wait for session.created after connecting with ?model= would hang.
-    upstream_autostart_off: bool = False
-    log_level: LogLevel = "info"
+    listen: str = setting(
+        DEFAULT_LISTEN,
+        help='Main listener (host:port; IPv6 as "[::1]:8000"): /v1/realtime, /v1/duplex, '
+        "/healthz, /readyz, and other HTTP paths proxied to the engine.",
+        section=_LISTENERS,
+        metavar="HOST:PORT",
+        check=_check_listen,
+    )
+    admin_listen: str = setting(
+        DEFAULT_ADMIN_LISTEN,
+        help="Admin listener (host:port): /metrics and /debug/sessions.",
+        section=_LISTENERS,
+        metavar="HOST:PORT",
+        check=_check_listen,
+    )
+    upstream: str | None = setting(
+        None,
+        help="ws:// or wss:// URL of an existing engine. Setting it switches engine.kind "
+        'from "simulator" to "external" (no child process).',
+        section=_LISTENERS,
+        example='"ws://127.0.0.1:8091"',
+        metavar="URL",
+        check=_check_ws_url,
+        mask=_mask_url,
+    )
+    max_sessions: int = setting(
+        64,
+        help="Concurrent sessions admitted; more get 503 + Retry-After. 0 = unlimited.",
+        unit="count",
+        minimum=0,
+        live=True,
+        section=_ADMISSION,
+    )
+    admission_timeout: float = setting(
+        0 * SECONDS,
+        help="Seconds to wait for a free session slot before answering 503. 0 = answer at once.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_ADMISSION,
+    )
+    max_sessions_per_ip: int = setting(
+        0,
+        help="Concurrent sessions per client IP. 0 = off.",
+        unit="count",
+        minimum=0,
+        live=True,
+        section=_ADMISSION,
+    )
+    handshake_timeout: float = setting(
+        10 * SECONDS,
+        help="Seconds allowed for the client's WebSocket handshake.",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_ADMISSION,
+    )
+    max_client_message_bytes: int = setting(
+        15 * MIB,
+        help="Largest client frame; a larger one closes the session with 1009.",
+        unit="bytes",
+        positive=True,
+        section=_LIMITS,
+    )
+    max_pending_output_bytes: int = setting(
+        2 * MIB,
+        help="Ordinary output budget per session: queued bytes toward the client.",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LIMITS,
+    )
+    max_pending_output_events: int = setting(
+        512,
+        help="Ordinary output budget per session: queued events toward the client.",
+        unit="count",
+        positive=True,
+        live=True,
+        section=_LIMITS,
+    )
+    output_reserve_bytes: int = setting(
+        64 * KIB,
+        help="Reserve usable only by `error` and `response.done` once the budget is full "
+        "(bytes); at most max_pending_output_bytes.",
+        unit="bytes",
+        minimum=0,
+        live=True,
+        section=_LIMITS,
+    )
+    output_reserve_events: int = setting(
+        8,
+        help="Reserve usable only by `error` and `response.done` once the budget is full "
+        "(events); at most max_pending_output_events.",
+        unit="count",
+        minimum=0,
+        live=True,
+        section=_LIMITS,
+    )
+    max_close_notice_bytes: int = setting(
+        4096 * BYTES,
+        help="Largest final `session.closed` notice; a larger one is replaced by a compact "
+        "one (reason close_details_exceed_output_limit).",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LIMITS,
+    )
+    max_total_pending_output_bytes: int = setting(
+        256 * MIB,
+        help="Process-wide output cap; past it the largest session is shed.",
+        unit="bytes",
+        positive=True,
+        section=_LIMITS,
+    )
+    client_write_buffer_bytes: int = setting(
+        64 * KIB,
+        help="Transport high-water mark toward the client.",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LIMITS,
+    )
+    overflow_policy: OverflowPolicy = setting(  # noqa: RUF009 - a dataclasses.field
+        "close_session",
+        help='What to do when a session\'s output budget overflows: "close_session" (close '
+        'with 1008) or "fail_response" (fail the active response, keep the session).',
+        live=True,
+        section=_LIMITS,
+        metavar="POLICY",
+    )
+    max_pending_input_bytes: int = setting(
+        16 * MIB,
+        help="Unsent bytes toward the engine per session.",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LIMITS,
+    )
+    max_input_audio_rate: float = setting(
+        4.0,
+        help="Appended input audio, in audio seconds per wall-clock second, averaged over "
+        "5 s with a burst allowance of 10 s of audio. 0 = off.",
+        unit="ratio",
+        minimum=0,
+        live=True,
+        section=_LIMITS,
+    )
+    interrupt_on_speech_started: bool = setting(
+        False,
+        help="Treat input_audio_buffer.speech_started from the engine as a cancel trigger.",
+        live=True,
+        section=_CANCELLATION,
+    )
+    max_tombstones: int = setting(
+        256,
+        help="Cancelled responses remembered per session, so late audio of them is dropped.",
+        unit="count",
+        minimum=1,
+        live=True,
+        section=_CANCELLATION,
+    )
+    tombstone_ttl: float = setting(
+        60 * SECONDS,
+        help="Seconds a cancelled response is remembered after its response.done passed.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_CANCELLATION,
+    )
+    heartbeat_interval: float = setting(
+        20 * SECONDS,
+        help="WebSocket ping period on both sides; a peer silent for twice this is gone. 0 = off.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_TIMERS,
+    )
+    upstream_connect_timeout: float = setting(
+        10 * SECONDS,
+        help="Seconds to open the upstream WebSocket before answering 502.",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_TIMERS,
+    )
+    upstream_close_timeout: float = setting(
+        5 * SECONDS,
+        help="Seconds to wait for session.closed after sending session.close upstream.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_TIMERS,
+    )
+    drain_timeout: float = setting(
+        30 * SECONDS,
+        help="Seconds sessions may finish after SIGTERM (and to flush after the engine left).",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_TIMERS,
+    )
+    close_timeout: float = setting(
+        5 * SECONDS,
+        help="Seconds a closing session (overflow, shutdown) gets to deliver its final "
+        "events and close frame to the client; then the connection is aborted.",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_TIMERS,
+    )
+    client_idle_timeout: float = setting(
+        0 * SECONDS,
+        help="Seconds without a client frame before the session is closed. 0 = off.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_TIMERS,
+    )
+    max_session_duration: float = setting(
+        0 * SECONDS,
+        help="Longest session in seconds. 0 = off.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_TIMERS,
+    )
+    api_keys: tuple[str, ...] = setting(
+        (),
+        help="Accepted API keys. Auth is off when both api_keys and api_keys_file are unset.",
+        live=True,
+        section=_AUTH,
+        example='["change-me"]',
+        metavar="KEY,...",
+        check=_check_list_items,
+        mask=_mask_all,
+    )
+    api_keys_file: str | None = setting(
+        None,
+        help="File with one API key per line (# starts a comment); re-read on reload.",
+        live=True,
+        section=_AUTH,
+        example='"/etc/omni-sidecar/api-keys"',
+        metavar="PATH",
+        check=_check_optional_path,
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        help="Allowed Origin values; checked only when the client sends Origin. Empty = any "
+        "origin.",
+        live=True,
+        section=_AUTH,
+        example='["https://app.example"]',
+        metavar="ORIGIN,...",
+        check=_check_list_items,
+    )
+    upstream_authorization: str = setting(
+        "pass-through",
+        help='Authorization sent upstream: "pass-through" (the client\'s header), "none", '
+        'or "key:<KEY>" (send this key instead).',
+        live=True,
+        section=_AUTH,
+        metavar="pass-through|none|key:KEY",
+        check=_check_upstream_authorization,
+        mask=_mask_authorization,
+    )
+    forward_query: bool = setting(
+        True,
+        help="Forward the client's query string upstream.",
+        live=True,
+        section=_AUTH,
+    )
+    upstream_autostart_off: bool = setting(
+        False,
+        help="Add autostart=0 to the upstream query when the client did not set autostart "
+        "(avoids the engine opening a default session before the client's "
+        "session.update). Off by default: a client that connects with ?model= and waits "
+        "for session.created would otherwise wait forever.",
+        live=True,
+        section=_AUTH,
+    )
+    log_level: LogLevel = setting(  # noqa: RUF009 - a dataclasses.field
+        "info",
+        help="Log level.",
+        live=True,
+        section=_LOGGING,
+        metavar="LEVEL",
+    )
+    log_format: LogFormat = setting(  # noqa: RUF009 - a dataclasses.field
+        "text",
+        help='Log line format: "text" (human-readable) or "json" (one object per line with '
+        "ts, level, logger, message and fields such as session).",
+        live=True,
+        section=_LOGGING,
+        metavar="FORMAT",
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        for key, spec in _TOP_SPECS.items():
-            value = _coerce(key, spec, getattr(self, key), _CONSTRUCTOR_SOURCE)
-            _check(key, spec, value, _CONSTRUCTOR_SOURCE)
-            object.__setattr__(self, key, value)
+        for spec in _TOP_SPECS.values():
+            value = _coerce(spec, getattr(self, spec.name), _CONSTRUCTOR_SOURCE)
+            _check(spec, value, _CONSTRUCTOR_SOURCE)
+            object.__setattr__(self, spec.name, value)
         if not isinstance(self.engine, EngineConfig):
             raise ConfigError(
                 "engine", f"expected an EngineConfig, got {self.engine!r}", _CONSTRUCTOR_SOURCE
             )
-        # "upstream implies external" (DESIGN.md §11), kept consistent both ways.
+        # Cross-field bounds: a reserve larger than its budget makes no sense.
+        for reserve, budget in (
+            ("output_reserve_bytes", "max_pending_output_bytes"),
+            ("output_reserve_events", "max_pending_output_events"),
+        ):
+            if getattr(self, reserve) > getattr(self, budget):
+                raise ConfigError(
+                    reserve,
+                    f"must be <= {budget} ({getattr(self, budget)}), got {getattr(self, reserve)}",
+                    _CONSTRUCTOR_SOURCE,
+                )
+        # "upstream implies external" (docs/design.md, Settings), kept consistent both ways.
         engine = self.engine
         if self.upstream is not None:
             if engine.kind == "simulator":
@@ -198,7 +560,7 @@ class LoadedSettings:
 
 
 # --------------------------------------------------------------------------
-# Field specs: how each key is parsed from text and checked.
+# Specs derived from the declarations.
 
 
 class _Type(enum.Enum):
@@ -213,94 +575,90 @@ class _Type(enum.Enum):
     ENV = "table of strings"
 
 
+_UNIT_METAVARS: Final = {"seconds": "SECONDS", "bytes": "BYTES", "count": "N", "ratio": "RATIO"}
+
+
 @dataclass(frozen=True, slots=True)
-class _Spec:
+class SettingSpec:
+    """One setting as derived from its declaration (see :data:`SETTINGS`).
+
+    Attributes:
+        key: ``max_sessions``; engine fields as ``engine.<field>``.
+        name: The dataclass field's name (the key without ``engine.``).
+        type: How text is parsed and which TOML type is expected.
+        default: The declared default.
+        doc: The declaration's :class:`SettingDoc`.
+        choices: Allowed values of a ``Literal`` type, else empty.
+    """
+
+    key: str
+    name: str
     type: _Type
-    minimum: float | None = None
-    positive: bool = False
-    choices: tuple[str, ...] = ()
-    metavar: str = "VALUE"
+    default: object
+    doc: SettingDoc
+    choices: tuple[str, ...]
+
+    @property
+    def env(self) -> str:
+        return env_name(self.key)
+
+    @property
+    def flag(self) -> str:
+        return flag_name(self.key)
+
+    @property
+    def metavar(self) -> str:
+        return self.doc.metavar or _UNIT_METAVARS.get(self.doc.unit, "VALUE")
 
 
-def _size(*, positive: bool = True) -> _Spec:
-    return _Spec(_Type.INT, minimum=0, positive=positive, metavar="BYTES")
+def _type_of(hint: object, doc: SettingDoc) -> tuple[_Type, tuple[str, ...]]:
+    """Map a field's annotation to the loader's value type (and Literal choices)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        return _Type.STR, tuple(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        if inner == [int]:
+            return _Type.OPT_INT, ()
+        if inner == [str]:
+            return _Type.OPT_STR, ()
+    if origin is tuple:
+        if args == (str, Ellipsis):
+            return (_Type.ARGV if doc.argv else _Type.STR_LIST), ()
+        if args and typing.get_origin(args[0]) is tuple:
+            return _Type.ENV, ()
+    simple = {bool: _Type.BOOL, int: _Type.INT, float: _Type.FLOAT, str: _Type.STR}
+    if isinstance(hint, type) and hint in simple:
+        return simple[hint], ()
+    raise TypeError(f"no loader for a setting of type {hint!r}")  # pragma: no cover
 
 
-def _count(*, positive: bool = False) -> _Spec:
-    return _Spec(_Type.INT, minimum=0, positive=positive, metavar="N")
+def _specs_of(cls: type, prefix: str) -> dict[str, SettingSpec]:
+    hints = typing.get_type_hints(cls)
+    specs: dict[str, SettingSpec] = {}
+    for f in dataclasses.fields(cls):
+        doc = f.metadata.get(SETTING_METADATA)
+        if doc is None:
+            continue
+        kind, choices = _type_of(hints[f.name], doc)
+        key = prefix + f.name
+        specs[key] = SettingSpec(key, f.name, kind, f.default, doc, choices)
+    return specs
 
 
-def _seconds(*, positive: bool = False) -> _Spec:
-    return _Spec(_Type.FLOAT, minimum=0, positive=positive, metavar="SECONDS")
+_TOP_SPECS: Final[dict[str, SettingSpec]] = _specs_of(Settings, "")
+_ENGINE_SPECS: Final[dict[str, SettingSpec]] = _specs_of(EngineConfig, "engine.")
+_SPECS: Final[dict[str, SettingSpec]] = {**_TOP_SPECS, **_ENGINE_SPECS}
 
-
-_TOP_SPECS: Final[dict[str, _Spec]] = {
-    "listen": _Spec(_Type.STR, metavar="HOST:PORT"),
-    "admin_listen": _Spec(_Type.STR, metavar="HOST:PORT"),
-    "upstream": _Spec(_Type.OPT_STR, metavar="URL"),
-    "max_sessions": _count(),
-    "admission_timeout": _seconds(),
-    "max_sessions_per_ip": _count(),
-    "max_client_message_bytes": _size(),
-    "max_pending_output_bytes": _size(),
-    "max_pending_output_events": _count(positive=True),
-    "output_reserve_bytes": _size(positive=False),
-    "output_reserve_events": _count(),
-    "max_close_notice_bytes": _size(),
-    "max_total_pending_output_bytes": _size(),
-    "client_write_buffer_bytes": _size(),
-    "overflow_policy": _Spec(_Type.STR, choices=OVERFLOW_POLICIES, metavar="POLICY"),
-    "interrupt_on_speech_started": _Spec(_Type.BOOL),
-    "max_tombstones": _count(),
-    "tombstone_ttl": _seconds(),
-    "max_pending_input_bytes": _size(),
-    "max_input_audio_rate": _Spec(_Type.FLOAT, minimum=0, metavar="RATIO"),
-    "heartbeat_interval": _seconds(),
-    "upstream_connect_timeout": _seconds(positive=True),
-    "upstream_close_timeout": _seconds(),
-    "drain_timeout": _seconds(),
-    "close_timeout": _seconds(positive=True),
-    "handshake_timeout": _seconds(positive=True),
-    "client_idle_timeout": _seconds(),
-    "max_session_duration": _seconds(),
-    "api_keys": _Spec(_Type.STR_LIST, metavar="KEY,..."),
-    "api_keys_file": _Spec(_Type.OPT_STR, metavar="PATH"),
-    "allowed_origins": _Spec(_Type.STR_LIST, metavar="ORIGIN,..."),
-    "upstream_authorization": _Spec(_Type.STR, metavar="pass-through|none|key:KEY"),
-    "forward_query": _Spec(_Type.BOOL),
-    "upstream_autostart_off": _Spec(_Type.BOOL),
-    "log_level": _Spec(_Type.STR, choices=LOG_LEVELS, metavar="LEVEL"),
-}
-
-# Engine fields: only parsed here; EngineConfig checks ranges and cross-field rules.
-_ENGINE_SPECS: Final[dict[str, _Spec]] = {
-    "kind": _Spec(_Type.STR, metavar="KIND"),
-    "model": _Spec(_Type.OPT_STR, metavar="MODEL"),
-    "deploy_config": _Spec(_Type.OPT_STR, metavar="PATH"),
-    "host": _Spec(_Type.STR, metavar="HOST"),
-    "port": _Spec(_Type.OPT_INT, metavar="PORT"),
-    "extra_args": _Spec(_Type.ARGV, metavar="ARGS"),
-    "env": _Spec(_Type.ENV, metavar="K=V,..."),
-    "python": _Spec(_Type.OPT_STR, metavar="PATH"),
-    "command": _Spec(_Type.ARGV, metavar="ARGV"),
-    "upstream": _Spec(_Type.OPT_STR, metavar="URL"),
-    "health_url": _Spec(_Type.OPT_STR, metavar="URL"),
-    "simulator_args": _Spec(_Type.ARGV, metavar="ARGS"),
-    "startup_timeout": _Spec(_Type.FLOAT, metavar="SECONDS"),
-    "health_interval": _Spec(_Type.FLOAT, metavar="SECONDS"),
-    "health_failures": _Spec(_Type.INT, metavar="N"),
-    "max_restarts": _Spec(_Type.INT, metavar="N"),
-    "restart_window": _Spec(_Type.FLOAT, metavar="SECONDS"),
-    "stop_grace": _Spec(_Type.FLOAT, metavar="SECONDS"),
-}
-
-_SPECS: Final[dict[str, _Spec]] = {
-    **_TOP_SPECS,
-    **{f"engine.{name}": spec for name, spec in _ENGINE_SPECS.items()},
-}
+SETTINGS: Final[tuple[SettingSpec, ...]] = tuple(_SPECS.values())
+"""Every setting, in display order (top-level first, then ``[engine]``)."""
 
 SETTING_KEYS: Final[tuple[str, ...]] = tuple(_SPECS)
 """Every key, in display order; engine keys are written ``engine.<field>``."""
+
+LIVE_KEYS: Final[frozenset[str]] = frozenset(s.key for s in SETTINGS if s.doc.live)
+"""Keys a SIGHUP reload applies; a change to any other key needs a restart."""
 
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"0", "false", "no", "off"})
@@ -328,9 +686,9 @@ def _describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _coerce(key: str, spec: _Spec, value: object, source: str) -> object:
+def _coerce(spec: SettingSpec, value: object, source: str) -> object:
     """Check a typed value (TOML, flags, constructor) and normalise it."""
-    kind = spec.type
+    key, kind = spec.key, spec.type
     if kind is _Type.BOOL:
         if isinstance(value, bool):
             return value
@@ -352,10 +710,11 @@ def _coerce(key: str, spec: _Spec, value: object, source: str) -> object:
         if value is None and kind is _Type.OPT_STR:
             return None
         if isinstance(value, str):
-            return value.lower() if key == "log_level" else value
+            # Choices are lower case; accept "INFO" for "info".
+            return value.lower() if value.lower() in spec.choices else value
     elif kind in (_Type.STR_LIST, _Type.ARGV):
         if isinstance(value, str) and kind is _Type.ARGV:
-            return _parse_text(key, spec, value, source)
+            return _parse_text(spec, value, source)
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
     elif kind is _Type.ENV:
@@ -372,9 +731,9 @@ def _coerce(key: str, spec: _Spec, value: object, source: str) -> object:
     raise ConfigError(key, f"expected a {kind.value}, got {_describe(value)}", source)
 
 
-def _parse_text(key: str, spec: _Spec, text: str, source: str) -> object:
+def _parse_text(spec: SettingSpec, text: str, source: str) -> object:
     """Parse a value given as text (env var or flag) by the key's type."""
-    kind = spec.type
+    key, kind = spec.key, spec.type
     stripped = text.strip()
     if kind is _Type.BOOL:
         lowered = stripped.lower()
@@ -397,9 +756,9 @@ def _parse_text(key: str, spec: _Spec, text: str, source: str) -> object:
             number = float(stripped)
         except ValueError:
             raise ConfigError(key, f"invalid number {text!r}", source) from None
-        return _coerce(key, spec, number, source)
+        return _coerce(spec, number, source)
     if kind in (_Type.STR, _Type.OPT_STR):
-        return _coerce(key, spec, stripped, source)
+        return _coerce(spec, stripped, source)
     if kind is _Type.STR_LIST:
         return tuple(item.strip() for item in text.split(",") if item.strip())
     if kind is _Type.ARGV:
@@ -418,53 +777,24 @@ def _parse_text(key: str, spec: _Spec, text: str, source: str) -> object:
     return tuple(pairs)
 
 
-def _check(key: str, spec: _Spec, value: object, source: str) -> None:
-    """Range and format checks on a normalised top-level value."""
+def _check(spec: SettingSpec, value: object, source: str) -> None:
+    """The declared bounds, choices and check of one normalised value."""
+    key, doc = spec.key, spec.doc
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if spec.positive and value <= 0:
+        if doc.positive and value <= 0:
             raise ConfigError(key, f"must be > 0, got {value!r}", source)
-        if spec.minimum is not None and value < spec.minimum:
-            raise ConfigError(key, f"must be >= {spec.minimum:g}, got {value!r}", source)
+        if doc.minimum is not None and value < doc.minimum:
+            raise ConfigError(key, f"must be >= {doc.minimum:g}, got {value!r}", source)
+        if doc.maximum is not None and value > doc.maximum:
+            raise ConfigError(key, f"must be <= {doc.maximum:g}, got {value!r}", source)
     if spec.choices and value not in spec.choices:
         choices = ", ".join(repr(c) for c in spec.choices)
         raise ConfigError(key, f"unknown value {value!r}; expected one of {choices}", source)
-    if key in ("listen", "admin_listen"):
+    if doc.check is not None:
         try:
-            parse_listen(str(value))
+            doc.check(value)
         except ValueError as exc:
             raise ConfigError(key, str(exc), source) from None
-    elif key == "upstream" and value is not None:
-        _check_ws_url(key, str(value), source)
-    elif key in ("api_keys", "allowed_origins"):
-        assert isinstance(value, tuple)
-        for item in value:
-            if not item or item != item.strip() or "," in item:
-                raise ConfigError(
-                    key, "entries must be non-empty, without spaces around them or commas", source
-                )
-    elif key == "api_keys_file" and value is not None and not str(value).strip():
-        raise ConfigError(key, "must be a path or unset", source)
-    elif key == "upstream_authorization":
-        token = str(value).removeprefix("key:")
-        valid_key = str(value).startswith("key:") and _is_token(token)
-        if value not in ("pass-through", "none") and not valid_key:
-            raise ConfigError(
-                key, "expected 'pass-through', 'none' or 'key:<KEY>' (a non-empty token)", source
-            )
-
-
-def _is_token(text: str) -> bool:
-    return bool(text) and text.isprintable() and not any(c.isspace() for c in text)
-
-
-def _check_ws_url(key: str, value: str, source: str) -> None:
-    try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise ConfigError(key, f"invalid URL {value!r}: {exc}", source) from None
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise ConfigError(key, f"expected a ws:// or wss:// URL with a host, got {value!r}", source)
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -524,9 +854,9 @@ def _read_file(path: str) -> dict[str, object]:
                 key = f"engine.{sub}"
                 if key not in _SPECS:
                     raise _unknown(key, source)
-                values[key] = _coerce(key, _SPECS[key], sub_value, source)
+                values[key] = _coerce(_SPECS[key], sub_value, source)
         elif name in _TOP_SPECS:
-            values[name] = _coerce(name, _SPECS[name], value, source)
+            values[name] = _coerce(_SPECS[name], value, source)
         else:
             raise _unknown(name, source)
     return values
@@ -575,7 +905,7 @@ def load(
             if guess.startswith("engine_"):
                 guess = "engine." + guess[len("engine_") :]
             raise _unknown(guess, source)
-        values[key] = _parse_text(key, _SPECS[key], environ[name], source)
+        values[key] = _parse_text(_SPECS[key], environ[name], source)
         sources[key] = source
 
     for key, value in (argv_values or {}).items():
@@ -584,16 +914,15 @@ def load(
             raise _unknown(key, source)
         spec = _SPECS[key]
         if isinstance(value, str) and spec.type not in (_Type.STR, _Type.OPT_STR):
-            values[key] = _parse_text(key, spec, value, source)
+            values[key] = _parse_text(spec, value, source)
         else:
-            values[key] = _coerce(key, spec, value, source)
+            values[key] = _coerce(spec, value, source)
         sources[key] = source
 
     # Check top-level values first, so that a bad `upstream` is reported as
     # itself and not as the engine.upstream it is copied to.
     for key, value in values.items():
-        if key in _TOP_SPECS:
-            _check(key, _TOP_SPECS[key], value, sources[key])
+        _check(_SPECS[key], value, sources[key])
     _resolve_upstream(values, sources)
 
     engine_values = {k[len("engine.") :]: v for k, v in values.items() if k.startswith("engine.")}
@@ -650,8 +979,15 @@ def _engine_error(exc: EngineConfigError, sources: Mapping[str, str]) -> ConfigE
     return ConfigError(key, message, sources.get(key, _CONSTRUCTOR_SOURCE))
 
 
+def setting_value(settings: Settings, key: str) -> object:
+    """Return the value of ``key`` (``engine.<field>`` for engine fields) in ``settings``."""
+    if key.startswith("engine."):
+        return getattr(settings.engine, key[len("engine.") :])
+    return getattr(settings, key)
+
+
 # --------------------------------------------------------------------------
-# Command line and --print-config.
+# Command line, --print-config and the example config.
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -662,36 +998,39 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     Booleans get ``--x/--no-x``; other values are taken as text and parsed by
     :func:`load` like env values, so a bad value raises ``ConfigError`` naming
     the flag. Engine fields get ``--engine-<field>`` (``--engine-kind``,
-    ``--engine-model``, ...).
+    ``--engine-model``, ...). Each flag's help is the setting's meaning, its
+    env var and its default.
 
     Args:
         parser: The parser to extend; the flags go in a "settings" group.
     """
     group = parser.add_argument_group(
-        "settings", "override the config file and OMNI_SIDECAR_* env vars (DESIGN.md §11)"
+        "settings",
+        "override the config file and OMNI_SIDECAR_* env vars (docs/design.md, Settings); "
+        "[live] = a SIGHUP reload applies a change at once",
     )
-    defaults = _default_values()
-    for key, spec in _SPECS.items():
-        dest = key.replace(".", "_")
-        env = env_name(key)
-        default = _format_value(key, defaults[key])
+    for spec in SETTINGS:
+        dest = spec.key.replace(".", "_")
+        default = _format_value(spec.default, table=spec.type is _Type.ENV)
+        live = "; live" if spec.doc.live else ""
+        choices = f" ({'|'.join(spec.choices)})" if spec.choices else ""
+        help_text = f"{spec.doc.help}{choices} [env {spec.env}; default {default}{live}]"
+        help_text = help_text.replace("%", "%%")
         if spec.type is _Type.BOOL:
             group.add_argument(
-                flag_name(key),
+                spec.flag,
                 dest=dest,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                help=f"env {env}; default {default}",
+                help=help_text,
             )
         else:
-            choices = spec.choices or (ENGINE_KINDS if key == "engine.kind" else ())
-            extra = f" ({'|'.join(choices)})" if choices else ""
             group.add_argument(
-                flag_name(key),
+                spec.flag,
                 dest=dest,
                 metavar=spec.metavar,
                 default=argparse.SUPPRESS,
-                help=f"env {env}; default {default}{extra}".replace("%", "%%"),
+                help=help_text,
             )
 
 
@@ -709,20 +1048,21 @@ def flag_values(namespace: argparse.Namespace) -> dict[str, object]:
     return {key: found[dest] for dest, key in _DEST_TO_KEY.items() if dest in found}
 
 
-def _default_values() -> dict[str, object]:
-    settings = Settings()
-    values: dict[str, object] = {key: getattr(settings, key) for key in _TOP_SPECS}
-    values.update({f"engine.{n}": getattr(settings.engine, n) for n in _ENGINE_SPECS})
-    return values
+def _is_unset(value: object) -> bool:
+    return value is None
 
 
 def format_settings(loaded: LoadedSettings) -> str:
-    """Render settings for ``--print-config``: one ``key = value  # source`` per line.
+    """Render settings for ``--print-config``: TOML that ``--config`` accepts back.
 
-    Secrets are masked: each API key is shown as ``***``, as are the key of
+    One ``key = value  # source`` per line (engine keys as dotted
+    ``engine.<field>`` keys, which TOML reads as the ``[engine]`` table).
+    Unset keys are comments: ``# upstream = "ws://..."  # (unset) default``,
+    showing the declared example. Secrets stay valid TOML but are masked, and
+    their line says so: each API key is shown as ``"***"``, as are the key of
     ``upstream_authorization = "key:..."``, URL passwords and ``engine.env``
     values whose name looks secret (``*TOKEN*``, ``*KEY*``, ``*SECRET*``,
-    ``*PASS*``). Unset values print as ``(unset)``.
+    ``*PASS*``).
 
     Args:
         loaded: What :func:`load` returned.
@@ -731,51 +1071,175 @@ def format_settings(loaded: LoadedSettings) -> str:
         The lines, joined with newlines, ending with a newline.
     """
     settings = loaded.settings
-    lines = []
-    for key in SETTING_KEYS:
-        if key.startswith("engine."):
-            value = getattr(settings.engine, key[len("engine.") :])
-        else:
-            value = getattr(settings, key)
-        source = loaded.sources.get(key, "default")
-        lines.append(f"{key} = {_format_value(key, value, mask=True)}  # {source}")
+    lines = [
+        "# omni-sidecar settings (serve --print-config): valid TOML for --config;",
+        '# values marked "masked" had secrets replaced by "***".',
+    ]
+    for spec in SETTINGS:
+        value = setting_value(settings, spec.key)
+        source = loaded.sources.get(spec.key, "default")
+        if _is_unset(value):
+            example = spec.doc.example or '""'
+            lines.append(f"# {spec.key} = {example}  # (unset) {source}")
+            continue
+        shown = _mask(spec, value)
+        note = " (masked)" if shown != value else ""
+        text = _format_value(shown, table=spec.type is _Type.ENV)
+        lines.append(f"{spec.key} = {text}  # {source}{note}")
     return "\n".join(lines) + "\n"
 
 
 _SECRET_WORDS: Final = ("TOKEN", "KEY", "SECRET", "PASS", "CREDENTIAL", "AUTH")
 
 
-def _format_value(key: str, value: object, *, mask: bool = False) -> str:
+def _mask(spec: SettingSpec, value: object) -> object:
+    if spec.doc.mask is not None:
+        return spec.doc.mask(value)
+    if spec.key in ("engine.upstream", "engine.health_url"):
+        return _mask_url(value)  # type: ignore[arg-type]
+    if spec.type is _Type.ENV:
+        assert isinstance(value, tuple)
+        return tuple(
+            (name, "***" if any(w in name.upper() for w in _SECRET_WORDS) else val)
+            for name, val in value
+        )
+    return value
+
+
+def _format_value(value: object, *, underscores: bool = False, table: bool = False) -> str:
+    """TOML text of a value (``(unset)`` for ``None``, which TOML cannot express).
+
+    ``table`` renders ``(name, value)`` pairs (``engine.env``) as an inline table.
+    """
     if value is None:
         return "(unset)"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return f"{value:_}" if underscores and abs(value) >= 10_000 else repr(value)
+    if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
-        if mask and key == "upstream_authorization" and value.startswith("key:"):
-            value = "key:***"
-        elif mask and key in ("upstream", "engine.upstream", "engine.health_url"):
-            value = _mask_url(value)
         return json.dumps(value, ensure_ascii=False)
-    if key == "engine.env":
-        assert isinstance(value, tuple)
-        items = []
-        for name, val in value:
-            if mask and any(word in name.upper() for word in _SECRET_WORDS):
-                val = "***"
-            items.append(f"{name} = {json.dumps(val, ensure_ascii=False)}")
-        return "{" + ", ".join(items) + "}" if items else "{}"
     assert isinstance(value, tuple)
-    if mask and key == "api_keys":
-        value = tuple("***" for _ in value)
+    if table:
+        items = [f"{name} = {json.dumps(val, ensure_ascii=False)}" for name, val in value]
+        return "{" + ", ".join(items) + "}"
     return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
 
 
-def _mask_url(value: str) -> str:
-    parts = urlsplit(value)
-    if parts.password is None:
-        return value
-    netloc = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+def _size_note(spec: SettingSpec) -> str:
+    value = spec.default
+    if spec.doc.unit != "bytes" or not isinstance(value, int) or value < KIB:
+        return ""
+    if value % MIB == 0:
+        return f" ({value // MIB} MiB)"
+    if value % KIB == 0:
+        return f" ({value // KIB} KiB)"
+    return ""
+
+
+_EXAMPLE_HEADER: Final = """\
+# omni-sidecar example configuration (docs/design.md, Settings).
+#
+# Generated from the settings' declarations in proxy/config.py by
+#   python -m proxy.config --example > configs/omni-sidecar.example.toml
+# (a test checks that this file matches); edit the declarations, not this file.
+#
+# Every value below is the built-in default, so this file changes nothing as
+# it stands; edit what you need. Keys that are unset by default are commented
+# out. Each key may also be set by env OMNI_SIDECAR_<KEY> (the [engine] table:
+# OMNI_SIDECAR_ENGINE_<KEY>) or by the flag --key-with-dashes; precedence is
+# defaults < this file < env < flags. `omni-sidecar serve --print-config` shows
+# every value and where it came from. SIGHUP reloads this file: settings
+# marked "reload: live" apply to new sessions at once, the others need a
+# restart.
+#
+# Units: durations are float seconds, sizes are int bytes, counts are ints.
+# 1 KiB = 1024 bytes, 1 MiB = 1_048_576 bytes.
+"""
+
+_EXAMPLE_TRAILER: Final = """\
+
+# --- Example: a real vLLM-Omni engine ---------------------------------------
+# Replace the [engine] table above with:
+#
+# [engine]
+# kind = "vllm-omni"
+# model = "openbmb/MiniCPM-o-4_5"
+# port = 8091
+# # A bare file name is looked up in the vllm_omni/deploy/ package folder.
+# deploy_config = "minicpmo_4_5.yaml"
+# extra_args = ["--trust-remote-code"]
+# startup_timeout = 1200.0
+#
+# [engine.env]
+# CUDA_VISIBLE_DEVICES = "0"
+"""
+
+
+def _heading(title: str) -> str:
+    return f"# --- {title} ".ljust(78, "-")
+
+
+def _example_entry(spec: SettingSpec) -> list[str]:
+    lines = [f"# {line}" for line in textwrap.wrap(spec.doc.help, 76, break_on_hyphens=False)]
+    unit = f"Unit: {spec.doc.unit}{_size_note(spec)}. " if spec.doc.unit else ""
+    reload = "live" if spec.doc.live else "restart"
+    lines.append(f"# {unit}Reload: {reload}.")
+    if _is_unset(spec.default):
+        lines.append(f"# {spec.name} = {spec.doc.example or '...'}")
+    else:
+        lines.append(f"{spec.name} = {_format_value(spec.default, underscores=True)}")
+    return lines
+
+
+def example_config() -> str:
+    """Return the example config file: every setting, its meaning and default.
+
+    ``configs/omni-sidecar.example.toml`` is this text (a test checks it);
+    ``python -m proxy.config --example`` prints it.
+    """
+    out = [_EXAMPLE_HEADER]
+    section = None
+    for spec in _TOP_SPECS.values():
+        if spec.doc.section != section:
+            section = spec.doc.section
+            out.append(_heading(section or "Other"))
+            out.append("")
+        out.extend(_example_entry(spec))
+        out.append("")
+    out.append(_heading("Engine"))
+    out.append("")
+    out.append("[engine]")
+    tables = [s for s in _ENGINE_SPECS.values() if s.type is _Type.ENV]
+    for spec in _ENGINE_SPECS.values():
+        if spec.type is _Type.ENV:
+            continue
+        out.extend(_example_entry(spec))
+        out.append("")
+    for spec in tables:  # sub-tables must come after the table's plain keys
+        out.extend(f"# {line}" for line in textwrap.wrap(spec.doc.help, 76, break_on_hyphens=False))
+        out.append(f"# Reload: {'live' if spec.doc.live else 'restart'}.")
+        out.append(f"[engine.{spec.name}]")
+        example = tomllib.loads(f"x = {spec.doc.example or '{}'}")["x"]
+        out.extend(f"# {name} = {json.dumps(val)}" for name, val in example.items())
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n" + _EXAMPLE_TRAILER
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m proxy.config", description="Print the generated example config."
+    )
+    parser.add_argument("--example", action="store_true", help="print the example config")
+    ns = parser.parse_args(argv)
+    if not ns.example:
+        parser.print_help()
+        return 2
+    sys.stdout.write(example_config())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_main(sys.argv[1:]))

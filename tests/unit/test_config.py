@@ -15,12 +15,15 @@ from engine_launcher.config import EngineConfig, EngineConfigError
 from engine_launcher.errors import EngineStartError, LauncherError, RestartBudgetExhausted
 from proxy.config import (
     KIB,
+    LIVE_KEYS,
     MIB,
     SETTING_KEYS,
+    SETTINGS,
     LoadedSettings,
     Settings,
     add_cli_arguments,
     env_name,
+    example_config,
     flag_name,
     flag_values,
     format_settings,
@@ -539,13 +542,14 @@ class TestListen:
 class TestPrintConfig:
     def test_one_line_per_key_with_source(self) -> None:
         loaded = load(parse_flags("--max-sessions", "5"), {"OMNI_SIDECAR_DRAIN_TIMEOUT": "3"}, None)
-        lines = format_settings(loaded).splitlines()
+        lines = [line for line in format_settings(loaded).splitlines() if " = " in line]
         assert len(lines) == len(SETTING_KEYS)
-        assert [line.split(" = ", 1)[0] for line in lines] == list(SETTING_KEYS)
+        assert [line.removeprefix("# ").split(" = ", 1)[0] for line in lines] == list(SETTING_KEYS)
         assert "max_sessions = 5  # flag --max-sessions" in lines
         assert "drain_timeout = 3.0  # env OMNI_SIDECAR_DRAIN_TIMEOUT" in lines
         assert 'engine.kind = "simulator"  # default' in lines
-        assert "upstream = (unset)  # default" in lines
+        # Unset keys are comments, so the whole output stays TOML.
+        assert '# upstream = "ws://127.0.0.1:8091"  # (unset) default' in lines
 
     def test_secrets_are_masked(self) -> None:
         env = {
@@ -563,12 +567,31 @@ class TestPrintConfig:
 
     def test_output_is_toml(self) -> None:
         loaded = load({"api_keys": ("a",), "engine.env": {"A": "1"}}, {}, None)
-        text = "\n".join(
-            line for line in format_settings(loaded).splitlines() if "(unset)" not in line
-        )
-        data = tomllib.loads(text)
+        data = tomllib.loads(format_settings(loaded))
         assert data["max_sessions"] == 64
         assert data["engine"]["env"] == {"A": "1"}
+        assert "upstream" not in data
+
+    def test_masked_values_are_toml_and_say_so(self) -> None:
+        env = {"OMNI_SIDECAR_API_KEYS": "sekrit-1", "OMNI_SIDECAR_ENGINE_ENV": "HF_TOKEN=s"}
+        text = format_settings(load(None, env, None))
+        data = tomllib.loads(text)
+        assert data["api_keys"] == ["***"]
+        assert data["engine"]["env"] == {"HF_TOKEN": "***"}
+        assert 'api_keys = ["***"]  # env OMNI_SIDECAR_API_KEYS (masked)' in text.splitlines()
+
+    def test_round_trip_through_a_file(self, tmp_path: Path) -> None:
+        env = {
+            "OMNI_SIDECAR_MAX_SESSIONS": "9",
+            "OMNI_SIDECAR_ALLOWED_ORIGINS": "https://a.example",
+            "OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS": "--chunk-ms 20",
+            "OMNI_SIDECAR_ENGINE_ENV": "A=1",
+            "OMNI_SIDECAR_TOMBSTONE_TTL": "1.5",
+        }
+        first = load(None, env, None)
+        path = write(tmp_path, format_settings(first))
+        second = load(None, {}, path)
+        assert second.settings == first.settings
 
 
 class TestCli:
@@ -594,6 +617,58 @@ class TestCli:
     def test_other_namespace_attributes_are_ignored(self) -> None:
         ns = argparse.Namespace(config="x.toml", print_config=True, max_sessions="2")
         assert flag_values(ns) == {"max_sessions": "2"}
+
+
+class TestDeclaration:
+    """One declaration per setting; everything else is derived from it."""
+
+    def test_every_setting_is_documented(self) -> None:
+        for spec in SETTINGS:
+            assert spec.doc.help.strip(), spec.key
+            if spec.default is None:
+                assert spec.doc.example, f"{spec.key}: unset by default, needs an example"
+
+    def test_committed_example_is_the_generated_one(self) -> None:
+        # Regenerate with: python -m proxy.config --example > configs/omni-sidecar.example.toml
+        assert EXAMPLE.read_text(encoding="utf-8") == example_config()
+
+    def test_help_shows_meaning_env_and_default(self) -> None:
+        parser = argparse.ArgumentParser()
+        add_cli_arguments(parser)
+        text = " ".join(parser.format_help().split())
+        assert "Concurrent sessions admitted" in text
+        assert "[env OMNI_SIDECAR_MAX_SESSIONS; default 64; live]" in text
+        assert '[env OMNI_SIDECAR_LISTEN; default "127.0.0.1:8000"]' in text
+
+    def test_live_keys(self) -> None:
+        assert {"max_sessions", "api_keys", "allowed_origins", "log_level"} <= LIVE_KEYS
+        assert not {"listen", "admin_listen", "upstream"} & LIVE_KEYS
+        assert not {k for k in LIVE_KEYS if k.startswith("engine.")}
+
+    @pytest.mark.parametrize(
+        ("text", "key", "message"),
+        [
+            ("max_tombstones = 0", "max_tombstones", "must be >= 1"),
+            ("output_reserve_bytes = 2_000\nmax_pending_output_bytes = 1_000",
+             "output_reserve_bytes", "must be <= max_pending_output_bytes"),
+            ("output_reserve_events = 9\nmax_pending_output_events = 8",
+             "output_reserve_events", "must be <= max_pending_output_events"),
+            ("[engine]\nport = 70000", "engine.port", "must be <= 65535"),
+            ("log_format = 'xml'", "log_format", "unknown value"),
+        ],
+    )  # fmt: skip
+    def test_bounds_the_core_needs_are_declared(
+        self, tmp_path: Path, text: str, key: str, message: str
+    ) -> None:
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError) as excinfo:
+            load(None, {}, path)
+        assert error_of(excinfo) == (key, f"file {path}")
+        assert message in excinfo.value.message
+
+    def test_log_format(self) -> None:
+        assert load(None, {}, None).settings.log_format == "text"
+        assert load(parse_flags("--log-format", "JSON"), {}, None).settings.log_format == "json"
 
 
 class TestExampleConfig:
