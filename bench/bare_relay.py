@@ -1,4 +1,4 @@
-"""Bare aiohttp + uvloop WebSocket relay: the baseline of perf_anchors.md.
+"""Bare aiohttp + uvloop WebSocket relay: the cost floor that bench/README.md compares against.
 
 Forwards text and binary frames both ways, unchanged, and nothing else: no
 classification, no buffer, no metrics. The upstream connector has

@@ -1,4 +1,4 @@
-"""Prometheus metrics of omni-sidecar, declared in one place (DESIGN.md §10).
+"""Prometheus metrics of omni-sidecar, declared in one place (docs/design.md, Metrics).
 
 Every metric is registered on an injected ``CollectorRegistry`` (never the
 global one), so each test and each process has its own. Names carry base

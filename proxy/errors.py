@@ -129,7 +129,7 @@ class UpstreamUnavailable(ProxyError, ConnectionError):
     """The engine cannot be reached or went away.
 
     Before the client's upgrade the relay answers 502; mid-session the session
-    ends with ``engine_unavailable`` (DESIGN.md §6).
+    ends with ``engine_unavailable`` (docs/design.md, Admission and lifecycle).
     """
 
 

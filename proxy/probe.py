@@ -3,8 +3,8 @@
 The probe opens one realtime session, streams audio, asks for one or more
 responses and measures what a client sees: time to ``session.created``, time
 to the first audio delta, how much audio arrived and, when it cancels, how much
-audio of the cancelled response still arrived after ``response.cancel`` (the
-gap of reference §3.3 that the sidecar exists to close).
+audio of the cancelled response still arrived after ``response.cancel``: the
+gap the sidecar exists to close (docs/engine-protocol.md, Late audio after a cancel).
 
 It is built like the rest of the package: :class:`_Recorder` is a sans-I/O core
 that takes events and timestamps and says what to send back (acks, the cancel);
@@ -129,7 +129,7 @@ class ProbeOptions:
         timeout: Overall deadline in seconds, connect included.
         headers: Extra HTTP headers for the upgrade request.
         event_ack: Answer each event carrying ``server_event_seq`` with
-            ``session.event_ack`` (as DuplexClient does, reference §2.1).
+            ``session.event_ack`` (as DuplexClient does, docs/engine-protocol.md, Conventions).
         responses: How many responses to request, one after the other.
 
     Raises:
@@ -241,7 +241,7 @@ def voice_like_pcm16(seconds: float, sample_rate_hz: int = GENERATED_SAMPLE_RATE
 
 
 def _response_id(event: Mapping[str, Any]) -> str | None:
-    """Top-level ``response_id``, else ``response.id`` (reference §2.3)."""
+    """Top-level ``response_id``, else ``response.id`` (docs/engine-protocol.md, Server events)."""
     value = event.get("response_id")
     if isinstance(value, str):
         return value

@@ -1,4 +1,4 @@
-"""Dependency rules (DESIGN.md §1, STYLE.md house rule 1), checked on the AST.
+"""Dependency rules (docs/design.md, Dependency direction and Code rules (1)), checked on the AST.
 
 * ``proxy.core`` does no I/O: it imports nothing that does (nor any ``proxy``
   module outside ``proxy.core``); time and randomness are arguments.

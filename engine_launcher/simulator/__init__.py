@@ -1,7 +1,7 @@
-"""CPU stand-in for ``vllm-omni serve MODEL --omni`` (DESIGN.md §9).
+"""CPU stand-in for ``vllm-omni serve MODEL --omni`` (docs/design.md, Simulator).
 
-Speaks the vLLM-Omni 0.30 duplex realtime protocol (reference
-vllm_omni_realtime.md §1-§3) with real PCM16 audio, including the released
+Speaks the vLLM-Omni 0.30 duplex realtime protocol (docs/engine-protocol.md)
+with real PCM16 audio, including the released
 engines' flaws (unbounded outbox, late audio after a cancel), plus fault knobs
 for tests. Run it with ``python -m engine_launcher.simulator --help``.
 

@@ -34,7 +34,7 @@ DEFAULT_LOOP_SECONDS: Final = 2.0
 PCM16_MAX: Final = 32767
 
 # One transcript word per audio delta: the real engine sends exactly one
-# transcript delta per audio delta (reference §2.3), possibly empty.
+# transcript delta per audio delta (docs/engine-protocol.md, Server events), possibly empty.
 TRANSCRIPT_WORDS: Final[tuple[str, ...]] = (
     "This", "is", "the", "simulated", "omni", "engine", "speaking", "in", "short",
     "chunks", "of", "synthetic", "audio", "so", "that", "the", "sidecar", "can", "be",

@@ -6,7 +6,8 @@
 - sender: drains the outbox and awaits each ``send_str``.
 
 The outbox is deliberately an UNBOUNDED ``asyncio.Queue``: the released engines
-(reference §3.3) queue every event without limit and send strictly FIFO, so a
+(docs/engine-protocol.md, Late audio after a cancel) queue every event without limit and send
+strictly FIFO, so a
 slow client makes the server's memory grow and late audio reaches the client
 ahead of the cancel terminal. The simulator reproduces that; bounding it is
 the sidecar's job.
@@ -41,7 +42,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# reference §1.4: the first message must arrive within 10 s (config_timeout).
+# docs/engine-protocol.md, Framing and limits: the first message must arrive within 10 s
+# (config_timeout).
 FIRST_MESSAGE_TIMEOUT: Final = 10.0
 # Bound on the final close handshake and cleanup of one socket.
 CLOSE_TIMEOUT: Final = 5.0

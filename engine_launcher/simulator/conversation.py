@@ -1,7 +1,7 @@
 """Input buffer and conversation history of a simulated session (no I/O).
 
 The simulator does not run a model, so history is only ids and small item
-objects; what matters to clients is the event fan-out of reference §2.4
+objects; what matters to clients is the event fan-out of docs/engine-protocol.md, Response sequence
 (commit) and the T1 ``conversation.item.*`` answers.
 """
 

@@ -1,4 +1,5 @@
-"""What each client event does to a simulated session (reference §2.2, §3.2).
+"""What each client event does to a simulated session (docs/engine-protocol.md, Client events;
+Cancellation in the engine).
 
 One function per canonical client event type; :data:`HANDLERS` is the dispatch
 table (aliases are resolved before lookup, see ``protocol.CLIENT_ALIASES``).
@@ -22,7 +23,7 @@ Payload = dict[str, Any]
 Handler = Callable[["DuplexSession", Payload], None]
 
 # First messages that open (or resume) a session themselves instead of
-# triggering a default open (reference §1.2).
+# triggering a default open (docs/engine-protocol.md, Opening a session).
 OPENING_EVENTS: Final = frozenset({"session.update", "session.resume"})
 
 
@@ -93,7 +94,8 @@ def _input_item(s: DuplexSession) -> str:
 
 
 def _vad_barge_in(s: DuplexSession) -> None:
-    # reference §3.2: confirmed speech during a response → speech_started,
+    # docs/engine-protocol.md, Cancellation in the engine: confirmed speech during a response →
+    # speech_started,
     # overlap.decision{barge_in}, cancel with reason turn_detected.
     assert s.active is not None
     s.emit(
@@ -126,9 +128,10 @@ def _vad_barge_in(s: DuplexSession) -> None:
 
 
 def on_commit(s: DuplexSession, event: Payload) -> None:
-    """Commit fan-out (reference §2.4); starts a response only when asked to."""
+    """Commit fan-out (docs/engine-protocol.md, Response sequence); starts a response only when
+    asked to."""
     if event.get("is_speech") is False:
-        # Silence declaration: the model keeps listening (reference §2.2).
+        # Silence declaration: the model keeps listening (docs/engine-protocol.md, Client events).
         s.input.clear()
         s.produce_listen()
         return
@@ -254,7 +257,7 @@ def on_item_truncate(s: DuplexSession, event: Payload) -> None:
 
 
 def on_playback_ack(s: DuplexSession, event: Payload) -> None:
-    """Answer with the playback ledger (reference §3.4)."""
+    """Answer with the playback ledger (docs/engine-protocol.md, Playback acknowledgement)."""
     played = event.get("played_ms", 0)
     # Wheel 0.30 ``PlaybackAcknowledged`` renders only ``event`` (the ledger).
     s.emit(
@@ -287,7 +290,8 @@ def on_response_create(s: DuplexSession, event: Payload) -> None:
 
 
 def on_response_cancel(s: DuplexSession, event: Payload) -> None:
-    """reference §2.2: a named id that is not the active one is an error, unless idle."""
+    """docs/engine-protocol.md, Client events: a named id that is not the active one is an error,
+    unless idle."""
     named = _named_response(event)
     if s.active is not None:
         if named is None or named == s.active.response_id:

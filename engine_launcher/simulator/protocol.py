@@ -1,7 +1,7 @@
 """Wire vocabulary of the vLLM-Omni 0.30 duplex realtime protocol.
 
 Event names, client aliases, error codes and their ``error.type``, and id
-formats, as described in reference/vllm_omni_realtime.md §1-§3. Pure data and
+formats, as described in docs/engine-protocol.md. Pure data and
 small pure functions; no I/O.
 """
 
@@ -30,7 +30,8 @@ __all__ = [
     "names_for",
 ]
 
-# reference §1.4: client frames above 15 MiB are answered with event_too_large.
+# docs/engine-protocol.md, Framing and limits: client frames above 15 MiB are answered with
+# event_too_large.
 MAX_CLIENT_MESSAGE_BYTES: Final = 15 * 1024 * 1024
 
 
@@ -44,7 +45,7 @@ class AudioEventNames:
     transcript_done: str
 
 
-# reference §2.6: 0.30 uses the GA names, 0.28 the beta ones.
+# docs/engine-protocol.md, Version differences: 0.30 uses the GA names, 0.28 the beta ones.
 GA_NAMES: Final = AudioEventNames(
     audio_delta="response.output_audio.delta",
     transcript_delta="response.output_audio_transcript.delta",
@@ -64,7 +65,7 @@ def names_for(naming: str) -> AudioEventNames:
     return BETA_NAMES if naming == "beta" else GA_NAMES
 
 
-# reference §2.2: aliases the server accepts, mapped to the canonical type.
+# docs/engine-protocol.md, Client events: aliases the server accepts, mapped to the canonical type.
 CLIENT_ALIASES: Final[dict[str, str]] = {
     "close": "session.close",
     "close_session": "session.close",
@@ -78,7 +79,8 @@ CLIENT_ALIASES: Final[dict[str, str]] = {
 _RATE_LIMIT: Final = "rate_limit_error"
 _SERVER: Final = "server_error"
 
-# reference §2.5: error.type is derived from the code; unknown codes default to
+# docs/engine-protocol.md, Terminal events and errors: error.type is derived from the code; unknown
+# codes default to
 # invalid_request_error, so only the non-default ones are listed.
 ERROR_TYPES: Final[dict[str, str]] = {
     "resource_exhausted": _RATE_LIMIT,
@@ -102,7 +104,7 @@ def error_payload(code: str, message: str, client_event_id: str | None = None) -
     """Build the T1 error envelope body (without ``event_id``/seq stamps).
 
     Args:
-        code: one of the codes of reference §2.5.
+        code: one of the codes of docs/engine-protocol.md, Terminal events and errors.
         message: human-readable text.
         client_event_id: the rejected client event's ``event_id``, echoed back.
     """
@@ -113,7 +115,7 @@ def error_payload(code: str, message: str, client_event_id: str | None = None) -
 
 
 def flat_error(text: str, code: str) -> str:
-    """Route-level rejection: the flat shape of reference §1.1, serialized."""
+    """Route-level rejection: the flat shape of docs/engine-protocol.md, Routes, serialized."""
     return dumps({"type": "error", "error": text, "code": code})
 
 
@@ -123,7 +125,7 @@ def dumps(obj: dict[str, Any]) -> str:
 
 
 def is_false_flag(value: str | None) -> bool:
-    """True for the query-string spellings of "off" (reference §1.2)."""
+    """True for the query-string spellings of "off" (docs/engine-protocol.md, Opening a session)."""
     return value is not None and value.strip().lower() in ("0", "false", "no", "off")
 
 

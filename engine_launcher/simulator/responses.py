@@ -1,4 +1,5 @@
-"""Event builders for one assistant response (reference §2.4, §2.5, §3.1).
+"""Event builders for one assistant response (docs/engine-protocol.md, Response sequence; Terminal
+events and errors; Cancellation in the engine).
 
 Each builder returns event payloads (dicts with ``type`` first and without the
 ``event_id``/``server_event_seq`` stamps, which the session adds in send
@@ -20,7 +21,8 @@ __all__ = [
     "ResponseState",
 ]
 
-# status_details.reason of a cancelled response.done (reference §2.5).
+# status_details.reason of a cancelled response.done (docs/engine-protocol.md, Terminal events and
+# errors).
 CANCEL_REASONS: Final = frozenset(
     {"client_cancelled", "barge_in", "output_audio_buffer_clear", "turn_detected"}
 )
@@ -246,7 +248,7 @@ class ResponseEvents:
     def cancelled(
         self, resp: ResponseState, *, reason: str, new_epoch: int, output_cleared: bool
     ) -> list[Payload]:
-        """Cancel terminal sequence of reference §3.1.
+        """Cancel terminal sequence of docs/engine-protocol.md, Cancellation in the engine.
 
         Args:
             resp: the cancelled response.

@@ -1,6 +1,7 @@
 """aiohttp application and process lifecycle of the engine simulator.
 
-Routes (reference §1.1, §1.5): WebSocket ``/v1/realtime`` and ``/v1/duplex``
+Routes (docs/engine-protocol.md, Routes; HTTP surface): WebSocket ``/v1/realtime`` and
+``/v1/duplex``
 (same handler), ``GET /health``, ``GET /v1/models``, ``GET /metrics``.
 
 Process lifecycle, in order: install signal handlers (they only set an Event);
@@ -169,7 +170,7 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     query = request.query
     if request.path == "/v1/realtime" and is_false_flag(query.get("duplex")):
-        # reference §1.1: a duplex server does not mount the turn-based handler.
+        # docs/engine-protocol.md, Routes: a duplex server does not mount the turn-based handler.
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         await ws.send_str(flat_error("Realtime API is not available", "unsupported"))
@@ -179,7 +180,8 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
     await ws.prepare(request)
     model = query.get("model") or None
     session = DuplexSession(state.config, state.bank, state.stats, model=model)
-    # reference §1.2: with model= and autostart not disabled, the session opens
+    # docs/engine-protocol.md, Opening a session: with model= and autostart not disabled, the
+    # session opens
     # before any client message (the pitfall the proxy avoids with autostart=0).
     if (
         model is not None

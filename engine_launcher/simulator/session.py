@@ -158,9 +158,10 @@ class DuplexSession:
     def emit(self, payload: Payload) -> None:
         """Stamp ``payload`` with ``event_id`` and ``server_event_seq`` and queue it."""
         if self.phase is Phase.CLOSED:
-            return  # session.closed is always the last event (reference §2.3)
+            # session.closed is always the last event (docs/engine-protocol.md, Server events).
+            return
         payload["event_id"] = "event_" + self._event_ids.hex32()
-        # reference §2.1: session.created is not journaled and has no seq.
+        # docs/engine-protocol.md, Conventions: session.created is not journaled and has no seq.
         if payload["type"] != "session.created":
             self._seq += 1
             payload["server_event_seq"] = self._seq
@@ -231,7 +232,8 @@ class DuplexSession:
                 "resume_token": self._ids.hex32(),
             }
         )
-        # reference §2.3: session.created is immediately followed by session.updated.
+        # docs/engine-protocol.md, Server events: session.created is immediately followed by
+        # session.updated.
         self.emit({"type": "session.updated", "session": self.session_object()})
 
     # ------------------------------------------------------------------ feeding
@@ -251,7 +253,8 @@ class DuplexSession:
         event_type: str = event["type"]
         kind = CLIENT_ALIASES.get(event_type, event_type)
         if self.phase is Phase.AWAITING_OPEN and kind not in OPENING_EVENTS:
-            # reference §1.2: any other first message opens a default session
+            # docs/engine-protocol.md, Opening a session: any other first message opens a default
+            # session
             # and is then executed as a command.
             self.open()
         handler = HANDLERS.get(kind)
@@ -261,11 +264,12 @@ class DuplexSession:
         handler(self, event)
 
     def receive_binary(self) -> None:
-        """Binary frames are not part of the protocol (reference §1.4)."""
+        """Binary frames are not part of the protocol (docs/engine-protocol.md, Framing and
+        limits)."""
         self.error("bad_event", "binary frames are not supported")
 
     def receive_oversized(self, size: int) -> None:
-        """A client frame above 15 MiB (reference §1.4)."""
+        """A client frame above 15 MiB (docs/engine-protocol.md, Framing and limits)."""
         self.error("event_too_large", f"event of {size} bytes exceeds 15 MiB")
 
     def receive_open_timeout(self) -> None:
@@ -349,7 +353,7 @@ class DuplexSession:
         """Accept a cancel of the active response.
 
         Advances the epoch, flushes the late audio, then emits the cancel
-        terminal sequence of reference §3.1.
+        terminal sequence of docs/engine-protocol.md, Cancellation in the engine.
 
         Args:
             reason: ``status_details.reason`` of the cancelled ``response.done``.
@@ -359,7 +363,8 @@ class DuplexSession:
         if resp is None:
             return
         self.epoch += 1
-        # The released engines' flaw (reference §3.3): audio already produced
+        # The released engines' flaw (docs/engine-protocol.md, Late audio after a cancel): audio
+        # already produced
         # and queued is still delivered ahead of the cancelled response.done,
         # and never more than the response had left.
         late = min(self.config.late_audio_chunks, resp.remaining)

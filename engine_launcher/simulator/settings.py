@@ -1,6 +1,7 @@
 """Per-session settings of a simulated duplex session and ``session.update`` parsing.
 
-reference §2.2: ``session.update`` carries many optional keys, in both the flat
+docs/engine-protocol.md, Client events: ``session.update`` carries many optional keys, in both the
+flat
 0.28/beta spelling (``input_audio_format``, ``turn_detection``) and the GA
 nesting (``audio.input.format``, ``audio.input.turn_detection``). Real clients
 also send keys the simulator has no use for (``ref_audio``, ``temperature``…):
@@ -23,7 +24,7 @@ __all__ = [
     "truthy",
 ]
 
-# reference §2.2: input audio defaults to PCM16 at 16 kHz.
+# docs/engine-protocol.md, Client events: input audio defaults to PCM16 at 16 kHz.
 DEFAULT_INPUT_RATE: Final = 16000
 DEFAULT_INPUT_FORMAT: Final = "pcm16"
 
@@ -48,7 +49,7 @@ class SettingsError(ValueError):
     """A ``session.update`` the engine would reject.
 
     Attributes:
-        code: the wire error code (reference §2.5).
+        code: the wire error code (docs/engine-protocol.md, Terminal events and errors).
     """
 
     def __init__(self, code: str, message: str) -> None:
@@ -135,7 +136,8 @@ def apply_update(current: SessionSettings, session: dict[str, Any]) -> SessionSe
             if kind in ("none", None):
                 new.turn_detection = None
             elif kind == "server_vad":
-                # reference §3.2: interrupt_response false is unsupported.
+                # docs/engine-protocol.md, Cancellation in the engine: interrupt_response false is
+                # unsupported.
                 if td.get("interrupt_response") is False or td.get("create_response") is True:
                     raise SettingsError(
                         "unsupported_turn_detection",

@@ -1,7 +1,7 @@
 """OutputBuffer: the bounded queue between engine intake and client delivery.
 
-One per session (DESIGN.md §3; the semantics follow vLLM-Omni PR #7644's
-``DuplexOutputBuffer``, reference §3.5).
+One per session (docs/design.md, Output buffer; the semantics follow vLLM-Omni PR #7644's
+``DuplexOutputBuffer``, docs/engine-protocol.md, Bounded output upstream).
 
 Theory:
 

@@ -149,7 +149,7 @@ class ClientEvent:
         type: top-level ``type`` ("" when invalid).
         kind: what the proxy does with it.
         response_id: ``response_id`` named by a cancel or clear.
-        cancels: True when this event interrupts output (DESIGN.md §4).
+        cancels: True when this event interrupts output (docs/design.md, Cancellation).
         audio_chars: length of the base64 ``audio`` of an append (0 otherwise).
         event_id: the client's ``event_id``, echoed in errors.
         detail: a short reason for INVALID_JSON / BAD_EVENT.

@@ -1,7 +1,7 @@
 """CancellationLedger: which responses are open, cancelled or failed.
 
 Response ids are allocated by the engine and never reused after a cancel
-(reference §2.1), so a set of cancelled ids ("tombstones") is enough to drop
+(docs/engine-protocol.md, Conventions), so a set of cancelled ids ("tombstones") is enough to drop
 late audio without knowing the engine's epochs. The proxy acts on a cancel the
 moment it sees the trigger, before the engine confirms: the engine never
 resumes a cancelled response, so acting early is always safe.

@@ -1,6 +1,6 @@
 """Events the proxy writes itself, in the engine's own shapes.
 
-Shapes follow vLLM-Omni 0.30 (reference §2.5) and PR #7644 for
+Shapes follow vLLM-Omni 0.30 (docs/engine-protocol.md, Terminal events and errors) and PR #7644 for
 ``output_backpressure``: the T1 error envelope, a failed ``response.done``
 with ``metadata.committed: false``, and ``session.closed`` with a reason.
 Ids are passed in (the core has no randomness of its own).

@@ -15,7 +15,7 @@ States (transitions only forward):
 In CLOSING the closure notice is queued; ordinary upstream events are no
 longer accepted (the buffer refuses them after closure).
 
-Overflow (DESIGN.md §5): ``close_session`` purges the active response's queued
+Overflow (docs/design.md, Overflow policy): ``close_session`` purges the active response's queued
 audio, queues ``error`` (rate_limit_error / output_backpressure) and a failed
 ``response.done`` for that response, asks the engine to cancel it and to close
 the session, and closes the client with 1008 after ``session.closed``.
@@ -68,7 +68,8 @@ CLOSE_ABNORMAL_ENGINE: Final = 1011
 #: A response request still unanswered after this long no longer counts as in flight.
 _CREATE_IN_FLIGHT: Final = 10.0
 
-#: Error codes with which the engine refuses to start a response (reference §2.5).
+#: Error codes with which the engine refuses to start a response (docs/engine-protocol.md, Terminal
+#: events and errors).
 _CREATE_REFUSALS: Final = frozenset(
     {"response_create_without_input", "response_already_active", "input_audio_buffer_empty"}
 )
@@ -99,7 +100,7 @@ class SessionState(enum.Enum):
 
 
 class DropReason(enum.Enum):
-    """Label values of ``dropped_*_total{reason}`` (DESIGN.md §11)."""
+    """Label values of ``dropped_*_total{reason}`` (docs/design.md, Metrics)."""
 
     CANCELLED_AUDIO = "cancelled_audio"
     LATE_AUDIO = "late_audio"
@@ -225,7 +226,7 @@ class SessionCore:
         if self.state is not SessionState.OPEN:
             if event.cancels and self.state is SessionState.CLOSING:
                 # Queued output is still being delivered: a cancel must still
-                # silence it at once (DESIGN.md §4), even though nothing more
+                # silence it at once (docs/design.md, Cancellation), even though nothing more
                 # goes upstream.
                 self._cancel_from_client(event, now)
             return ClientDecision(event, forward=False)

@@ -1,4 +1,5 @@
-"""Who gets in (issue "hardening", DESIGN.md §6, §11): API keys, origins, upstream credentials.
+"""Who gets in (issue "hardening", docs/design.md, Admission and lifecycle; Settings): API keys,
+origins, upstream credentials.
 
 Every check happens before the WebSocket upgrade, so a rejected client never
 reaches the engine: the scripted engine (``tests/fakes/scripted_engine.py``)

@@ -1,4 +1,5 @@
-"""Fault injection with real processes (issue "hardening", DESIGN.md §6, §8).
+"""Fault injection with real processes (issue "hardening", docs/design.md, Admission and lifecycle;
+Engine launcher).
 
 Engines die (SIGKILL), stall (``--stall-after`` with failing health, or a real
 SIGSTOP hang), clients vanish without a close frame or while their buffer is

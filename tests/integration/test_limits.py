@@ -1,4 +1,5 @@
-"""Per-session limits (issue "hardening", DESIGN.md §6, §11), seen from both peers.
+"""Per-session limits (issue "hardening", docs/design.md, Admission and lifecycle; Settings), seen
+from both peers.
 
 Each limit is set small and hit on purpose; the test asserts what the client
 sees (``error``, ``session.closed`` {reason}, the close code or HTTP status),

@@ -38,7 +38,7 @@ from tests.conftest import (
 )
 
 CHUNK_MS = 100
-#: Audio deltas the simulator still sends after a cancel (its flaw, DESIGN.md §9).
+#: Audio deltas the simulator still sends after a cancel (its flaw, docs/design.md, Simulator).
 LATE_CHUNKS = 3
 #: Real-time pace (one delta per 100 ms), slowed with the timing factor: the
 #: cancel after the 2nd delta must reach the engine before it makes the 3rd.

@@ -1,4 +1,4 @@
-"""Cancellation end to end (issue "backpressure core", DESIGN.md §4).
+"""Cancellation end to end (issue "backpressure core", docs/design.md, Cancellation).
 
 The simulator reproduces the released engines' flaw: after a cancel it still
 sends ``--late-audio-chunks`` audio deltas of the cancelled response before its

@@ -1,4 +1,5 @@
-"""Slow clients and the output budget (issue "backpressure core", DESIGN.md §3, §5).
+"""Slow clients and the output budget (issue "backpressure core", docs/design.md, Output buffer;
+Overflow policy).
 
 A stalled client is a real aiohttp WebSocket with a 64 KiB receive buffer
 that simply stops calling ``receive``: aiohttp pauses reading once its own

@@ -1,4 +1,5 @@
-"""SIGTERM drain of a real ``omni-sidecar serve`` process (DESIGN.md §6, STYLE house rule 7).
+"""SIGTERM drain of a real ``omni-sidecar serve`` process (docs/design.md, Admission and lifecycle;
+Code rules (7)).
 
 The sequence under test: SIGTERM → ``STOPPING=1`` and /readyz 503 → no new
 sessions (503 before the upgrade) → live sessions may finish until

@@ -74,7 +74,8 @@ BETA = {
 
 
 def terminal_types(names: dict[str, str], *, cleared: bool = False) -> list[str]:
-    """The closing sequence of a response (reference §2.4, §3.1)."""
+    """The closing sequence of a response (docs/engine-protocol.md, Response sequence; Cancellation
+    in the engine)."""
     head = ["output_audio_buffer.cleared"] if cleared else []
     return head + [
         names["audio_done"],

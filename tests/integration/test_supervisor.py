@@ -4,7 +4,8 @@ Each test runs a whole ``proxy.server.Sidecar`` on ephemeral loopback ports
 whose engine is a real simulator child (``python -m engine_launcher.simulator``)
 with a fault knob, and asserts what clients and operators observe: /readyz,
 events and close codes, restart metrics, exit status, log lines, processes.
-DESIGN.md §6 (engine goes away, admission) and §8 (launcher).
+docs/design.md, Admission and lifecycle (engine goes away, admission), Engine launcher and Engine
+supervision.
 
 Every wait has a deadline (multiples of ``MS``, scaled by
 ``OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR``); nothing sleeps and hopes.
@@ -275,7 +276,8 @@ async def test_slow_start_is_not_ready_until_the_engine_is(
 
 
 async def test_cancelling_the_supervisor_during_startup_propagates() -> None:
-    """Cancellation is never swallowed (STYLE.md rule 6), and the child still goes."""
+    """Cancellation is never swallowed (docs/design.md, Code rules (6)), and the child still
+    goes."""
     supervisor = Supervisor(engine("--startup-delay", str(5 * DEADLINE), stop_grace=DEADLINE))
     task = asyncio.ensure_future(supervisor.run())
     await wait_until(lambda: supervisor.pid is not None, what="engine spawned")

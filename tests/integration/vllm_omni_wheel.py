@@ -1,7 +1,8 @@
 """vLLM-Omni's own client and protocol code, loaded from the PyPI wheel at test time.
 
 The released ``vllm-omni`` wheel cannot simply be imported: ``import vllm_omni``
-runs the package ``__init__``, which pulls in torch and vLLM (reference §5). Its
+runs the package ``__init__``, which pulls in torch and vLLM (docs/engine-protocol.md, Shipped
+clients). Its
 protocol codec, its ``DuplexClient`` and the engine's pure Realtime projection
 do not need any of that, so this module
 

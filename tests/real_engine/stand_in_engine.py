@@ -16,7 +16,8 @@ everything above the model is the released code:
   session runner does.
 
 Only the model is replaced: a response is ``chunks`` PCM16 audio units paced
-``interval_s`` apart. Like the released engines (reference §3.3) a cancel
+``interval_s`` apart. Like the released engines (docs/engine-protocol.md, Late audio after a cancel)
+a cancel
 does not remove audio already produced: ``late_chunks`` more deltas of the
 cancelled response are delivered before its ``response.done`` (cancelled).
 """

@@ -178,7 +178,8 @@ async def test_openai_ga_client_through_the_sidecar(real_server: RealServer, sid
     try:
         async with asyncio.timeout(DEADLINE * 4):
             async with client.realtime.connect(model=MODEL) as conn:
-                # ?model= opens a default session at once (reference §1.2).
+                # ?model= opens a default session at once (docs/engine-protocol.md, Opening a
+                # session).
                 await until(conn, "session.created")
                 await until(conn, "session.updated")
                 await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})

@@ -43,7 +43,7 @@ REQUIRED_ALERTS = (
     "OmniSidecarFirstAudioSlow",
 )
 
-#: What the dashboard must show (DESIGN.md §10): a metric → why.
+#: What the dashboard must show (docs/design.md, Metrics): a metric → why.
 REQUIRED_PANELS = {
     "omni_sidecar_sessions_active": "sessions active",
     "omni_sidecar_sessions_started_total": "sessions started",

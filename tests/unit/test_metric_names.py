@@ -1,6 +1,7 @@
 """Lint a fresh metrics registry against docs/design.md, Metrics, and the naming rules.
 
-Rules (prometheus/docs naming.md): one ``omni_sidecar_`` prefix; base units
+Rules (https://prometheus.io/docs/practices/naming/): one ``omni_sidecar_``
+prefix; base units
 with the unit as the last word of the name (``_seconds``, ``_bytes``);
 counters end in ``_total`` on exposition; label names from a short
 allow-list; label values only from our own enums; every known series exported

@@ -4,7 +4,8 @@ The fake engine is defined here: it answers ``session.update`` with
 ``session.created``, each ``response.create`` with a few audio deltas of known
 sizes and ``response.done``; in hold mode it sends only the first delta and
 waits for ``response.cancel``, then sends two more deltas of the same response
-(the late audio of reference §3.3) and ``response.done`` cancelled. Every wait
+(the late audio of docs/engine-protocol.md, Late audio after a cancel) and ``response.done``
+cancelled. Every wait
 is bounded by the probe's own deadline; nothing sleeps.
 """
 

@@ -1,7 +1,8 @@
 """Frame builders and a ``SessionPair`` harness for the core's tests.
 
 Builders return the frame *text* exactly as it would travel on the wire, in
-the engine's own shapes (vLLM-Omni 0.30, reference §2). ``SessionPair`` plays
+the engine's own shapes (vLLM-Omni 0.30, docs/engine-protocol.md, Conventions). ``SessionPair``
+plays
 both shells around a ``SessionCore`` (like h11's ``ConnectionPair``): feed it
 engine frames and client frames, drain what the proxy writes to the client and
 what it sends upstream, and assert on those.

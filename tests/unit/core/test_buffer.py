@@ -1,4 +1,5 @@
-"""OutputBuffer (proxy/core/buffer.py): DESIGN.md §3, reference §3.5.
+"""OutputBuffer (proxy/core/buffer.py): docs/design.md, Output buffer, docs/engine-protocol.md,
+Bounded output upstream.
 
 Budgets and their exact boundaries, the reserve for ``error``/``response.done``,
 FIFO order across both budgets, the closure slot, the held event, per-response

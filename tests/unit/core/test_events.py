@@ -3,7 +3,8 @@
 The classification table for both directions, the prefix scan of large audio
 frames (it must agree with a full parse), and properties: any text is
 classified without raising, and for every valid JSON object the result equals
-what a full ``json.loads`` says (DESIGN.md §2, reference §2.2/§2.3/§2.6).
+what a full ``json.loads`` says (docs/design.md, Per-session data path, docs/engine-protocol.md,
+Client events; Server events; Version differences).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CancellationLedger (proxy/core/ledger.py): DESIGN.md §4.
+"""CancellationLedger (proxy/core/ledger.py): docs/design.md, Cancellation.
 
 Open/active responses, cancels, the bounded tombstone set (LRU eviction, TTL
 after the response's done was delivered) and failed responses. Time is always

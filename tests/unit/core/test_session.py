@@ -1,6 +1,8 @@
 """SessionCore (proxy/core/session.py): the per-session policy, through SessionPair.
 
-One class per behaviour (DESIGN.md §2, §4, §5, §6; reference §3.5, §3.7): what the
+One class per behaviour (docs/design.md, Per-session data path; Cancellation; Overflow policy;
+Admission and lifecycle; docs/engine-protocol.md, Bounded output upstream; Late audio after a
+cancel): what the
 client receives, in what order, what the proxy sends upstream itself, close
 codes, drop counts and observations. Properties at the end drive random
 interleavings of engine output, client cancels and deliveries.
@@ -179,7 +181,8 @@ def _stream_then(p: SessionPair) -> None:
 
 
 def _after_cancel_engine(p: SessionPair) -> list[str]:
-    """What an engine 0.30 sends after a cancel (reference §3.3), then a new response."""
+    """What an engine 0.30 sends after a cancel (docs/engine-protocol.md, Late audio after a
+    cancel), then a new response."""
     frames = [
         h.audio("r1", seq=3),  # late audio, produced before the engine saw the cancel
         h.transcript_delta("r1", seq=3),

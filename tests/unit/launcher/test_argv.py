@@ -2,7 +2,7 @@
 
 Each model config is loaded the way ``omni-sidecar serve --config`` loads it
 (``proxy.config.load``) and must produce exactly the documented vLLM-Omni
-command (DESIGN.md §8, reference §4.1): ``PYTHON -m
+command (docs/design.md, Engine launcher, docs/engine-protocol.md, Launching): ``PYTHON -m
 vllm_omni.entrypoints.cli.main serve MODEL --omni --host 127.0.0.1 --port PORT
 --deploy-config YAML [extra_args]``. ``--omni`` matters: without it the CLI
 silently falls back to plain vLLM.

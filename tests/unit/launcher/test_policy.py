@@ -2,7 +2,7 @@
 
 The expected table below is written out independently of ``TRANSITIONS`` so
 that a changed transition fails here and must be changed in both places (the
-table is part of the contract DESIGN.md §8 describes). Each of the 7 × 10
+table is part of the contract docs/design.md, Engine supervision, describes). Each of the 7 × 10
 pairs is applied to a fresh machine: a legal pair lands in its target state,
 an illegal one raises ``InvalidTransition`` naming the state and the
 observation and leaves the state unchanged.
