@@ -5,9 +5,20 @@ a stop reaches every process it spawned (vLLM-Omni forks one process per
 stage). On Linux it also gets a parent-death signal, so that it never outlives
 a sidecar that was killed with SIGKILL.
 
-Readiness (DESIGN.md §8, reference §4.3): the HTTP port accepts TCP, then
+Readiness (docs/design.md, Engine launcher): the HTTP port accepts TCP, then
 ``GET /health`` answers 200. vLLM-Omni binds its port only after every stage
 is loaded, which can take 8–20 minutes.
+
+An ``external`` engine has no child; :class:`UpstreamProbe` checks it the same
+way on the upstream URL's host and port, and falls back to a WebSocket
+handshake on the upstream URL when ``/health`` is 404 or the port does not
+speak HTTP (an engine behind a WebSocket-only front end).
+
+Engine output reaches our log line by line with an ``engine:`` prefix (logger
+``engine_launcher.child``): stdout at INFO, stderr at WARNING, and at ERROR a
+Python traceback and every line that names the ERROR or CRITICAL level, so
+that the reason an engine died (a ``ModuleNotFoundError``, a CUDA error) is
+never buried among INFO lines.
 """
 
 from __future__ import annotations
@@ -17,13 +28,15 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -31,12 +44,15 @@ from engine_launcher.config import EngineConfig
 from engine_launcher.errors import EngineStartError
 
 __all__ = [
+    "MAX_PROBE_TIMEOUT",
     "EngineProcess",
     "HealthProbe",
     "ProbeResult",
+    "UpstreamProbe",
     "build_argv",
     "free_port",
     "probe_health",
+    "stderr_level",
 ]
 
 log = logging.getLogger("engine_launcher")
@@ -45,6 +61,13 @@ engine_log = logging.getLogger("engine_launcher.child")
 _PR_SET_PDEATHSIG: Final = 1
 #: Longest engine output line passed to our log (the rest is cut).
 _MAX_LINE_BYTES: Final = 64 * 1024
+#: Upper bound of one health probe (seconds); the supervisor uses the smaller of
+#: this and ``health_interval`` so that a hung engine cannot stretch the interval.
+MAX_PROBE_TIMEOUT: Final = 5.0
+#: How long ``stop`` waits for the output pumps to reach EOF after the group died.
+_PUMP_DRAIN_SECONDS: Final = 2.0
+_ERROR_WORDS: Final = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b")
+_TRACEBACK_START: Final = "Traceback (most recent call last):"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -110,7 +133,7 @@ def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
-    """One readiness probe: ``stage`` is "tcp" or "health"; ``detail`` says why not."""
+    """One readiness probe: ``stage`` is "tcp", "health" or "websocket"; ``detail`` says why not."""
 
     ok: bool
     stage: str
@@ -120,7 +143,9 @@ class ProbeResult:
 async def probe_health(
     session: aiohttp.ClientSession, host: str, port: int, path: str, timeout: float
 ) -> ProbeResult:
-    """TCP connect, then ``GET path`` must answer 200."""
+    """TCP connect, then ``GET path`` must answer 200; the whole probe within ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     try:
         async with asyncio.timeout(timeout):
             _reader, writer = await asyncio.open_connection(host, port)
@@ -130,8 +155,9 @@ async def probe_health(
     except (OSError, TimeoutError) as exc:
         return ProbeResult(False, "tcp", f"connect {host}:{port}: {exc or type(exc).__name__}")
     url = f"http://{_url_host(host)}:{port}{path}"
+    left = max(0.001, deadline - loop.time())
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=left)) as resp:
             if resp.status == 200:
                 return ProbeResult(True, "health", "200")
             return ProbeResult(False, "health", f"GET {path} -> {resp.status}")
@@ -140,9 +166,18 @@ async def probe_health(
 
 
 class HealthProbe:
-    """Probes one engine endpoint with a shared HTTP session."""
+    """Probes one engine endpoint with a shared HTTP session.
 
-    def __init__(self, host: str, port: int, *, path: str = "/health", timeout: float = 5.0):
+    Args:
+        host: the engine's address.
+        port: its HTTP port.
+        path: the health path.
+        timeout: seconds one probe may take, TCP connect and GET together.
+    """
+
+    def __init__(
+        self, host: str, port: int, *, path: str = "/health", timeout: float = MAX_PROBE_TIMEOUT
+    ) -> None:
         self.host = host
         self.port = port
         self.path = path
@@ -160,8 +195,84 @@ class HealthProbe:
             self._session = None
 
 
+class UpstreamProbe:
+    """Is an ``external`` engine there? ``GET /health`` first, a WebSocket handshake second.
+
+    ``GET /health`` goes to the upstream URL's host and port (``ws`` → ``http``,
+    ``wss`` → ``https``). A 200 is healthy; any other status but 404 is not.
+    A 404, or an answer that is not HTTP, means the endpoint has no health
+    route: then a WebSocket handshake on the upstream URL itself decides, and
+    the socket is closed at once. A refused or timed-out connection is
+    unhealthy without the fallback (the handshake would fail the same way).
+
+    Args:
+        upstream: the ``ws://``/``wss://`` URL sessions are relayed to.
+        timeout: seconds one probe may take, fallback included.
+    """
+
+    def __init__(self, upstream: str, *, timeout: float = MAX_PROBE_TIMEOUT) -> None:
+        parts = urlsplit(upstream)
+        scheme = "https" if parts.scheme == "wss" else "http"
+        self.upstream = upstream
+        self.health_url = f"{scheme}://{parts.netloc}/health"
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __call__(self) -> ProbeResult:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        session = self._session
+        try:
+            async with asyncio.timeout(self.timeout):
+                try:
+                    async with session.get(self.health_url, allow_redirects=False) as resp:
+                        if resp.status == 200:
+                            return ProbeResult(True, "health", "200")
+                        if resp.status != 404:
+                            return ProbeResult(
+                                False, "health", f"GET {self.health_url} -> {resp.status}"
+                            )
+                        why = "404"
+                except aiohttp.ClientConnectorError as exc:
+                    return ProbeResult(False, "tcp", f"connect {self.health_url}: {exc}")
+                except (aiohttp.ClientResponseError, aiohttp.ServerDisconnectedError) as exc:
+                    why = f"not HTTP ({type(exc).__name__})"
+                try:
+                    async with session.ws_connect(self.upstream, autoping=False):
+                        return ProbeResult(True, "websocket", f"/health {why}; handshake ok")
+                except (aiohttp.ClientError, OSError) as exc:
+                    return ProbeResult(
+                        False, "websocket", f"/health {why}; handshake to {self.upstream}: {exc}"
+                    )
+        except TimeoutError:
+            return ProbeResult(False, "health", f"no answer within {self.timeout:.1f} s")
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def stderr_level(line: str, in_traceback: bool) -> tuple[int, bool]:
+    """The log level of one engine stderr line, and whether a traceback continues.
+
+    stderr is where a Python engine writes its warnings and its last words, so
+    nothing on it is below WARNING. A traceback (from its first line to the
+    exception line, which is the first line without indentation) and lines
+    naming ERROR/CRITICAL/FATAL are ERROR.
+    """
+    if line.startswith(_TRACEBACK_START):
+        return logging.ERROR, True
+    if in_traceback:
+        # Frames and source lines are indented; the exception line is not and ends it.
+        return logging.ERROR, line.startswith((" ", "\t")) or not line.strip()
+    if _ERROR_WORDS.search(line):
+        return logging.ERROR, False
+    return logging.WARNING, False
 
 
 class EngineProcess:
@@ -170,14 +281,13 @@ class EngineProcess:
     Args:
         argv: the command line.
         env: extra environment variables (merged over ours).
-        name: for log lines.
     """
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None) -> None:
         self.argv = list(argv)
         self._env = env or {}
         self._proc: asyncio.subprocess.Process | None = None
-        self._pump: asyncio.Task[None] | None = None
+        self._pumps: list[asyncio.Task[None]] = []
         self.started_at: float | None = None
 
     @property
@@ -189,7 +299,11 @@ class EngineProcess:
         return None if self._proc is None else self._proc.returncode
 
     async def start(self) -> None:
-        """Spawn the child in its own process group; its output goes to our log."""
+        """Spawn the child in its own process group; its output goes to our log.
+
+        Raises:
+            EngineStartError: the executable cannot be run.
+        """
         # The engine needs none of our settings, and some are secrets (API keys).
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
         env.update(self._env)
@@ -200,7 +314,7 @@ class EngineProcess:
                 *self.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
+                stderr=asyncio.subprocess.PIPE,
                 env=env,
                 start_new_session=True,
                 preexec_fn=_set_parent_death_signal,
@@ -209,73 +323,46 @@ class EngineProcess:
         except OSError as exc:
             raise EngineStartError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
         self.started_at = time.monotonic()
-        self._pump = asyncio.create_task(self._pump_output(), name="engine-output")
+        # Owned here and awaited in ``stop``: they end at EOF, when the group is gone.
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._pumps = [
+            asyncio.create_task(self._pump(self._proc.stdout, stderr=False), name="engine-stdout"),
+            asyncio.create_task(self._pump(self._proc.stderr, stderr=True), name="engine-stderr"),
+        ]
 
-    async def _pump_output(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        stream = self._proc.stdout
+    @staticmethod
+    async def _pump(stream: asyncio.StreamReader, *, stderr: bool) -> None:
+        in_traceback = False
         while True:
             try:
-                line = await stream.readline()
+                raw = await stream.readline()
             except ValueError:  # a line over the limit: take what is there
-                line = await stream.read(_MAX_LINE_BYTES)
-            if not line:
+                raw = await stream.read(_MAX_LINE_BYTES)
+            if not raw:
                 return
-            engine_log.info("engine: %s", line.decode("utf-8", "replace").rstrip())
+            line = raw.decode("utf-8", "replace").rstrip()
+            level = logging.INFO
+            if stderr:
+                level, in_traceback = stderr_level(line, in_traceback)
+            engine_log.log(level, "engine: %s", line)
 
     async def wait(self) -> int:
         """Wait for the child to exit; return its exit status."""
         assert self._proc is not None
         return await self._proc.wait()
 
-    async def wait_ready(
-        self,
-        probe: Callable[[], object],
-        *,
-        timeout: float,
-        interval: float = 0.5,
-        progress_interval: float = 15.0,
-        on_progress: Callable[[float, ProbeResult | None], None] | None = None,
-    ) -> float:
-        """Probe until ready; return seconds it took.
-
-        Raises:
-            EngineStartError: the child exited or ``timeout`` passed first.
-        """
-        started = time.monotonic()
-        next_progress = started + progress_interval
-        last: ProbeResult | None = None
-        while True:
-            if self.returncode is not None:
-                raise EngineStartError(
-                    f"engine exited with status {self.returncode} before it was ready",
-                    returncode=self.returncode,
-                )
-            result = await probe()  # type: ignore[misc]
-            assert isinstance(result, ProbeResult)
-            last = result
-            now = time.monotonic()
-            if result.ok:
-                return now - started
-            if now - started >= timeout:
-                raise EngineStartError(
-                    f"engine not ready after {timeout:.0f} s (last probe: {result.detail})"
-                )
-            if now >= next_progress:
-                next_progress = now + progress_interval
-                if on_progress is not None:
-                    on_progress(now - started, last)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
-                    await self.wait()
-
     async def stop(self, grace: float) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
+        """SIGTERM (and SIGCONT) the process group, SIGKILL it after ``grace`` seconds.
+
+        SIGCONT goes with SIGTERM because a stopped (SIGSTOP) engine would
+        otherwise hold the SIGTERM pending and always cost the full grace.
+        """
         proc = self._proc
         if proc is None:
             return None
         if proc.returncode is None:
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)
             try:
                 async with asyncio.timeout(grace):
                     await proc.wait()
@@ -285,14 +372,13 @@ class EngineProcess:
         self._signal_group(signal.SIGKILL)
         if proc.returncode is None:
             await proc.wait()
-        if self._pump is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                async with asyncio.timeout(2.0):
-                    await self._pump
-            if not self._pump.done():
-                self._pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._pump
+        pumps, self._pumps = self._pumps, []
+        if pumps:
+            # The last lines (a traceback) are still in the pipes: let them reach the log.
+            await asyncio.wait(pumps, timeout=_PUMP_DRAIN_SECONDS)
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
         return proc.returncode
 
     def _signal_group(self, signum: int) -> None:

@@ -111,7 +111,7 @@ class Sidecar:
 
     def _engine_state(self, state: EngineState, cause: Observation, detail: str) -> None:
         self.metrics.set_engine_state(state.value)
-        serving = self.supervisor.machine.serving
+        serving = self.supervisor.serving
         if serving and not self.admission.draining:
             self.admission.set_ready(True)
         else:
