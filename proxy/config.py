@@ -214,10 +214,21 @@ class Settings:
     )
     admin_listen: str = setting(
         DEFAULT_ADMIN_LISTEN,
-        help="Admin listener (host:port): /metrics and /debug/sessions.",
+        help="Admin listener (host:port): /metrics, /healthz, the operator console at / and "
+        "its /debug/* JSON (docs/console.md).",
         section=_LISTENERS,
         metavar="HOST:PORT",
         check=_check_listen,
+    )
+    admin_token: str | None = setting(
+        None,
+        help="When set, every admin listener request needs it: Authorization: Bearer <token>, "
+        "or HTTP Basic with the token as password (browsers). Unset = no auth (keep the "
+        "admin listener on loopback or a private network).",
+        section=_LISTENERS,
+        example='"change-me"',
+        metavar="TOKEN",
+        mask=lambda value: None if value is None else "***",
     )
     upstream: str | None = setting(
         None,
