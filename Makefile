@@ -1,26 +1,61 @@
-# Two commands do everything on a fresh machine:
-#   make setup   - create .venv and install the project with its test extra
-#   make test    - run the whole test suite
+# Two commands from a fresh clone (Python >= 3.11 as python3):
+#   make serve   - create and fill .venv if it is missing, then run the sidecar in
+#                  front of the built-in simulator (Ctrl-C stops both)
+#   make test    - the same set-up if missing, then `make lint`, then the whole suite
+# Others:
+#   make setup   - (re)install the project and its test extra into .venv
+#   make lint    - ruff check + ruff format --check on the whole tree, mypy --strict
+#                  on the product (tests/test_lint.py runs the same checks)
+#   make pytest  - only the test suite
+# Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/unit"`.
 PYTHON ?= python3
 VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+PYTEST_ARGS ?=
+#: Everything ruff checks and formats; keep in step with tests/test_lint.py.
+LINT_PATHS := proxy engine_launcher metrics tests bench
+#: The product, type-checked with mypy --strict.
+TYPED_PATHS := proxy engine_launcher metrics
 
-.PHONY: setup test lint bench clean
+.PHONY: help setup serve test lint pytest bench clean
+
+help:
+	@sed -n '1,/^PYTHON/p' Makefile | sed '$$d'
+
+# The installed entry point marks a filled venv; it is built only when missing
+# (run `make setup` to reinstall after changing dependencies).
+$(BIN)/omni-sidecar:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[test]'
 
 setup:
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --upgrade pip
-	$(VENV)/bin/python -m pip install -e '.[test]'
+	rm -f $(BIN)/omni-sidecar
+	$(MAKE) $(BIN)/omni-sidecar
 
-test:
-	$(VENV)/bin/python -m pytest
+serve: $(BIN)/omni-sidecar
+	$(BIN)/omni-sidecar serve $(ARGS)
 
-lint:
-	$(VENV)/bin/python -m ruff check proxy engine_launcher metrics tests
-	$(VENV)/bin/python -m mypy proxy engine_launcher metrics
+test: $(BIN)/omni-sidecar
+	$(MAKE) lint
+	$(MAKE) pytest
+
+lint: $(BIN)/omni-sidecar
+	$(BIN)/python -m ruff check $(LINT_PATHS)
+	$(BIN)/python -m ruff format --check $(LINT_PATHS)
+	$(BIN)/python -m mypy --strict $(TYPED_PATHS)
+
+pytest: $(BIN)/omni-sidecar
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(BIN)/omni-sidecar
+	$(BIN)/python -m pip install -e '.[test,bench]'
+	$(BIN)/python -m bench all
 
 # The heavier tier against the real vLLM-Omni serving layer (own venv, ~9 GB):
 #   make test-real-engine
 include mk/real-engine.mk
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info

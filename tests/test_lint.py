@@ -1,7 +1,17 @@
-"""The product code passes ruff (lint and format) and mypy --strict (STYLE.md)."""
+"""The tree passes the same checks as ``make lint``, and CI leaves other processes alone.
+
+``make lint`` runs ruff (lint and format) over the whole tree and ``mypy
+--strict`` over the product (docs/design.md, Code rules (10)). The paths are
+read from the Makefile, so the suite and ``make lint`` cannot drift apart.
+
+``.ci/run`` and the tests never stop or signal a process they did not start
+(issue 13, item 10): no ``pkill``/``killall``/``systemctl stop`` anywhere in
+them. A test that needs a service runs its own on a free port.
+"""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -10,11 +20,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["proxy", "engine_launcher", "metrics"]
+MAKEFILE = ROOT / "Makefile"
+
+
+def _make_variable(name: str) -> list[str]:
+    match = re.search(rf"^{name} *:?= *(.+)$", MAKEFILE.read_text(encoding="utf-8"), re.MULTILINE)
+    assert match, f"Makefile defines no {name}"
+    return match.group(1).split()
+
+
+LINT_PATHS = _make_variable("LINT_PATHS")
+TYPED_PATHS = _make_variable("TYPED_PATHS")
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
 
 
 def _tool(module: str) -> None:
@@ -22,19 +42,54 @@ def _tool(module: str) -> None:
         pytest.skip(f"{module} is not installed (it is in the test extra)")
 
 
+def test_lint_covers_the_whole_tree() -> None:
+    assert set(LINT_PATHS) >= {"proxy", "engine_launcher", "metrics", "tests", "bench"}
+    assert set(TYPED_PATHS) >= {"proxy", "engine_launcher", "metrics"}
+
+
 def test_ruff_check() -> None:
     _tool("ruff")
-    result = _run(sys.executable, "-m", "ruff", "check", *PACKAGES)
+    result = _run(sys.executable, "-m", "ruff", "check", *LINT_PATHS)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_ruff_format() -> None:
     _tool("ruff")
-    result = _run(sys.executable, "-m", "ruff", "format", "--check", *PACKAGES)
+    result = _run(sys.executable, "-m", "ruff", "format", "--check", *LINT_PATHS)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_mypy_strict() -> None:
     _tool("mypy")
-    result = _run(sys.executable, "-m", "mypy", "--strict", *PACKAGES)
+    result = _run(sys.executable, "-m", "mypy", "--strict", *TYPED_PATHS)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: Commands that stop or signal processes by name or by service, whoever started them.
+FOREIGN_KILL = re.compile(
+    r"\b(?:pkill|killall)\b|\bsystemctl\s+(?:stop|kill|restart|disable|mask)\b"
+    r"|\bservice\s+\S+\s+stop\b"
+)
+
+
+def _scripts_and_tests() -> list[Path]:
+    return [ROOT / ".ci" / "run", *sorted((ROOT / "tests").rglob("*.py"))]
+
+
+def test_ci_and_tests_never_stop_foreign_processes() -> None:
+    found = []
+    for path in _scripts_and_tests():
+        if path == Path(__file__).resolve():
+            continue
+        text = path.read_text(encoding="utf-8")
+        for match in FOREIGN_KILL.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)}")
+    assert not found, "stops or signals processes it did not start:\n" + "\n".join(found)
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert re.search(r"^make test$", ci, re.MULTILINE), ".ci/run must call `make test`"
+    assert "make test" in readme
