@@ -2,7 +2,7 @@
 
 Client listener (DESIGN.md §7): WS ``/v1/realtime`` and ``/v1/duplex``,
 ``GET /healthz``, ``GET /readyz``; every other path is reverse-proxied to the
-engine, streamed. Admin listener: ``GET /metrics``, ``GET /debug/sessions``.
+engine, streamed. The admin listener is ``proxy/admin.py``.
 
 Admission happens before the WebSocket upgrade (DESIGN.md §6): draining or
 engine not ready → 503, ``max_sessions`` reached → 503 with ``Retry-After``
@@ -16,63 +16,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.openmetrics.exposition import (
-    CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
-)
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from metrics import SidecarMetrics
+from proxy import compat
 from proxy.auth import AuthPolicy, load_api_keys, offered_subprotocols
 from proxy.config import Settings
 from proxy.core.buffer import BufferLimits
 from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings
-from proxy.observer import SessionRegistry
-from proxy.relay import Relay, new_event_id, tune_client_socket
+from proxy.edge import EdgeGuard, EdgeLimits, client_address
+from proxy.frame_writer import AiohttpWriterAdapter
+from proxy.handshake import validate_upgrade, wants_websocket
+from proxy.observer import SessionObserver, SessionRegistry
+from proxy.relay import Relay, new_event_id
+from proxy.reverse_proxy import ProxyRequest, reverse_proxy
+from proxy.upstream_link import AiohttpUpstreamLink
 
 __all__ = [
     "Admission",
     "ProxyState",
     "UpstreamTarget",
-    "build_admin_app",
     "build_client_app",
     "session_settings",
 ]
 
 log = logging.getLogger(__name__)
+#: One line per ended session (and, from the edge, per refused handshake).
+access_log = logging.getLogger("omni_sidecar.access")
 
 STATE: Final[web.AppKey[ProxyState]] = web.AppKey("omni_sidecar_state")
 
-#: aiohttp's writer awaits a drain after this many bytes; ours never does.
-_NO_WRITER_DRAIN: Final = 1 << 62
 #: Largest frame accepted from the engine (DuplexClient allows 64 MiB too).
 MAX_UPSTREAM_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-#: Headers never copied between hops (RFC 9110 §7.6.1) or recomputed by aiohttp.
-_HOP_BY_HOP: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "content-encoding",
-    }
-)
 _WS_PATHS: Final = ("/v1/realtime", "/v1/duplex")
 #: Subprotocols a browser Realtime client may offer; we accept, the engine never sees them.
 _CLIENT_SUBPROTOCOLS: Final = ("realtime", "openai-beta.realtime-v1")
@@ -192,13 +176,44 @@ class ProxyState:
     registry: SessionRegistry
     target: Callable[[], UpstreamTarget | None]
     http: aiohttp.ClientSession | None = None
+    #: The engines as JSON for the console (proxy.console.EngineView.snapshot).
+    engines: Callable[[], list[dict[str, Any]]] = list
     session_settings: SessionSettings = field(init=False)
     auth: AuthPolicy = field(init=False)
+    #: The client listener's connection-level limits (proxy/edge.py).
+    edge: EdgeGuard = field(init=False)
 
     def __post_init__(self) -> None:
         self.session_settings = session_settings(self.settings)
         keys = load_api_keys(self.settings.api_keys, self.settings.api_keys_file)
         self.auth = AuthPolicy(keys, self.settings.allowed_origins)
+        self.edge = EdgeGuard(EdgeLimits.from_settings(self.settings), self.reject_connection)
+
+    def reject_connection(self, reason: str, status: int, address: str) -> None:
+        """Count and log one connection or request refused at the edge (docs/security.md)."""
+        self.metrics.rejected_connections.labels(reason).inc()
+        log.warning(
+            "refused connection from %s: %s%s",
+            address or "?",
+            f"{status} " if status else "closed, ",
+            reason,
+        )
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Swap in reloaded settings (SIGHUP): new sessions and handshakes use them.
+
+        Running relays keep the ``SessionCore`` they were built with. Builds
+        everything first, so a failure (an unreadable keys file) changes nothing.
+        """
+        new_session_settings = session_settings(settings)
+        keys = load_api_keys(settings.api_keys, settings.api_keys_file)
+        self.auth = AuthPolicy(keys, settings.allowed_origins)
+        self.session_settings = new_session_settings
+        self.settings = settings
+        self.admission.max_sessions = settings.max_sessions
+        self.admission.admission_timeout = settings.admission_timeout
+        self.admission.max_sessions_per_ip = settings.max_sessions_per_ip
+        self.edge.update(EdgeLimits.from_settings(settings))
 
     def client_session(self) -> aiohttp.ClientSession:
         if self.http is None or self.http.closed:
@@ -290,26 +305,43 @@ def _upstream_headers(state: ProxyState, request: web.Request) -> dict[str, str]
 
 
 async def _realtime(request: web.Request) -> web.StreamResponse:
-    if request.headers.get("Upgrade", "").lower() != "websocket":
+    """The handshake: validity, auth, readiness, per-address and global slots, in that order.
+
+    A request that does not ask for a WebSocket is plain HTTP and is
+    reverse-proxied; one that does must be a complete, valid handshake
+    (proxy/handshake.py) before anything else is spent on it.
+    """
+    if not wants_websocket(request.headers):
         return await _reverse_proxy(request)
     state = request.app[STATE]
     metrics = state.metrics
+    address = client_address(request)
+    version = (request.version.major, request.version.minor)
+    invalid = validate_upgrade(request.method, version, request.headers)
+    if invalid is not None:
+        metrics.rejected_connections.labels("bad_handshake").inc()
+        _log_refused(address, invalid.status, invalid.reason)
+        response = _json_error(invalid.status, invalid.reason, invalid.message, **invalid.headers)
+        response.force_close()
+        return response
     denied = _check_auth(request, state)
     if denied is not None:
         return denied
     refusal = state.admission.refusal()
     if refusal is not None:
         metrics.sessions_rejected.labels(refusal[0]).inc()
+        _log_refused(address, 503, refusal[0])
         return _json_error(503, refusal[0], refusal[1], **{"Retry-After": "5"})
-    address = request.remote or ""
     if not state.admission.acquire_ip(address):
         metrics.sessions_rejected.labels("capacity").inc()
+        _log_refused(address, 429, "capacity")
         return _json_error(
             429, "capacity", "too many sessions from this address", **{"Retry-After": "1"}
         )
     try:
         if not await state.admission.acquire():
             metrics.sessions_rejected.labels("capacity").inc()
+            _log_refused(address, 503, "capacity")
             return _json_error(
                 503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
             )
@@ -321,6 +353,11 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
         state.admission.release_ip(address)
 
 
+def _log_refused(address: str, status: int, reason: str) -> None:
+    """One line per refused handshake: who, what status, why (never a key)."""
+    log.warning("refused handshake from %s: %d %s", address or "?", status, reason)
+
+
 def _check_auth(request: web.Request, state: ProxyState) -> web.Response | None:
     """401/403 before anything else; keys are never logged."""
     result = state.auth.check(
@@ -329,6 +366,7 @@ def _check_auth(request: web.Request, state: ProxyState) -> web.Response | None:
     if result.ok:
         return None
     state.metrics.sessions_rejected.labels(result.reason).inc()
+    _log_refused(client_address(request), result.status, result.reason)
     headers = {"WWW-Authenticate": 'Bearer realm="omni-sidecar"'} if result.status == 401 else {}
     return _json_error(result.status, result.reason, result.message, **headers)
 
@@ -369,10 +407,6 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         max_msg_size=settings.max_client_message_bytes,
         compress=False,
         autoping=False,
-        # Flow control is ours: the relay writes only while the transport is
-        # below client_write_buffer_bytes. aiohttp's own drain inside send_str
-        # would block the engine reader (the fast path writes from it).
-        writer_limit=_NO_WRITER_DRAIN,
     )
     try:
         async with asyncio.timeout(settings.handshake_timeout):
@@ -380,16 +414,18 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     except BaseException:
         await upstream.close()
         raise
-    _tune_upstream(upstream, settings.max_pending_input_bytes)
-    protocol = tune_client_socket(request, settings.client_write_buffer_bytes)
+    compat.set_upstream_write_limit(upstream, settings.max_pending_input_bytes)
+    protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
     key = uuid.uuid4().hex[:12]
+    address = client_address(request)
+    observer = state.registry.observer(key, client_address=address)
     relay = Relay(
         session_key=key,
         client=client,
         client_protocol=protocol,
-        upstream=upstream,
+        upstream=AiohttpUpstreamLink(upstream),
         core=SessionCore(state.session_settings, new_event_id=new_event_id),
-        observer=state.registry.observer(key),
+        observer=observer,
         close_timeout=settings.close_timeout,
         drain_timeout=settings.drain_timeout,
         upstream_close_timeout=settings.upstream_close_timeout,
@@ -398,40 +434,76 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         max_session_duration=settings.max_session_duration,
         client_idle_timeout=settings.client_idle_timeout,
         heartbeat_interval=settings.heartbeat_interval,
+        client_address=address,
     )
+    # From here on every frame to this client, aiohttp's own close frames
+    # included, goes through the relay's frame writer.
+    compat.install_client_writer(client, AiohttpWriterAdapter(relay.writer))
     metrics.sessions_started.inc()
     state.registry.add(relay)
     if state.registry.closing_all:
         relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
-    relay.log.info("session open: %s -> %s", request.remote, url)
+    relay.log.info("session open: %s -> %s", address, url)
     try:
         await relay.run()
     finally:
         state.registry.remove(relay)
-        outcome = relay.core.outcome
-        relay.log.info(
-            "session closed: %s (client close code %s)",
-            outcome.value if outcome else "error",
-            relay.core.close_code,
-        )
+        _log_session_end(relay, observer)
     return client
 
 
-def _tune_upstream(upstream: aiohttp.ClientWebSocketResponse, max_pending: int) -> None:
-    """Let unsent input grow to ``max_pending_input_bytes`` without blocking the
-    client reader (a blocked reader could not act on a cancel); the relay fails
-    the session instead when the engine stops reading."""
-    writer = getattr(upstream, "_writer", None)
-    transport = getattr(writer, "transport", None)
+def _log_session_end(relay: Relay, observer: SessionObserver) -> None:
+    """One access line per session (logger ``omni_sidecar.access``)."""
+    core = relay.core
+    outcome = core.outcome.value if core.outcome is not None else "error"
+    sent = relay.close_code_sent
+    drops = {r.value: e for r, (e, _b) in core.drop_totals().items() if e}
+    fields = {
+        "session": relay.key,
+        "engine_session": core.session_id or "-",
+        "client": relay.client_address or "-",
+        "duration_s": round(relay.timers.now() - relay.started_at, 3),
+        "events_in": observer.events_client_to_upstream,
+        "bytes_in": relay.bytes_client_to_upstream,
+        "events_out": relay.writer.frames_written,
+        "bytes_out": relay.writer.bytes_written,
+        "drops": drops,
+        "outcome": outcome,
+        "close_code": sent,
+    }
+    access_log.info(
+        "session end %s engine_session=%s client=%s duration=%.3fs in=%d events/%d bytes "
+        "out=%d events/%d bytes drops=%s outcome=%s close_code=%s",
+        relay.key,
+        fields["engine_session"],
+        fields["client"],
+        fields["duration_s"],
+        fields["events_in"],
+        fields["bytes_in"],
+        fields["events_out"],
+        fields["bytes_out"],
+        ",".join(f"{k}:{v}" for k, v in sorted(drops.items())) or "none",
+        outcome,
+        "none (no close frame reached the client)" if sent is None else sent,
+        extra=fields,
+    )
+
+
+def _tune_client_socket(request: web.Request, write_buffer_bytes: int) -> Any:
+    """Bound what the transport and kernel hold for this client; return its protocol."""
+    transport = request.transport
     if transport is not None:
         with contextlib.suppress(Exception):
-            transport.set_write_buffer_limits(high=max_pending)
-    if writer is not None and hasattr(writer, "_limit"):
-        writer._limit = max_pending
+            transport.set_write_buffer_limits(high=write_buffer_bytes)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, write_buffer_bytes)
+    return request.protocol
 
 
 async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
-    """Stream any other HTTP request to the engine and its answer back."""
+    """Any other HTTP request: auth, then streamed to the engine (proxy/reverse_proxy.py)."""
     state = request.app[STATE]
     denied = _check_auth(request, state)
     if denied is not None:
@@ -439,39 +511,21 @@ async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
     target = state.target()
     if target is None:
         return _json_error(503, "not_ready", "engine is not ready")
-    url = target.http_base + request.path_qs
-    headers = CIMultiDict(
-        (k, v)
-        for k, v in request.headers.items()
-        if k.lower() not in _HOP_BY_HOP and k.lower() != "authorization"
+    address = client_address(request)
+    return await reverse_proxy(
+        request,
+        ProxyRequest(
+            base_url=target.http_base,
+            session=state.client_session(),
+            # Same rule as for WebSockets: upstream_authorization decides what the engine sees.
+            extra_headers=_upstream_headers(state, request),
+            drop_headers=frozenset({"authorization"}),
+            max_body_bytes=state.edge.limits.max_http_body_bytes,
+            connect_timeout=state.settings.upstream_connect_timeout,
+            address=address,
+            reject=lambda reason: state.metrics.rejected_connections.labels(reason).inc(),
+        ),
     )
-    # Same rule as for WebSockets: upstream_authorization decides what the engine sees.
-    headers.update(_upstream_headers(state, request))
-    data = request.content if request.body_exists else None
-    try:
-        async with state.client_session().request(
-            request.method,
-            url,
-            headers=headers,
-            data=data,
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=state.settings.upstream_connect_timeout
-            ),
-        ) as upstream:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for name, value in upstream.headers.items():
-                if name.lower() not in _HOP_BY_HOP:
-                    response.headers.add(name, value)
-            if upstream.headers.get("Content-Encoding"):
-                response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        return _json_error(502, "upstream_unavailable", f"cannot reach the engine: {exc}")
 
 
 def build_client_app(state: ProxyState) -> web.Application:
@@ -489,42 +543,4 @@ def build_client_app(state: ProxyState) -> web.Application:
             await state.http.close()
 
     app.on_cleanup.append(_close_http)
-    return app
-
-
-# -- admin listener --------------------------------------------------------------------------
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.registry.flush_metrics()
-    accept = request.headers.get("Accept", "")
-    if "application/openmetrics-text" in accept:
-        body = generate_openmetrics(state.metrics.registry)  # type: ignore[no-untyped-call]
-        content_type = OPENMETRICS_CONTENT_TYPE
-    else:
-        body = generate_latest(state.metrics.registry)
-        content_type = CONTENT_TYPE_LATEST
-    response = web.Response(body=body)
-    response.headers["Content-Type"] = content_type
-    return response
-
-
-async def _debug_sessions(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return web.json_response(
-        {
-            "sessions": state.registry.statistics(),
-            "total_pending_bytes": state.registry.total_pending_bytes,
-            "total_pending_events": state.registry.total_pending_events,
-        }
-    )
-
-
-def build_admin_app(state: ProxyState) -> web.Application:
-    """The operator-facing application; never expose it to clients."""
-    app = web.Application()
-    app[STATE] = state
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/debug/sessions", _debug_sessions)
     return app

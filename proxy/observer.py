@@ -5,6 +5,13 @@
 exact running total of pending output bytes: each relay reports the change
 of its buffer after every core call, so enforcing
 ``max_total_pending_output_bytes`` costs O(1) per event.
+
+For the operator console (``proxy/admin.py``) each session also keeps its last
+``LIFECYCLE_EVENTS`` lifecycle events (created, engine session, cancels,
+overflows, closing, close) with wall-clock timestamps, noticed by comparing a
+few core fields after each core call; the registry keeps the final view of the
+last ``RECENT_CLOSED_SESSIONS`` sessions so a session that just ended can still
+be inspected. Both rings are bounded and drop their oldest entry when full.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from metrics import SidecarMetrics
 from proxy.core.buffer import Entry
@@ -20,14 +28,35 @@ from proxy.core.events import EventKind, UpstreamEvent
 
 if TYPE_CHECKING:
     from proxy.core.session import SessionCore
-    from proxy.relay import Relay
 
-__all__ = ["SessionObserver", "SessionRegistry"]
+__all__ = ["LIFECYCLE_EVENTS", "RECENT_CLOSED_SESSIONS", "SessionObserver", "SessionRegistry"]
 
 log = logging.getLogger(__name__)
 
+
+class Relay(Protocol):
+    """What the registry needs of a live session (``proxy.relay.Relay`` has this
+    shape; a Protocol here keeps ``proxy.relay`` → ``proxy.observer`` one-way)."""
+
+    key: str
+    core: SessionCore
+    started_at: float
+    bytes_client_to_upstream: int
+    bytes_upstream_to_client: int
+
+    def shed(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def engine_unavailable(self) -> None: ...
+
 _C2U = "client_to_upstream"
 _U2C = "upstream_to_client"
+
+#: Lifecycle events kept per session (events); the oldest is dropped when full.
+LIFECYCLE_EVENTS: Final = 50
+#: Ended sessions whose final view stays readable (sessions); oldest dropped.
+RECENT_CLOSED_SESSIONS: Final = 100
 
 
 class SessionRegistry:
@@ -47,6 +76,10 @@ class SessionRegistry:
         self._pending_events: dict[str, int] = {}
         self.total_pending_bytes = 0
         self.total_pending_events = 0
+        #: Final views of ended sessions, newest last (see RECENT_CLOSED_SESSIONS).
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CLOSED_SESSIONS)
+        #: Responses cancelled, all sessions, since start (the console's total).
+        self.total_cancels = 0
         self._empty: asyncio.Event | None = None
         #: Set at shutdown: a session admitted after it is told to close at once.
         self.closing_all = False
@@ -70,6 +103,8 @@ class SessionRegistry:
         self.metrics.sessions_active.set(len(self.relays))
 
     def remove(self, relay: Relay) -> None:
+        if relay.key in self.relays:
+            self.recent.append(self.detail(relay.key) or {"id": relay.key})
         self.relays.pop(relay.key, None)
         self._observers.pop(relay.key, None)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
@@ -78,8 +113,8 @@ class SessionRegistry:
         if not self.relays and self._empty is not None:
             self._empty.set()
 
-    def observer(self, key: str) -> SessionObserver:
-        observer = SessionObserver(self, key)
+    def observer(self, key: str, *, client_address: str = "") -> SessionObserver:
+        observer = SessionObserver(self, key, client_address=client_address)
         self._observers[key] = observer
         return observer
 
@@ -116,41 +151,72 @@ class SessionRegistry:
         relay.shed()
 
     def statistics(self) -> list[dict[str, Any]]:
-        """Per-session JSON for /debug/sessions."""
+        """Per-session JSON for /debug/sessions, oldest session first."""
         now = time.monotonic()
-        out = []
-        for key, relay in self.relays.items():
-            stats = relay.core.statistics()
-            buffer = stats.buffer
-            out.append(
-                {
-                    "id": key,
-                    "upstream_session_id": stats.session_id,
-                    "age_seconds": round(now - relay.started_at, 3),
-                    "state": stats.state.value,
-                    "pending_bytes": buffer.pending_bytes,
-                    "pending_events": buffer.pending_events,
-                    "reserve_bytes": buffer.reserve_bytes,
-                    "reserve_events": buffer.reserve_events,
-                    "peak_pending_bytes": buffer.peak_pending_bytes,
-                    "active_response": stats.active_response,
-                    "open_responses": list(stats.open_responses),
-                    "cancelled_responses": relay.core.ledger.tombstoned(),
-                    "tombstones": stats.ledger.tombstones,
-                    "tombstone_evictions": stats.ledger.evictions,
-                    "late_audio_after_eviction": stats.ledger.late_after_eviction,
-                    "overflows": stats.overflows,
-                    "overflowed": relay.core.outcome is not None
-                    and relay.core.outcome.value == "overflow",
-                    "cancels": stats.cancels,
-                    "dropped": {
-                        r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e
-                    },
-                    "bytes_client_to_upstream": relay.bytes_client_to_upstream,
-                    "bytes_upstream_to_client": relay.bytes_upstream_to_client,
-                }
-            )
-        return out
+        return [self._view(key, relay, now) for key, relay in self.relays.items()]
+
+    def page(self, offset: int, limit: int, query: str = "") -> tuple[int, list[dict[str, Any]]]:
+        """(matching sessions, views of ``limit`` of them from ``offset``), oldest first.
+
+        ``query`` filters by substring of our id, the engine's session id or the
+        client address before paging, so only the page is rendered.
+        """
+        keys = list(self.relays)
+        if query:
+            keys = [key for key in keys if query in self._search_text(key)]
+        now = time.monotonic()
+        chosen = keys[offset : offset + limit]
+        return len(keys), [self._view(key, self.relays[key], now) for key in chosen]
+
+    def detail(self, key: str) -> dict[str, Any] | None:
+        """One live session's view and its lifecycle events; None when not live."""
+        relay = self.relays.get(key)
+        if relay is None:
+            return None
+        view = self._view(key, relay, time.monotonic())
+        observer = self._observers.get(key)
+        view["events"] = [] if observer is None else observer.lifecycle()
+        return view
+
+    def _search_text(self, key: str) -> str:
+        relay = self.relays[key]
+        observer = self._observers.get(key)
+        address = observer.client_address if observer is not None else ""
+        return f"{key} {relay.core.session_id or ''} {address}"
+
+    def _view(self, key: str, relay: Relay, now: float) -> dict[str, Any]:
+        stats = relay.core.statistics()
+        buffer = stats.buffer
+        observer = self._observers.get(key)
+        return {
+            "id": key,
+            "upstream_session_id": stats.session_id,
+            "client_address": observer.client_address if observer is not None else "",
+            "started_at": observer.started_at if observer is not None else None,
+            "age_seconds": round(now - relay.started_at, 3),
+            "state": stats.state.value,
+            "outcome": relay.core.outcome.value if relay.core.outcome is not None else None,
+            "close_code": relay.core.close_code,
+            "pending_bytes": buffer.pending_bytes,
+            "pending_events": buffer.pending_events,
+            "reserve_bytes": buffer.reserve_bytes,
+            "reserve_events": buffer.reserve_events,
+            "peak_pending_bytes": buffer.peak_pending_bytes,
+            "active_response": stats.active_response,
+            "open_responses": list(stats.open_responses),
+            "cancelled_responses": relay.core.ledger.tombstoned(),
+            "tombstones": stats.ledger.tombstones,
+            "tombstone_evictions": stats.ledger.evictions,
+            "late_audio_after_eviction": stats.ledger.late_after_eviction,
+            "overflows": stats.overflows,
+            "overflowed": relay.core.outcome is not None and relay.core.outcome.value == "overflow",
+            "cancels": stats.cancels,
+            "dropped": {
+                r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e
+            },
+            "bytes_client_to_upstream": relay.bytes_client_to_upstream,
+            "bytes_upstream_to_client": relay.bytes_upstream_to_client,
+        }
 
 
 class SessionObserver:
@@ -162,6 +228,7 @@ class SessionObserver:
     """
 
     __slots__ = (
+        "_cancels_seen",
         "_delay",
         "_flushed",
         "_key",
@@ -170,10 +237,15 @@ class SessionObserver:
         "_m",
         "_overflows_seen",
         "_registry",
+        "_session_id_seen",
+        "_state_seen",
         "c2u_audio",
         "c2u_bytes",
         "c2u_control",
         "c2u_invalid",
+        "client_address",
+        "events",
+        "started_at",
         "u2c_audio",
         "u2c_bytes",
         "u2c_control",
@@ -181,9 +253,18 @@ class SessionObserver:
         "u2c_invalid",
     )
 
-    def __init__(self, registry: SessionRegistry, key: str) -> None:
+    def __init__(self, registry: SessionRegistry, key: str, *, client_address: str = "") -> None:
         self._registry = registry
         self._key = key
+        self.client_address = client_address
+        #: Wall-clock seconds (Unix time): shown to people next to their logs.
+        self.started_at = time.time()
+        #: (wall-clock seconds, kind, detail), newest last; see LIFECYCLE_EVENTS.
+        self.events: deque[tuple[float, str, str]] = deque(maxlen=LIFECYCLE_EVENTS)
+        self.events.append((self.started_at, "created", f"client {client_address or '?'}"))
+        self._cancels_seen = 0
+        self._state_seen: object = None
+        self._session_id_seen: str | None = None
         m = registry.metrics
         self._m = m
         self._delay = m.output_queue_delay
@@ -250,12 +331,16 @@ class SessionObserver:
                 counter.inc(value)
         self._flushed = now
 
+    @property
+    def events_client_to_upstream(self) -> int:
+        """Client frames read this session (forwarded or not)."""
+        return self.c2u_control + self.c2u_audio + self.c2u_invalid
+
     def delivered(self, entry: Entry, written_at: float) -> None:
         self._delay.observe(max(0.0, written_at - entry.enqueued_at))
 
-    def after_core_call(self, relay: Relay) -> None:
+    def after_core_call(self, core: SessionCore) -> None:
         """Sync buffer size; export drops, overflows and timings when there is news."""
-        core = relay.core
         buffer = core.buffer
         pending = (buffer.pending_bytes, len(buffer))
         if pending != self._last_pending:
@@ -264,6 +349,41 @@ class SessionObserver:
         if core.news:
             core.news = False
             self._export_news(core)
+        if (
+            core.state is not self._state_seen
+            or core.session_id is not self._session_id_seen
+            or _cancels(core) != self._cancels_seen
+        ):
+            self._note_lifecycle(core)
+
+    def note(self, kind: str, detail: str = "") -> None:
+        """Add a lifecycle event (kind is ours; detail may carry peer strings)."""
+        self.events.append((time.time(), kind, detail))
+
+    def lifecycle(self) -> list[dict[str, Any]]:
+        """The lifecycle events as JSON, oldest first."""
+        return [{"at": at, "kind": kind, "detail": detail} for at, kind, detail in self.events]
+
+    def _note_lifecycle(self, core: SessionCore) -> None:
+        """Record what changed since the last core call (rare: off the per-event path)."""
+        if core.session_id is not self._session_id_seen:
+            self._session_id_seen = core.session_id
+            if core.session_id is not None:
+                self.note("engine_session", core.session_id)
+        cancels = _cancels(core)
+        if cancels != self._cancels_seen:
+            tombstoned = core.ledger.tombstoned()
+            latest = tombstoned[-1] if tombstoned else "?"
+            for _ in range(cancels - self._cancels_seen):
+                self.note("cancel", f"response {latest}")
+            self._registry.total_cancels += cancels - self._cancels_seen
+            self._cancels_seen = cancels
+        if core.state is not self._state_seen:
+            first = self._state_seen is None
+            self._state_seen = core.state
+            if not first:
+                outcome = core.outcome.value if core.outcome is not None else "?"
+                self.note(core.state.value, f"outcome {outcome}")
 
     def _export_news(self, core: SessionCore) -> None:
         m = self._m
@@ -276,6 +396,7 @@ class SessionObserver:
                 overflows - self._overflows_seen
             )
             self._overflows_seen = overflows
+            self.note("overflow", f"policy {core.settings.overflow_policy.value}")
         late_evicted = core.ledger.late_after_eviction
         if late_evicted != self._late_evicted_seen:
             m.late_audio_after_eviction.inc(late_evicted - self._late_evicted_seen)
@@ -286,12 +407,19 @@ class SessionObserver:
         for value in first:
             m.first_audio.observe(value)
 
-    def session_observations(self, relay: Relay) -> None:
+    def session_observations(self, core: SessionCore) -> None:
         """The session ended: final sync and its outcome."""
-        core = relay.core
         core.news = False
         self._export_news(core)
-        self.after_core_call(relay)
+        self.after_core_call(core)
         self.flush()
         outcome = core.outcome
         self._m.sessions.labels(outcome.value if outcome else "error").inc()
+        self.note(
+            "close", f"outcome {outcome.value if outcome else 'error'}, code {core.close_code}"
+        )
+
+
+def _cancels(core: SessionCore) -> int:
+    """Cancels so far: the core counts them for ``statistics()``; read without building it."""
+    return core._cancels
