@@ -32,8 +32,10 @@ from engine_launcher.policy import EngineState, Observation
 from engine_launcher.supervisor import Supervisor
 from engine_launcher.systemd import Notifier, watchdog_interval
 from metrics import SidecarMetrics
-from proxy.app import Admission, ProxyState, UpstreamTarget, build_admin_app, build_client_app
+from proxy.admin import build_admin_app
+from proxy.app import Admission, ProxyState, UpstreamTarget, build_client_app
 from proxy.config import Settings, parse_listen
+from proxy.console import EngineView
 from proxy.observer import SessionRegistry
 
 __all__ = ["Sidecar", "serve"]
@@ -87,12 +89,18 @@ class Sidecar:
         self.supervisor = Supervisor(
             settings.engine, on_state=self._engine_state, notifier=self.notifier
         )
+        self.engine_view = EngineView(
+            settings.engine.kind,
+            restarts=lambda: self.supervisor.restarts,
+            target=lambda: self.supervisor.target,
+        )
         self.state = ProxyState(
             settings=settings,
             metrics=self.metrics,
             admission=self.admission,
             registry=self.sessions,
             target=self._target,
+            engines=self.engine_view.snapshot,
         )
         self.stop_requested = asyncio.Event()
         self.force_stop = asyncio.Event()
@@ -111,6 +119,7 @@ class Sidecar:
 
     def _engine_state(self, state: EngineState, cause: Observation, detail: str) -> None:
         self.metrics.set_engine_state(state.value)
+        self.engine_view.observe(state.value, cause.value, detail)
         serving = self.supervisor.serving
         if serving and not self.admission.draining:
             self.admission.set_ready(True)

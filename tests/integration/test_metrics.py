@@ -18,6 +18,7 @@ import base64
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
+from prometheus_client.parser import text_string_to_metric_families as parse_text_format
 
 from engine_launcher.config import EngineConfig
 from metrics import DROP_REASONS
@@ -36,6 +38,7 @@ from tests.conftest import (
     SimulatorProcess,
     wait_until,
 )
+from tests.fakes.scripted_engine import EngineConnection, ScriptedEngine
 
 CHUNK_MS = 100
 #: Audio deltas the simulator still sends after a cancel (its flaw, docs/design.md, Simulator).
@@ -44,8 +47,13 @@ LATE_CHUNKS = 3
 #: cancel after the 2nd delta must reach the engine before it makes the 3rd.
 PACE = f"{1.0 * TIMEOUT_FACTOR:g}"
 SIMULATOR_ARGS = (
-    "--chunk-ms", str(CHUNK_MS), "--realtime-factor", PACE,
-    "--late-audio-chunks", str(LATE_CHUNKS), "--deterministic",
+    "--chunk-ms",
+    str(CHUNK_MS),
+    "--realtime-factor",
+    PACE,
+    "--late-audio-chunks",
+    str(LATE_CHUNKS),
+    "--deterministic",
 )
 AUDIO_TYPES = frozenset({"response.output_audio.delta", "response.audio.delta"})
 #: What the client sends to get one response.
@@ -100,40 +108,39 @@ class SessionRecord:
 async def cancelled_session(url: str) -> SessionRecord:
     """One response, cancelled by name after its 2nd audio delta; then ``session.close``."""
     record = SessionRecord()
-    async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(url, max_msg_size=0) as ws:
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, max_msg_size=0) as ws:
 
-            async def send(event: dict[str, Any]) -> None:
-                text = orjson.dumps(event).decode()
-                record.sent.append(text)
-                await ws.send_str(text)
+        async def send(event: dict[str, Any]) -> None:
+            text = orjson.dumps(event).decode()
+            record.sent.append(text)
+            await ws.send_str(text)
 
-            for event in OPENING:
-                await send(event)
-            audio = 0
-            while True:
-                msg = await ws.receive(timeout=DEADLINE)
-                assert msg.type is aiohttp.WSMsgType.TEXT, msg
-                record.received.append(msg.data)
-                body = orjson.loads(msg.data)
-                kind = body["type"]
-                if kind == "response.created":
-                    record.response_id = body["response_id"]
-                elif kind in AUDIO_TYPES:
-                    audio += 1
-                    if audio == 2:
-                        await send({"type": "response.cancel", "response_id": record.response_id})
-                elif kind == "response.done":
-                    record.done = body
-                elif kind == "rate_limits.updated" and record.done is not None:
-                    break
-            await send({"type": "session.close"})
-            while True:
-                msg = await ws.receive(timeout=DEADLINE)
-                if msg.type is not aiohttp.WSMsgType.TEXT:
-                    break
-                record.received.append(msg.data)
-            record.close_code = ws.close_code
+        for event in OPENING:
+            await send(event)
+        audio = 0
+        while True:
+            msg = await ws.receive(timeout=DEADLINE)
+            assert msg.type is aiohttp.WSMsgType.TEXT, msg
+            record.received.append(msg.data)
+            body = orjson.loads(msg.data)
+            kind = body["type"]
+            if kind == "response.created":
+                record.response_id = body["response_id"]
+            elif kind in AUDIO_TYPES:
+                audio += 1
+                if audio == 2:
+                    await send({"type": "response.cancel", "response_id": record.response_id})
+            elif kind == "response.done":
+                record.done = body
+            elif kind == "rate_limits.updated" and record.done is not None:
+                break
+        await send({"type": "session.close"})
+        while True:
+            msg = await ws.receive(timeout=DEADLINE)
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                break
+            record.received.append(msg.data)
+        record.close_code = ws.close_code
     return record
 
 
@@ -146,9 +153,8 @@ def engine_audio_deltas(done: dict[str, Any]) -> int:
 
 async def simulator_counters(sim: SimulatorProcess) -> dict[str, float]:
     """The simulator's own ``/metrics`` (unlabelled samples, by name)."""
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{sim.http_url}/metrics") as resp:
-            text = await resp.text()
+    async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/metrics") as resp:
+        text = await resp.text()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#") and "{" not in line:
@@ -157,8 +163,9 @@ async def simulator_counters(sim: SimulatorProcess) -> dict[str, float]:
     return out
 
 
-def total(proxy: RunningSidecar, name: str, label: str, values: tuple[str, ...],
-          **fixed: str) -> float:
+def total(
+    proxy: RunningSidecar, name: str, label: str, values: tuple[str, ...], **fixed: str
+) -> float:
     return sum(proxy.metric(name, {**fixed, label: v}) for v in values)
 
 
@@ -178,20 +185,27 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-async def wait_metric(proxy: RunningSidecar, name: str, labels: dict[str, str], value: float,
-                      *, timeout: float = DEADLINE) -> None:
+async def wait_metric(
+    proxy: RunningSidecar,
+    name: str,
+    labels: dict[str, str],
+    value: float,
+    *,
+    timeout: float = DEADLINE,
+) -> None:
     await wait_until(
-        lambda: proxy.metric(name, labels) == value, timeout=timeout,
+        lambda: proxy.metric(name, labels) == value,
+        timeout=timeout,
         what=f"{name}{labels} == {value} (now {proxy.metric(name, labels)})",
     )
 
 
 async def get_metrics(proxy: RunningSidecar, accept: str | None = None) -> tuple[str, str]:
     headers = {"Accept": accept} if accept else {}
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{proxy.admin_url}/metrics", headers=headers) as resp:
-            assert resp.status == 200
-            return resp.headers["Content-Type"], await resp.text()
+    url = f"{proxy.admin_url}/metrics"
+    async with aiohttp.ClientSession() as http, http.get(url, headers=headers) as resp:
+        assert resp.status == 200
+        return resp.headers["Content-Type"], await resp.text()
 
 
 class RawClient:
@@ -321,8 +335,13 @@ async def test_cancelled_response_counts(simulator: Any, sidecar: Any) -> None:
     assert m("omni_sidecar_upstream_connect_failures_total") == 0
     for outcome in ("upstream_closed", "overflow", "engine_unavailable", "shutdown", "error"):
         assert m("omni_sidecar_sessions_total", {"outcome": outcome}) == 0, outcome
-    assert sum(m("omni_sidecar_overflows_total", {"policy": p})
-               for p in ("close_session", "fail_response", "process_total")) == 0
+    assert (
+        sum(
+            m("omni_sidecar_overflows_total", {"policy": p})
+            for p in ("close_session", "fail_response", "process_total")
+        )
+        == 0
+    )
     assert m("omni_sidecar_sessions_active") == 0
     assert m("omni_sidecar_output_pending_bytes") == 0
     assert m("omni_sidecar_output_pending_events") == 0
@@ -358,9 +377,15 @@ async def test_overflow_of_a_stalled_client_after_a_cancelled_session(
     simulator: Any, sidecar: Any
 ) -> None:
     sim = await simulator(
-        "--chunk-ms", str(CHUNK_MS), "--realtime-factor", f"{0.5 * TIMEOUT_FACTOR:g}",
-        "--response-seconds", "30",
-        "--late-audio-chunks", str(LATE_CHUNKS), "--deterministic",
+        "--chunk-ms",
+        str(CHUNK_MS),
+        "--realtime-factor",
+        f"{0.5 * TIMEOUT_FACTOR:g}",
+        "--response-seconds",
+        "30",
+        "--late-audio-chunks",
+        str(LATE_CHUNKS),
+        "--deterministic",
     )
     proxy = await sidecar(
         upstream=sim.ws_url,
@@ -440,10 +465,12 @@ async def test_overflow_of_a_stalled_client_after_a_cancelled_session(
     engine = record.engine_frames()
     assert len(received) - len(engine) == 3  # ours: error, failed response.done, session.closed
     counts = delta(snapshot(proxy), before)
-    sim_sent = (sim_after["vllm_omni_sim_events_sent_total"]
-                - sim_before["vllm_omni_sim_events_sent_total"])
-    sim_bytes = (sim_after["vllm_omni_sim_sent_bytes_total"]
-                 - sim_before["vllm_omni_sim_sent_bytes_total"])
+    sim_sent = (
+        sim_after["vllm_omni_sim_events_sent_total"] - sim_before["vllm_omni_sim_events_sent_total"]
+    )
+    sim_bytes = (
+        sim_after["vllm_omni_sim_sent_bytes_total"] - sim_before["vllm_omni_sim_sent_bytes_total"]
+    )
     assert counts["u2c_events"] == sim_sent
     assert counts["u2c_events"] == len(engine) + counts["dropped_events"]
     assert counts["u2c_bytes"] == sim_bytes
@@ -474,17 +501,16 @@ async def test_engine_crash_counts(sidecar: Any) -> None:
 
     types: list[str] = []
     last: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(proxy.url) as ws:
-            await ws.send_str(orjson.dumps(OPENING[0]).decode())
-            while True:
-                msg = await ws.receive(timeout=DEADLINE)
-                if msg.type is not aiohttp.WSMsgType.TEXT:
-                    break
-                body = orjson.loads(msg.data)
-                types.append(body["type"])
-                last = body
-            close_code = ws.close_code
+    async with aiohttp.ClientSession() as http, http.ws_connect(proxy.url) as ws:
+        await ws.send_str(orjson.dumps(OPENING[0]).decode())
+        while True:
+            msg = await ws.receive(timeout=DEADLINE)
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                break
+            body = orjson.loads(msg.data)
+            types.append(body["type"])
+            last = body
+        close_code = ws.close_code
     assert types[0] == "session.created", "the engine crashed before the session opened"
     assert close_code == 1011
     assert "error" in types
@@ -501,3 +527,251 @@ async def test_engine_crash_counts(sidecar: Any) -> None:
     assert m("omni_sidecar_sessions_total", {"outcome": "client_closed"}) == 0
     assert m("omni_sidecar_sessions_total", {"outcome": "error"}) == 0
     assert m("omni_sidecar_sessions_active") == 0
+    # The console's view of the same facts.
+    summary = await admin_json(proxy, "/debug/summary")
+    (engine_view,) = summary["engines"]
+    assert engine_view["kind"] == "simulator"
+    assert engine_view["state"] == "ready"
+    assert engine_view["restarts"] == 1
+    assert engine_view["last_failure"].startswith("exited")
+    assert engine_view["uptime_seconds"] is not None and engine_view["uptime_seconds"] >= 0
+
+
+# -- the admin listener: process metrics, /healthz, the console's JSON, admin_token ---------------
+
+
+async def admin_get(
+    proxy: RunningSidecar,
+    path: str,
+    headers: dict[str, str] | None = None,
+    *,
+    base: str | None = None,
+) -> tuple[int, Any, str]:
+    """(status, headers, body text) of one GET on the admin listener (or ``base``)."""
+    url = (base or proxy.admin_url) + path
+    async with aiohttp.ClientSession() as http, http.get(url, headers=headers or {}) as resp:
+        return resp.status, resp.headers, await resp.text()
+
+
+async def admin_json(proxy: RunningSidecar, path: str) -> Any:
+    status, _headers, body = await admin_get(proxy, path)
+    assert status == 200, (path, status, body)
+    return orjson.loads(body)
+
+
+async def test_process_metrics_and_healthz_over_a_real_scrape(simulator: Any, sidecar: Any) -> None:
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url)
+    _content_type, body = await get_metrics(proxy)
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in parse_text_format(body)
+        for s in family.samples
+    }
+
+    def one(name: str) -> float:
+        return values[(name, ())]
+
+    assert one("process_resident_memory_bytes") > 1024 * 1024
+    assert one("process_virtual_memory_bytes") >= one("process_resident_memory_bytes")
+    assert one("process_open_fds") > 3  # stdio and the two listening sockets at least
+    assert one("process_max_fds") >= one("process_open_fds")
+    assert one("process_cpu_seconds_total") > 0
+    assert 0 < time.time() - one("process_start_time_seconds") < 24 * 3600
+    generations = {
+        dict(k[1])["generation"] for k in values if k[0] == "python_gc_collections_total"
+    }
+    assert generations == {"0", "1", "2"}
+    assert [k for k in values if k[0] == "python_info"]
+    # Our own families are still there, next to the standard ones.
+    assert one("omni_sidecar_sessions_active") == 0
+
+    status, headers, text = await admin_get(proxy, "/healthz")
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert orjson.loads(text) == {"status": "ok"}
+
+
+async def _open_session(
+    url: str, engine: ScriptedEngine, engine_session_id: str
+) -> tuple[aiohttp.ClientSession, aiohttp.ClientWebSocketResponse, EngineConnection]:
+    http = aiohttp.ClientSession()
+    ws = await http.ws_connect(url)
+    conn = await engine.next_connection()
+    await conn.send({"type": "session.created", "session": {"id": engine_session_id}})
+    msg = await ws.receive(timeout=DEADLINE)
+    assert orjson.loads(msg.data)["type"] == "session.created"
+    return http, ws, conn
+
+
+async def test_console_json_endpoints_page_and_detail(sidecar: Any) -> None:
+    engine = await ScriptedEngine().start()
+    try:
+        proxy = await sidecar(upstream=engine.ws_url)
+        opened = [await _open_session(proxy.url, engine, f"engine-{i}") for i in range(3)]
+
+        summary = await admin_json(proxy, "/debug/summary")
+        assert summary["version"] == 1
+        assert summary["sessions"]["live"] == 3
+        assert summary["sessions"]["limit"] == proxy.sidecar.settings.max_sessions
+        assert summary["sessions"]["started"] == 3
+        assert (
+            summary["pending"]["cap_bytes"] == proxy.sidecar.settings.max_total_pending_output_bytes
+        )
+        assert summary["budget"]["pending_bytes"] == proxy.sidecar.settings.max_pending_output_bytes
+        assert summary["totals"]["events"]["upstream_to_client"] == 3
+        assert summary["totals"]["cancels"] == 0
+        assert summary["ready"] is True
+        (engine_view,) = summary["engines"]
+        assert engine_view["kind"] == "external" and engine_view["state"] == "ready"
+        assert engine_view["restarts"] == 0 and engine_view["last_failure"] is None
+
+        page = await admin_json(proxy, "/debug/sessions")
+        assert page["version"] == 1
+        assert (page["live"], page["total"], page["offset"], page["limit"]) == (3, 3, 0, 500)
+        assert [s["upstream_session_id"] for s in page["sessions"]] == [
+            "engine-0",
+            "engine-1",
+            "engine-2",
+        ]
+        assert all(s["client_address"] == "127.0.0.1" for s in page["sessions"])
+        ids = [s["id"] for s in page["sessions"]]
+        first = await admin_json(proxy, "/debug/sessions?limit=2")
+        rest = await admin_json(proxy, "/debug/sessions?offset=2&limit=2")
+        assert [s["id"] for s in first["sessions"] + rest["sessions"]] == ids
+        assert first["total"] == rest["total"] == 3
+        found = await admin_json(proxy, "/debug/sessions?q=engine-1")
+        assert [s["id"] for s in found["sessions"]] == [ids[1]] and found["total"] == 1
+        for bad in ("limit=501", "limit=-1", "offset=x"):
+            status, _h, body = await admin_get(proxy, f"/debug/sessions?{bad}")
+            assert status == 400, bad
+            assert orjson.loads(body)["error"]["code"] == "bad_request"
+
+        # A cancel and a close show up in the session's lifecycle, with timestamps.
+        http, ws, conn = opened[0]
+        await conn.send({"type": "response.created", "response": {"id": "resp_1"}})
+        await ws.send_str(
+            orjson.dumps({"type": "response.cancel", "response_id": "resp_1"}).decode()
+        )
+        assert (await conn.receive_event())["type"] == "response.cancel"
+
+        async def cancelled() -> bool:
+            detail = await admin_json(proxy, f"/debug/sessions/{ids[0]}")
+            return any(e["kind"] == "cancel" for e in detail["session"]["events"])
+
+        await wait_until(cancelled, what="a cancel in the session's lifecycle")
+        detail = await admin_json(proxy, f"/debug/sessions/{ids[0]}")
+        assert detail["live"] is True
+        kinds = [e["kind"] for e in detail["session"]["events"]]
+        assert kinds == ["created", "engine_session", "cancel"]
+        assert detail["session"]["events"][2]["detail"] == "response resp_1"
+        now = time.time()
+        assert all(now - 60 < e["at"] <= now for e in detail["session"]["events"])
+        assert (await admin_json(proxy, "/debug/summary"))["totals"]["cancels"] == 1
+
+        await ws.close()
+        await http.close()
+        await wait_until(lambda: len(proxy.sidecar.sessions.relays) == 2, what="session 0 ended")
+        ended = await admin_json(proxy, f"/debug/sessions/{ids[0]}")
+        assert ended["live"] is False
+        assert ended["session"]["events"][-1]["kind"] == "close"
+        assert "outcome client_closed" in ended["session"]["events"][-1]["detail"]
+        status, _h, _b = await admin_get(proxy, "/debug/sessions/no-such-session")
+        assert status == 404
+        for http, ws, _conn in opened[1:]:
+            await ws.close()
+            await http.close()
+    finally:
+        await engine.aclose()
+
+
+async def test_console_page_is_served_with_a_strict_policy(sidecar: Any) -> None:
+    engine = await ScriptedEngine().start()
+    try:
+        proxy = await sidecar(upstream=engine.ws_url)
+        status, headers, page = await admin_get(proxy, "/")
+        assert status == 200 and headers["Content-Type"].startswith("text/html")
+        policy = headers["Content-Security-Policy"]
+        assert "default-src 'none'" in policy and "script-src 'self'" in policy
+        assert "unsafe-inline" not in policy and "unsafe-eval" not in policy
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        # Self-contained: nothing from another origin, no inline script or style.
+        assert (
+            "http://" not in page
+            and "https://" not in page
+            and "//" not in page.replace("<!doctype", "")
+        )
+        assert "<script>" not in page and "<style" not in page and " style=" not in page
+        for path, kind in (
+            ("/console/console.js", "text/javascript"),
+            ("/console/console.css", "text/css"),
+        ):
+            status, headers, body = await admin_get(proxy, path)
+            assert status == 200 and headers["Content-Type"].startswith(kind), path
+            assert "innerHTML" not in body and "http" not in body.replace("HTTP ", "")
+        status, _h, _b = await admin_get(proxy, "/console/index.html")
+        assert status == 404
+        status, _h, _b = await admin_get(proxy, "/console/../admin.py")
+        assert status == 404
+    finally:
+        await engine.aclose()
+
+
+ADMIN_PATHS = (
+    "/",
+    "/console/console.js",
+    "/metrics",
+    "/healthz",
+    "/debug/summary",
+    "/debug/sessions",
+    "/debug/sessions/x",
+)
+
+
+async def test_console_and_debug_endpoints_are_never_on_the_client_listener(sidecar: Any) -> None:
+    engine = await ScriptedEngine().start()
+    try:
+        proxy = await sidecar(upstream=engine.ws_url)
+        for path in ADMIN_PATHS:
+            if path == "/healthz":
+                continue  # the client listener has its own liveness answer
+            status, headers, body = await admin_get(proxy, path, base=proxy.http_url)
+            # Reverse-proxied to the engine like any other path: the engine answered.
+            assert headers.get("X-Scripted-Engine") == "1", (path, status, body[:200])
+            assert "Content-Security-Policy" not in headers
+            assert "omni_sidecar_" not in body and "omni-sidecar console" not in body
+    finally:
+        await engine.aclose()
+
+
+async def test_admin_token_protects_the_whole_admin_listener(sidecar: Any) -> None:
+    engine = await ScriptedEngine().start()
+    token = "t0ken-for-the-test"
+    try:
+        proxy = await sidecar(upstream=engine.ws_url, admin_token=token)
+        basic = base64.b64encode(f"operator:{token}".encode()).decode()
+        wrong_basic = base64.b64encode(b"operator:nope").decode()
+        for path in ADMIN_PATHS:
+            for headers in (
+                {},
+                {"Authorization": "Bearer nope"},
+                {"Authorization": f"Basic {wrong_basic}"},
+                {"Authorization": token},
+            ):
+                status, got, body = await admin_get(proxy, path, headers)
+                assert status == 401, (path, headers)
+                assert "Bearer" in got["WWW-Authenticate"] and "Basic" in got["WWW-Authenticate"]
+                assert token not in body
+            for headers in (
+                {"Authorization": f"Bearer {token}"},
+                {"Authorization": f"Basic {basic}"},
+            ):
+                status, _got, _body = await admin_get(proxy, path, headers)
+                assert status == (404 if path == "/debug/sessions/x" else 200), (path, headers)
+        # The client listener is not affected by the admin token.
+        async with aiohttp.ClientSession() as http, http.ws_connect(proxy.url) as ws:
+            conn = await engine.next_connection()
+            await conn.send({"type": "session.created", "session": {"id": "s1"}})
+            message = await ws.receive(timeout=DEADLINE)
+            assert orjson.loads(message.data)["type"] == "session.created"
+    finally:
+        await engine.aclose()
