@@ -66,9 +66,13 @@ class StallEngine:
         handshake_delay: seconds to wait before answering the upgrade (an
             engine that is slow to accept a session).
 
+    ``GET /health`` (no upgrade) answers 200 and is not a connection: the
+    sidecar's readiness probe sees a healthy engine whose sessions stall.
+
     Attributes:
-        accepted: TCP connections accepted so far.
+        accepted: connections accepted so far, health checks not counted.
         handshakes: upgrade requests answered with 101.
+        health_checks: ``GET /health`` requests answered.
         request_headers: the header block of each upgrade request, lower-cased names.
     """
 
@@ -84,6 +88,7 @@ class StallEngine:
         self.handshake_delay = handshake_delay
         self.accepted = 0
         self.handshakes = 0
+        self.health_checks = 0
         self.request_headers: list[dict[str, str]] = []
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -108,23 +113,34 @@ class StallEngine:
         return self
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepted += 1
         self._writers.append(writer)
-        self.connected.set()
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
         try:
-            if not self.complete_handshake:
-                return  # keep the socket open, say nothing
             with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, TimeoutError):
                 async with asyncio.timeout(DEADLINE):
                     head = await reader.readuntil(b"\r\n\r\n")
+                request_line, *lines = head.decode("latin-1").split("\r\n")
                 headers: dict[str, str] = {}
-                for line in head.decode("latin-1").split("\r\n")[1:]:
+                for line in lines:
                     name, sep, value = line.partition(":")
                     if sep:
                         headers[name.strip().lower()] = value.strip()
+                if request_line.startswith("GET /health ") and "upgrade" not in headers:
+                    # The sidecar's readiness probe: this engine says it is healthy
+                    # (its sessions are what stalls). Not counted as a connection.
+                    self.health_checks += 1
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                    )
+                    await writer.drain()
+                    writer.close()
+                    return
+                self.accepted += 1
+                self.connected.set()
+                if not self.complete_handshake:
+                    return  # keep the socket open, say nothing
                 self.request_headers.append(headers)
                 key = headers.get("sec-websocket-key", "")
                 if self.handshake_delay > 0:

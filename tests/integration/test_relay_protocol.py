@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
+from engine_launcher.config import EngineConfig
 from tests.conftest import DEADLINE, MS, free_port, wait_until
 from tests.fakes.scripted_engine import MODELS_BODY, ScriptedEngine
 from tests.integration.helpers import RawWebSocket, connect, request_response, wait_metric
@@ -237,9 +238,17 @@ async def test_engine_lost_without_session_closed_fails_the_session(
 # -- admission and HTTP ------------------------------------------------------------------------
 
 
-async def test_upstream_unreachable_is_502_before_the_upgrade(sidecar) -> None:
+async def test_upstream_unreachable_is_502_before_the_upgrade(sidecar, simulator) -> None:
+    # Health says ready (engine.health_url: a simulator's /health) but the session
+    # port refuses: 502. Without a health answer it would be 503 not_ready.
+    sim = await simulator()
     proxy = await sidecar(
-        upstream=f"ws://127.0.0.1:{free_port()}/v1/realtime", upstream_connect_timeout=2.0
+        engine=EngineConfig(
+            kind="external",
+            upstream=f"ws://127.0.0.1:{free_port()}/v1/realtime",
+            health_url=f"{sim.http_url}/health",
+        ),
+        upstream_connect_timeout=2.0,
     )
     with pytest.raises(aiohttp.WSServerHandshakeError) as info:
         async with connect(proxy.url):
