@@ -6,6 +6,14 @@ to the first audio delta, how much audio arrived and, when it cancels, how much
 audio of the cancelled response still arrived after ``response.cancel``: the
 gap the sidecar exists to close (docs/engine-protocol.md, Late audio after a cancel).
 
+That last figure is an amount of audio, not a time: frames received after the
+cancel was sent and the length of the audio they carry, computed from the
+decoded size of each delta in its format (the delta's own ``format`` and
+``sample_rate_hz``, else the session's output format from ``session.created`` /
+``session.updated``, else PCM16 at 24 kHz). A wall-clock "cancel to silence"
+would mislead: stale audio usually arrives in one burst right after the
+cancel, so a few milliseconds of wall time can carry seconds of old answer.
+
 It is built like the rest of the package: :class:`_Recorder` is a sans-I/O core
 that takes events and timestamps and says what to send back (acks, the cancel);
 :func:`run_probe` is the thin asyncio/aiohttp shell around it. The shell reads
@@ -62,7 +70,9 @@ SECONDS: Final = 1.0
 DEFAULT_URL: Final = "ws://127.0.0.1:8000/v1/realtime"
 #: Rate of the generated input signal, and of what we declare in each append.
 GENERATED_SAMPLE_RATE_HZ: Final = 16_000
-#: Reference §2.3: output audio is 24 kHz PCM16 unless the delta says otherwise.
+#: Output audio is PCM16 at 24 kHz unless the delta or the session says otherwise
+#: (docs/engine-protocol.md, Conventions).
+DEFAULT_OUTPUT_FORMAT: Final = "pcm16"
 DEFAULT_OUTPUT_SAMPLE_RATE_HZ: Final = 24_000
 MAX_MSG_BYTES: Final = 64 * 1024 * 1024
 #: Bound on each closing step: waiting for ``session.closed``, then the close frame.
@@ -168,12 +178,11 @@ class ProbeResult:
         response_first_audio_seconds: The same for every response that had audio.
         audio_seconds: All audio received, from the base64 length of the deltas.
         audio_frames: Number of audio deltas received.
+        cancels_sent: ``response.cancel`` events sent.
         stale_audio_frames: Audio deltas of a cancelled response received after
-            the cancel was sent.
-        stale_audio_seconds: Their audio length.
-        cancel_to_silence_seconds: From sending a cancel to the last audio
-            delta of that response (0.0 if none followed; the largest over all
-            cancelled responses); None when no cancel was sent.
+            its cancel was sent, over all cancelled responses.
+        stale_audio_seconds: The audio length of those deltas (decoded size in
+            the delta's or the session's format), not a wall-clock time.
         response_statuses: ``response.done`` statuses in order.
         event_types: Types of all received events in order.
         errors: Codes of all ``error`` events in order.
@@ -188,9 +197,9 @@ class ProbeResult:
     response_first_audio_seconds: list[float] = field(default_factory=list)
     audio_seconds: float = 0.0
     audio_frames: int = 0
+    cancels_sent: int = 0
     stale_audio_frames: int = 0
     stale_audio_seconds: float = 0.0
-    cancel_to_silence_seconds: float | None = None
     response_statuses: list[str] = field(default_factory=list)
     event_types: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -240,6 +249,12 @@ def voice_like_pcm16(seconds: float, sample_rate_hz: int = GENERATED_SAMPLE_RATE
     return samples.tobytes()
 
 
+def _positive_int_or_none(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
 def _response_id(event: Mapping[str, Any]) -> str | None:
     """Top-level ``response_id``, else ``response.id`` (docs/engine-protocol.md, Server events)."""
     value = event.get("response_id")
@@ -279,6 +294,8 @@ class _Recorder:
         self._cancel_requested = False
         self._cancelled_at: dict[str, float] = {}
         self._finished: set[str] = set()
+        self._output_format = DEFAULT_OUTPUT_FORMAT
+        self._output_rate = DEFAULT_OUTPUT_SAMPLE_RATE_HZ
 
     def begin_response(self, create_event_id: str, now: float) -> None:
         """Start waiting for a new response; call just before ``response.create``."""
@@ -293,8 +310,7 @@ class _Recorder:
     def cancel_sent(self, response_id: str | None, now: float) -> None:
         """Record that the ``response.cancel`` built by :meth:`receive_event` went out."""
         self._cancelled_at[response_id or ""] = now
-        if self.result.cancel_to_silence_seconds is None:
-            self.result.cancel_to_silence_seconds = 0.0
+        self.result.cancels_sent += 1
 
     def receive_malformed(self) -> None:
         """Record a frame that is not a JSON object."""
@@ -319,8 +335,9 @@ class _Recorder:
             outgoing.append({"type": "session.event_ack", "server_event_seq": seq})
         if event_type in AUDIO_DELTA_TYPES:
             outgoing.extend(self._receive_audio(event, now))
-        elif event_type == "session.created":
-            if not self.session_created:
+        elif event_type in ("session.created", "session.updated"):
+            self._note_output_format(event.get("session"))
+            if event_type == "session.created" and not self.session_created:
                 self.session_created = True
                 self.result.session_created_seconds = now - self._started_at
         elif event_type == "response.created":
@@ -337,28 +354,50 @@ class _Recorder:
             self.result.session_closed_reason = reason if isinstance(reason, str) else None
         return outgoing
 
-    def _receive_audio(self, event: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+    def _note_output_format(self, session: object) -> None:
+        """Remember the session's output format: vLLM-Omni's ``audio.output``
+        {format, sample_rate_hz}, OpenAI GA's {format: {type, rate}}, or the
+        beta ``output_audio_format``."""
+        if not isinstance(session, dict):
+            return
+        audio = session.get("audio")
+        output = audio.get("output") if isinstance(audio, dict) else None
+        spec = output.get("format") if isinstance(output, dict) else None
+        if spec is None:
+            spec = session.get("output_audio_format")
+        if isinstance(spec, dict):  # GA: {"type": "audio/pcm", "rate": 24000}
+            rate = _positive_int_or_none(spec.get("rate"))
+            spec = spec.get("type")
+            if rate is not None:
+                self._output_rate = rate
+        if isinstance(spec, str) and spec in BYTES_PER_SAMPLE:
+            self._output_format = spec
+        if isinstance(output, dict):
+            rate = _positive_int_or_none(output.get("sample_rate_hz"))
+            if rate is not None:
+                self._output_rate = rate
+
+    def _audio_seconds(self, event: Mapping[str, Any]) -> float:
+        """Audio length of one delta from its decoded size, without decoding it."""
         delta = event.get("delta")
         size = base64_decoded_length(delta) if isinstance(delta, str) else 0
-        rate = event.get("sample_rate_hz")
-        if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
-            rate = DEFAULT_OUTPUT_SAMPLE_RATE_HZ
+        rate = _positive_int_or_none(event.get("sample_rate_hz")) or self._output_rate
         audio_format = event.get("format")
-        width = (
-            BYTES_PER_SAMPLE.get(audio_format, 2) if isinstance(audio_format, str) else 2
-        )  # unknown: PCM16
-        seconds = size / width / rate
+        if not isinstance(audio_format, str) or audio_format not in BYTES_PER_SAMPLE:
+            audio_format = self._output_format
+        return size / BYTES_PER_SAMPLE[audio_format] / rate
+
+    def _receive_audio(self, event: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+        seconds = self._audio_seconds(event)
         self.result.audio_frames += 1
         self.result.audio_seconds += seconds
         response_id = _response_id(event)
         key = response_id if response_id is not None else (self._current_id or "")
-        cancelled_at = self._cancelled_at.get(key)
-        if cancelled_at is not None:
-            # Reference §3.3: audio queued before the cancel is still delivered.
+        if key in self._cancelled_at:
+            # Audio queued before the cancel is still delivered by the released
+            # engines (docs/engine-protocol.md, Late audio after a cancel).
             self.result.stale_audio_frames += 1
             self.result.stale_audio_seconds += seconds
-            previous = self.result.cancel_to_silence_seconds or 0.0
-            self.result.cancel_to_silence_seconds = max(previous, now - cancelled_at)
             return []
         if not self.in_response or key in self._finished:
             return []
@@ -397,7 +436,8 @@ class _Recorder:
             self.responses_done += 1
 
     def _receive_error(self, event: Mapping[str, Any]) -> None:
-        # Reference §2.5: nested envelope {error:{code,…}}; route-level ones are flat.
+        # Nested envelope {error:{code,…}}; route-level ones are flat
+        # (docs/engine-protocol.md, Terminal events and errors).
         error = event.get("error")
         code = error.get("code") if isinstance(error, dict) else event.get("code")
         self.result.errors.append(str(code) if code is not None else "unknown")
@@ -632,6 +672,17 @@ def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000.0:.1f} ms"
 
 
+def _stale_audio_line(result: ProbeResult) -> str:
+    prefix = "audio of the cancelled response received after the cancel"
+    if not result.cancels_sent:
+        return f"{prefix}: n/a (no cancel sent)"
+    frames = "frame" if result.stale_audio_frames == 1 else "frames"
+    return (
+        f"{prefix}: {result.stale_audio_frames} {frames}, "
+        f"{result.stale_audio_seconds * 1000.0:.1f} ms of audio"
+    )
+
+
 def format_result(result: ProbeResult, *, as_json: bool) -> str:
     """Render a result for a person (one line per figure) or as JSON.
 
@@ -654,9 +705,7 @@ def format_result(result: ProbeResult, *, as_json: bool) -> str:
     lines += [
         f"audio received: {result.audio_seconds:.3f} s in {result.audio_frames} frames",
         f"response.done statuses: {', '.join(result.response_statuses) or 'none'}",
-        f"stale audio frames after cancel: {result.stale_audio_frames}",
-        f"stale audio after cancel: {_ms(result.stale_audio_seconds)}",
-        f"cancel to silence: {_ms(result.cancel_to_silence_seconds)}",
+        _stale_audio_line(result),
         f"errors: {', '.join(result.errors) or 'none'}",
         f"session.closed reason: {result.session_closed_reason or 'n/a'}",
         f"close code: {result.close_code if result.close_code is not None else 'n/a'}",

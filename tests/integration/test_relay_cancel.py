@@ -292,7 +292,7 @@ async def test_probe_reports_no_stale_audio_through_the_sidecar(probe_sim, sidec
     assert proxied.completed
     assert proxied.response_statuses == ["cancelled"]
     assert proxied.stale_audio_frames == 0
-    assert proxied.cancel_to_silence_seconds == 0.0
+    assert proxied.stale_audio_seconds == 0.0
     assert proxied.session_closed_reason == "client_close"
 
 

@@ -4,9 +4,13 @@ The fake engine is defined here: it answers ``session.update`` with
 ``session.created``, each ``response.create`` with a few audio deltas of known
 sizes and ``response.done``; in hold mode it sends only the first delta and
 waits for ``response.cancel``, then sends two more deltas of the same response
-(the late audio of docs/engine-protocol.md, Late audio after a cancel) and ``response.done``
-cancelled. Every wait
-is bounded by the probe's own deadline; nothing sleeps.
+(docs/engine-protocol.md, Late audio after a cancel) and ``response.done``
+cancelled. Every wait is bounded by the probe's own deadline; nothing sleeps.
+
+The probe's cancel figure is an amount of audio (frames and their decoded
+length), so the tests pin it to known delta sizes, formats and rates, and feed
+the recorder a burst with identical timestamps to show that wall time plays no
+part in it.
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ class FakeEngine:
             self.received.append(event)
             kind = event["type"]
             if kind == "session.update" and self.answer_session_update:
-                # Reference §2.1: session.created is not journaled (no seq).
+                # session.created is not journaled, so it has no seq
+                # (docs/engine-protocol.md, Conventions).
                 await send(
                     {"type": "session.created", "session": {"id": "duplex-t"}}, journaled=False
                 )
@@ -191,7 +196,7 @@ class TestCompletedResponse:
         assert result.audio_seconds == pytest.approx(seconds_of(DELTAS), rel=1e-12)
         assert result.stale_audio_frames == 0
         assert result.stale_audio_seconds == 0.0
-        assert result.cancel_to_silence_seconds is None
+        assert result.cancels_sent == 0
         assert result.response_statuses == ["completed"]
         assert result.close_code == 1000
         assert result.session_closed_reason == "client_close"
@@ -287,9 +292,12 @@ class TestCancel:
         assert result.stale_audio_frames == 2
         assert result.stale_audio_seconds == pytest.approx(seconds_of(DELTAS[1:3]), rel=1e-12)
         assert result.audio_seconds == pytest.approx(seconds_of(DELTAS), rel=1e-12)
-        assert result.cancel_to_silence_seconds is not None
-        assert 0 < result.cancel_to_silence_seconds < DEADLINE
+        assert result.cancels_sent == 1
         assert result.close_code == 1000
+        # 4801 bytes at 24 kHz and 1000 bytes at 16 kHz: 100.0 ms + 31.25 ms.
+        assert format_result(result, as_json=False).splitlines()[4] == (
+            "audio of the cancelled response received after the cancel: 2 frames, 131.3 ms of audio"
+        )
 
     async def test_cancel_without_late_audio(self, aiohttp_server: ServerFactory) -> None:
         engine = FakeEngine(hold_for_cancel=True, stale_after_cancel=0)
@@ -297,7 +305,8 @@ class TestCancel:
 
         assert result.response_statuses == ["cancelled"]
         assert result.stale_audio_frames == 0
-        assert result.cancel_to_silence_seconds == 0.0
+        assert result.stale_audio_seconds == 0.0
+        assert result.cancels_sent == 1
 
     async def test_threshold_never_reached(self, aiohttp_server: ServerFactory) -> None:
         engine = FakeEngine()
@@ -306,7 +315,7 @@ class TestCancel:
 
         assert engine.events("response.cancel") == []
         assert result.stale_audio_frames == 0
-        assert result.cancel_to_silence_seconds is None
+        assert result.cancels_sent == 0
         assert result.response_statuses == ["completed"]
 
     async def test_each_response_is_cancelled(self, aiohttp_server: ServerFactory) -> None:
@@ -317,7 +326,9 @@ class TestCancel:
         cancels = engine.events("response.cancel")
         assert [cancel["response_id"] for cancel in cancels] == ["resp-1", "resp-2"]
         assert result.response_statuses == ["cancelled", "cancelled"]
+        assert result.cancels_sent == 2
         assert result.stale_audio_frames == 4
+        assert result.stale_audio_seconds == pytest.approx(2 * seconds_of(DELTAS[1:3]), rel=1e-12)
 
 
 class TestFailures:
@@ -439,15 +450,37 @@ class TestOutput:
         text = format_result(self.result(), as_json=False)
 
         assert "session.created after 3.1 ms" in text.splitlines()
-        assert "stale audio frames after cancel: 0" in text.splitlines()
         assert "close code: 1000" in text.splitlines()
-        assert "cancel to silence: n/a" in text.splitlines()
+        assert (
+            "audio of the cancelled response received after the cancel: n/a (no cancel sent)"
+            in text.splitlines()
+        )
+        assert not any("silence" in line for line in text.splitlines())
+
+    def test_text_after_a_cancel(self) -> None:
+        result = self.result()
+        result.cancels_sent = 1
+        result.stale_audio_frames = 3
+        result.stale_audio_seconds = 3.0
+        text = format_result(result, as_json=False)
+
+        prefix = "audio of the cancelled response received after the cancel: "
+        assert prefix + "3 frames, 3000.0 ms of audio" in text.splitlines()
+        result.stale_audio_frames = 1
+        result.stale_audio_seconds = 0.25
+        assert (
+            prefix + "1 frame, 250.0 ms of audio"
+            in format_result(result, as_json=False).splitlines()
+        )
 
     def test_json_parses(self) -> None:
         data = json.loads(format_result(self.result(), as_json=True))
 
         assert data["session_created_seconds"] == 0.0031
         assert data["stale_audio_frames"] == 0
+        assert data["stale_audio_seconds"] == 0.0
+        assert data["cancels_sent"] == 0
+        assert "cancel_to_silence_seconds" not in data
         assert data["response_statuses"] == ["completed"]
         assert data["close_code"] == 1000
 
@@ -575,8 +608,82 @@ class TestRecorder:
         assert result.session_created_seconds == 0.5
         assert result.first_audio_seconds == 0.25
         assert result.stale_audio_frames == 1
-        assert result.cancel_to_silence_seconds == pytest.approx(0.2)
+        assert result.stale_audio_seconds == pytest.approx(0.01)
+        assert result.cancels_sent == 1
         assert result.completed
+
+    def test_a_burst_of_stale_audio_counts_its_audio_length_not_wall_time(self) -> None:
+        # The released engines deliver queued audio in one burst right after a
+        # cancel: three 1 s chunks within the same millisecond are 3 s of old answer.
+        recorder = self.recorder(cancel_after_ms=1000.0)
+        recorder.begin_response("create-1", 0.0)
+        recorder.receive_event({"type": "response.created", "response_id": "r1"}, 0.1)
+        one_second = {
+            "type": "response.output_audio.delta",
+            "response_id": "r1",
+            "delta": base64.b64encode(bytes(48_000)).decode(),  # 1 s of PCM16 at 24 kHz
+        }
+        assert recorder.receive_event(one_second, 1.0) == [
+            {"type": "response.cancel", "response_id": "r1"}
+        ]
+        recorder.cancel_sent("r1", 1.0)
+        for _ in range(3):
+            recorder.receive_event(one_second, 1.0005)
+
+        assert recorder.result.stale_audio_frames == 3
+        assert recorder.result.stale_audio_seconds == pytest.approx(3.0, rel=1e-12)
+
+    def test_audio_before_the_cancel_is_not_stale(self) -> None:
+        recorder = self.recorder(cancel_after_ms=20.0)
+        recorder.begin_response("create-1", 0.0)
+        recorder.receive_event({"type": "response.created", "response_id": "r1"}, 0.1)
+        ten_ms = {"type": "response.output_audio.delta", "response_id": "r1", "delta": "AAAA" * 160}
+        assert recorder.receive_event(ten_ms, 0.2) == []
+        assert recorder.receive_event(ten_ms, 0.3) == [
+            {"type": "response.cancel", "response_id": "r1"}
+        ]
+        # Audio of another response is never counted as stale audio of this one.
+        other = {**ten_ms, "response_id": "r2"}
+        recorder.cancel_sent("r1", 0.31)
+        recorder.receive_event(other, 0.4)
+
+        assert recorder.result.stale_audio_frames == 0
+        assert recorder.result.audio_frames == 3
+
+    def test_session_output_format_sets_the_audio_length(self) -> None:
+        recorder = self.recorder()
+        created = {
+            "type": "session.created",
+            "session": {"audio": {"output": {"format": "pcm_f32le", "sample_rate_hz": 16000}}},
+        }
+        recorder.receive_event(created, 1.0)
+        # 64 bytes of float32 at 16 kHz = 1 ms (as PCM16 at 24 kHz it would read 1.33 ms).
+        sixty_four = base64.b64encode(bytes(64)).decode()
+        recorder.receive_event({"type": "response.output_audio.delta", "delta": sixty_four}, 1.1)
+        assert recorder.result.audio_seconds == pytest.approx(0.001, rel=1e-12)
+
+        # OpenAI GA shape in a later session.updated: G.711 µ-law at 8 kHz.
+        updated = {
+            "type": "session.updated",
+            "session": {"audio": {"output": {"format": {"type": "audio/pcmu", "rate": 8000}}}},
+        }
+        recorder.receive_event(updated, 1.2)
+        recorder.receive_event({"type": "response.output_audio.delta", "delta": sixty_four}, 1.3)
+        assert recorder.result.audio_seconds == pytest.approx(0.001 + 0.008, rel=1e-12)
+
+        # The delta's own format and rate win over the session's.
+        own = {"format": "pcm16", "sample_rate_hz": 32000}
+        recorder.receive_event({"type": "response.audio.delta", "delta": sixty_four, **own}, 1.4)
+        assert recorder.result.audio_seconds == pytest.approx(0.001 + 0.008 + 0.001, rel=1e-12)
+
+    def test_beta_session_output_audio_format(self) -> None:
+        recorder = self.recorder()
+        created = {"type": "session.created", "session": {"output_audio_format": "g711_alaw"}}
+        recorder.receive_event(created, 1.0)
+        recorder.receive_event(
+            {"type": "response.audio.delta", "delta": base64.b64encode(bytes(24)).decode()}, 1.1
+        )
+        assert recorder.result.audio_seconds == pytest.approx(24 / 1 / 24000, rel=1e-12)
 
     def test_formats_and_rates(self) -> None:
         recorder = self.recorder()
