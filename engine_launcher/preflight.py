@@ -1,26 +1,33 @@
 """Preflight: can this machine start the configured engine? (``omni-sidecar preflight``)
 
 A vLLM-Omni start takes 8-20 minutes before it can fail on a missing deploy
-YAML, a busy port or a GPU without room (reference §4.3), so these checks run
-first and say in one line each what they found:
+YAML, a busy port or a GPU without room (docs/design.md, Engine launcher), so
+these checks run first and say in one line each what they found, and for a
+FAIL what to install or set:
 
 ============= ============================================================ =======
 check         what                                                          imports
 ============= ============================================================ =======
 port          the engine's fixed port is free on its host                   nothing
 deploy_config ``deploy_config`` exists (a bare name: in vllm_omni's deploy/) nothing
-model         a local model path exists; with HF_HUB_OFFLINE=1 the HF       nothing
-              cache holds the model
+model         a local model path exists; the HF cache holds the model       nothing
+              (FAIL when HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set, WARN
+              otherwise: the engine downloads it)
 vllm          vllm_omni and vllm installed, with equal major.minor          nothing
-gpus          CUDA devices visible through torch, free memory of each       torch
+gpus          torch installed, CUDA devices visible, free memory of each    torch
 gpu_memory    the deploy YAML's ``gpu_memory_utilization`` per device fits  (torch)
               in what is free
 ============= ============================================================ =======
 
-:func:`cheap_checks` runs the first three (``serve`` runs them before it
-starts the engine); :func:`run_checks` runs all. A check that does not apply
-(another engine kind, a package not installed here, the engine running under
-another interpreter) is SKIP with the reason, never FAIL. Package presence and
+:func:`cheap_checks` runs the first three; :func:`run_checks` runs all, and
+``serve`` runs it before it starts the engine (exit status 3 on a FAIL, before
+anything is spawned). For ``kind = "vllm-omni"`` a missing ``vllm_omni``,
+``vllm`` or ``torch``, no CUDA device, or an uncached model on an offline
+host is FAIL: that engine cannot start here. SKIP is only for checks that do
+not apply (another engine kind, no fixed port, no deploy YAML set), or that
+cannot be made from this interpreter (the engine runs under another
+``engine.python``: run preflight with that one); WARN is for what will work
+but cost time (a model download). Package presence and
 versions come from ``importlib.util.find_spec`` and ``importlib.metadata``:
 vllm and vllm_omni are never imported (importing vllm_omni imports torch,
 vLLM and transformers). Only the GPU check imports torch.
@@ -69,18 +76,22 @@ __all__ = [
 
 GIB: Final = 1024**3
 EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
+#: A check failed: the engine cannot start here (``serve`` exits with it too).
+EXIT_FAILED: Final = 3
 EXIT_CONFIG: Final = 2
 CUDA_VISIBLE_DEVICES: Final = "CUDA_VISIBLE_DEVICES"
 #: How deep ``base_config`` overlays may chain.
 _MAX_BASE_DEPTH: Final = 8
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
+#: Environment variables that stop the engine from downloading a model.
+_OFFLINE_VARS: Final = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 class CheckStatus(enum.Enum):
     PASS = "PASS"
-    FAIL = "FAIL"
-    SKIP = "SKIP"
+    WARN = "WARN"  # works, but costs something (a download at start)
+    FAIL = "FAIL"  # the engine cannot start: the line says what to install or set
+    SKIP = "SKIP"  # does not apply here
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +100,7 @@ class CheckResult:
 
     Args:
         name: ``port``, ``deploy_config``, ``model``, ``vllm``, ``gpus`` or ``gpu_memory``.
-        status: PASS, FAIL or SKIP.
+        status: PASS, WARN, FAIL or SKIP.
         reason: One line saying what was found (or why it was not checked).
     """
 
@@ -139,6 +150,10 @@ def _fail(name: str, reason: str) -> CheckResult:
 
 def _skip(name: str, reason: str) -> CheckResult:
     return CheckResult(name, CheckStatus.SKIP, reason)
+
+
+def _warn(name: str, reason: str) -> CheckResult:
+    return CheckResult(name, CheckStatus.WARN, reason)
 
 
 # -- public entry points ---------------------------------------------------------------------
@@ -206,7 +221,7 @@ def main_preflight(
     environ: Mapping[str, str] | None = None,
     out: TextIO | None = None,
 ) -> int:
-    """Run every check, print one line per check; exit status 1 on any FAIL.
+    """Run every check, print one line per check; exit status 3 on any FAIL.
 
     Args:
         ns: Parsed flags from :func:`add_preflight_arguments`.
@@ -217,8 +232,8 @@ def main_preflight(
         out: Where the lines go (default stdout).
 
     Returns:
-        0 when nothing failed, 1 when a check failed, 2 when the config file
-        cannot be read.
+        0 when nothing failed (warnings allowed), 3 when a check failed, 2
+        when the config file cannot be read.
     """
     stream = sys.stdout if out is None else out
     if config is None:
@@ -230,8 +245,14 @@ def main_preflight(
     results = run_checks(config, port_check=getattr(ns, "port_check", True), environ=environ)
     for result in results:
         print(result.line(), file=stream)
-    failed = any(r.status is CheckStatus.FAIL for r in results)
-    return EXIT_FAILED if failed else EXIT_OK
+    failed = [r.name for r in results if r.status is CheckStatus.FAIL]
+    warned = [r.name for r in results if r.status is CheckStatus.WARN]
+    if failed:
+        print(f"omni-sidecar preflight: FAIL ({', '.join(failed)})", file=sys.stderr)
+        return EXIT_FAILED
+    verdict = f"PASS with warnings ({', '.join(warned)})" if warned else "PASS"
+    print(f"omni-sidecar preflight: {verdict}", file=sys.stderr)
+    return EXIT_OK
 
 
 def engine_config_from_file(path: str | None) -> EngineConfig:
@@ -422,18 +443,22 @@ def _check_model(config: EngineConfig, environ: Mapping[str, str]) -> CheckResul
             return _fail(name, f"model directory {path} has no config.json")
         return _pass(name, f"local directory {path}")
     env = _engine_env(config, environ)
-    offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+    offline = next((v for v in _OFFLINE_VARS if env.get(v, "").strip().lower() in _TRUE), None)
     cache = _hf_hub_cache(env)
     snapshot = _cached_snapshot(cache, model)
     if snapshot is not None:
         return _pass(name, f"{model} is in the HF cache: {snapshot}")
-    if offline:
+    if offline is not None:
         return _fail(
             name,
-            f"HF_HUB_OFFLINE=1 but {model} is not in the HF cache {cache}: download it "
-            "first or set engine.model to a local directory",
+            f"{offline}=1 but {model} is not in the HF cache {cache}: download it first "
+            f"(huggingface-cli download {model}) or set engine.model to a local directory",
         )
-    return _skip(name, f"{model} is not in the HF cache {cache}: the engine downloads it at start")
+    return _warn(
+        name,
+        f"{model} is not in the HF cache {cache}: the engine downloads it at start "
+        "(set HF_HUB_OFFLINE=1 to forbid that)",
+    )
 
 
 _MAJOR_MINOR: Final = re.compile(r"^(\d+)\.(\d+)")
@@ -448,11 +473,17 @@ def _check_vllm(config: EngineConfig) -> CheckResult:
     if foreign is not None:
         return _skip(name, f"the engine runs under {foreign}: run preflight with it")
     if _find_spec("vllm_omni") is None:
-        return _skip(
-            name, f"vllm_omni is not installed in {sys.executable} (pip install vllm-omni)"
+        return _fail(
+            name,
+            f"vllm_omni is not installed in {sys.executable}: pip install vllm-omni, or set "
+            "engine.python to the interpreter that has it",
         )
     if _find_spec("vllm") is None:
-        return _fail(name, "vllm_omni is installed but vllm is not")
+        return _fail(
+            name,
+            "vllm_omni is installed but vllm is not: pip install the vllm release "
+            "vllm-omni was built for (same major.minor)",
+        )
     omni, vllm = _dist_version("vllm-omni"), _dist_version("vllm")
     if omni is None or vllm is None:
         missing = "vllm-omni" if omni is None else "vllm"
@@ -480,7 +511,11 @@ def _check_gpus(
     if foreign is not None:
         return _skip(name, f"the engine runs under {foreign}: run preflight with it"), None
     if _find_spec("torch") is None:
-        return _skip(name, f"torch is not installed in {sys.executable}: GPUs not checked"), None
+        return _fail(
+            name,
+            f"torch is not installed in {sys.executable}: pip install vllm-omni (it brings the "
+            "CUDA build of torch it needs)",
+        ), None
     try:
         torch = importlib.import_module("torch")  # the one heavy import, and only here
     except Exception as exc:  # noqa: BLE001 - a broken CUDA install surfaces here
@@ -490,7 +525,11 @@ def _check_gpus(
     version = getattr(torch, "__version__", "?")
     try:
         if not torch.cuda.is_available():
-            return _fail(name, f"torch {version} sees no CUDA device{where}"), None
+            return _fail(
+                name,
+                f"torch {version} sees no CUDA device{where}: vllm-omni needs an NVIDIA GPU "
+                "(check nvidia-smi, the driver, CUDA_VISIBLE_DEVICES)",
+            ), None
         gpus = []
         for index in range(int(torch.cuda.device_count())):
             free, total = torch.cuda.mem_get_info(index)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from engine_launcher.preflight import (
     CheckStatus,
     add_preflight_arguments,
-    cheap_checks,
     main_preflight,
+    run_checks,
 )
 from proxy import probe
 from proxy.config import (
@@ -97,8 +97,8 @@ def _serve(ns: argparse.Namespace) -> int:
         return 0
     _configure_logging(loaded.settings.log_level)
     if loaded.settings.engine.kind != "external":
-        # Say why before a long model load fails, not after.
-        failures = [r for r in cheap_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL]
+        # Say why before a long model load fails, not after: the same checks as preflight.
+        failures = [r for r in run_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL]
         for result in failures:
             logging.getLogger("omni_sidecar").error("preflight: %s", result.line())
         if failures:

@@ -1,7 +1,8 @@
 """``omni-sidecar preflight`` checks (engine_launcher/preflight.py).
 
 Two machines are played: this one as it is (no vllm, vllm_omni or torch
-installed: those checks SKIP with a reason) and an "installed" one, made by
+installed: those checks FAIL saying what to install, exit status 3) and an
+"installed" one, made by
 putting tests/fakes/preflight_modules first on ``sys.path``. There ``torch``
 is a stand-in whose ``torch.cuda`` answers from ``FAKE_DEVICES``; ``vllm``
 and ``vllm_omni`` raise when imported, so any test that passes also proves
@@ -41,7 +42,7 @@ FAKES = ROOT / "tests" / "fakes" / "preflight_modules"
 DEPLOY = FAKES / "vllm_omni" / "deploy"
 STAND_INS = ("torch", "torch.cuda", "vllm", "vllm_omni")
 GIB = 1024**3
-PASS, FAIL, SKIP = CheckStatus.PASS, CheckStatus.FAIL, CheckStatus.SKIP
+PASS, FAIL, SKIP, WARN = CheckStatus.PASS, CheckStatus.FAIL, CheckStatus.SKIP, CheckStatus.WARN
 NAMES = ["port", "deploy_config", "model", "vllm", "gpus", "gpu_memory"]
 
 
@@ -102,35 +103,53 @@ def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 # -- this machine: nothing installed -------------------------------------------------------
 
 
-def test_not_installed_skips_with_reasons(not_installed: None, tmp_path: Path) -> None:
+def test_not_installed_fails_saying_what_to_install(not_installed: None, tmp_path: Path) -> None:
     results = by_name(run_checks(minicpmo(), environ={"HF_HOME": str(tmp_path / "hf")}))
     assert results["port"].status is PASS
     assert results["deploy_config"].status is SKIP
     assert results["deploy_config"].reason == (
         "vllm_omni is not installed here: cannot look up minicpmo_4_5.yaml in its deploy/"
     )
-    assert results["model"].status is SKIP
+    assert results["model"].status is WARN
     assert "the engine downloads it at start" in results["model"].reason
-    assert results["vllm"].status is SKIP
-    assert results["vllm"].reason.startswith("vllm_omni is not installed in ")
-    assert results["gpus"].status is SKIP
-    assert "torch is not installed" in results["gpus"].reason
+    assert (results["vllm"].status, results["vllm"].reason) == (
+        FAIL,
+        (
+            f"vllm_omni is not installed in {sys.executable}: pip install vllm-omni, or set "
+            "engine.python to the interpreter that has it"
+        ),
+    )
+    assert (results["gpus"].status, results["gpus"].reason) == (
+        FAIL,
+        (
+            f"torch is not installed in {sys.executable}: pip install vllm-omni (it brings the "
+            "CUDA build of torch it needs)"
+        ),
+    )
     assert results["gpu_memory"].status is SKIP
 
 
-def test_not_installed_main_exits_0(not_installed: None, tmp_path: Path) -> None:
+def test_not_installed_main_exits_3(
+    not_installed: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = io.StringIO()
     ns = argparse.Namespace(config=None, port_check=True)
-    assert main_preflight(ns, minicpmo(), environ={"HF_HOME": str(tmp_path)}, out=out) == 0
+    assert main_preflight(ns, minicpmo(), environ={"HF_HOME": str(tmp_path)}, out=out) == 3
     lines = out.getvalue().splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "PASS port",
         "SKIP deploy_config",
-        "SKIP model",
-        "SKIP vllm",
-        "SKIP gpus",
+        "WARN model",
+        "FAIL vllm",
+        "FAIL gpus",
         "SKIP gpu_memory",
     ]
+    assert capsys.readouterr().err == "omni-sidecar preflight: FAIL (vllm, gpus)\n"
+
+
+def test_other_kinds_do_not_need_vllm(not_installed: None) -> None:
+    out = io.StringIO()
+    assert main_preflight(argparse.Namespace(), EngineConfig(), environ={}, out=out) == 0
 
 
 def test_other_engine_kinds_skip_everything_engine_specific() -> None:
@@ -161,19 +180,33 @@ def test_installed_all_pass(installed: Any, tmp_path: Path) -> None:
     assert "vllm" not in sys.modules and "vllm_omni" not in sys.modules
 
 
-def test_installed_main_prints_one_line_per_check(installed: Any, tmp_path: Path) -> None:
+def test_installed_main_prints_one_line_per_check(
+    installed: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = io.StringIO()
     env = hf_cache(tmp_path, "openbmb/MiniCPM-o-4_5")
     code = main_preflight(argparse.Namespace(port_check=True), minicpmo(), environ=env, out=out)
     assert code == 0
     assert [line.split(" ", 1)[0] for line in out.getvalue().splitlines()] == ["PASS"] * 6
+    assert capsys.readouterr().err == "omni-sidecar preflight: PASS\n"
+
+
+def test_installed_but_not_downloaded_is_a_warning(
+    installed: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = io.StringIO()
+    env = {"HF_HOME": str(tmp_path / "empty")}
+    assert main_preflight(argparse.Namespace(), minicpmo(), environ=env, out=out) == 0
+    statuses = [line.split(" ", 1)[0] for line in out.getvalue().splitlines()]
+    assert statuses == ["PASS", "PASS", "WARN", "PASS", "PASS", "PASS"]
+    assert capsys.readouterr().err == "omni-sidecar preflight: PASS with warnings (model)\n"
 
 
 def test_not_enough_free_memory_fails(installed: Any, tmp_path: Path) -> None:
     installed.FAKE_DEVICES = [(60 * GIB, 80 * GIB)]
     out = io.StringIO()
     env = hf_cache(tmp_path, "openbmb/MiniCPM-o-4_5")
-    assert main_preflight(argparse.Namespace(), minicpmo(), environ=env, out=out) == 1
+    assert main_preflight(argparse.Namespace(), minicpmo(), environ=env, out=out) == 3
     assert out.getvalue().splitlines()[-1] == (
         "FAIL gpu_memory: GPU 0: stages 0,1,2 ask for 0.88 x 80.0 GiB = 70.4 GiB but 60.0 GiB "
         "is free"
@@ -184,7 +217,10 @@ def test_no_cuda_fails_gpus(installed: Any) -> None:
     installed.FAKE_DEVICES = []
     results = by_name(run_checks(minicpmo(env={"CUDA_VISIBLE_DEVICES": "0"}), environ={}))
     assert results["gpus"].status is FAIL
-    assert results["gpus"].reason == "torch 2.9.0+fake sees no CUDA device"
+    assert results["gpus"].reason == (
+        "torch 2.9.0+fake sees no CUDA device: vllm-omni needs an NVIDIA GPU "
+        "(check nvidia-smi, the driver, CUDA_VISIBLE_DEVICES)"
+    )
     assert results["gpu_memory"].status is SKIP
 
 
@@ -338,7 +374,8 @@ def test_vllm_omni_without_vllm_fails(tmp_path: Path, monkeypatch: pytest.Monkey
     real = preflight._find_spec
     monkeypatch.setattr(preflight, "_find_spec", lambda n: None if n == "vllm" else real(n))
     result = by_name(run_checks(minicpmo(), environ={}))["vllm"]
-    assert (result.status, result.reason) == (FAIL, "vllm_omni is installed but vllm is not")
+    assert result.status is FAIL
+    assert result.reason.startswith("vllm_omni is installed but vllm is not: pip install ")
 
 
 def test_engine_under_another_interpreter_is_not_judged_by_ours(installed: Any) -> None:
@@ -374,8 +411,12 @@ def test_offline_needs_the_model_in_the_hf_cache(tmp_path: Path) -> None:
     assert result.reason.startswith(
         f"HF_HUB_OFFLINE=1 but openbmb/MiniCPM-o-4_5 is not in the HF cache {tmp_path / 'empty'}"
     )
+    transformers = cheap_checks(minicpmo(), environ={**env, "TRANSFORMERS_OFFLINE": "1"})[2]
+    assert transformers.status is FAIL
+    assert transformers.reason.startswith("TRANSFORMERS_OFFLINE=1 but openbmb/MiniCPM-o-4_5 ")
+    assert "huggingface-cli download openbmb/MiniCPM-o-4_5" in transformers.reason
     online = cheap_checks(minicpmo(), environ=env)[2]
-    assert online.status is SKIP
+    assert online.status is WARN
     cached = cheap_checks(
         minicpmo(),
         environ={**hf_cache(tmp_path, "openbmb/MiniCPM-o-4_5"), "HF_HUB_OFFLINE": "true"},
@@ -503,7 +544,7 @@ def test_main_reads_the_config_file(not_installed: None, tmp_path: Path) -> None
         ["--config", str(ROOT / "configs" / "minicpmo_4_5.toml"), "--no-port-check"]
     )
     out = io.StringIO()
-    assert main_preflight(args, environ={"HF_HOME": str(tmp_path)}, out=out) == 0
+    assert main_preflight(args, environ={"HF_HOME": str(tmp_path)}, out=out) == 3
     assert out.getvalue().splitlines()[0] == "SKIP port: not checked (--no-port-check)"
 
 
