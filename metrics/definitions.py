@@ -16,6 +16,7 @@ from prometheus_client import (
 )
 
 __all__ = [
+    "CONFIG_RELOAD_RESULTS",
     "DIRECTIONS",
     "DROP_REASONS",
     "ENGINE_RESTART_REASONS",
@@ -79,6 +80,8 @@ ENGINE_STATES: Final = (
     "failed",
 )
 ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
+#: A SIGHUP reload either applied (its live part) or was rejected (old config kept).
+CONFIG_RELOAD_RESULTS: Final = ("applied", "rejected")
 
 # Buckets, in seconds.
 #: Time an event waits in the output buffer: sub-ms when the client keeps up,
@@ -278,6 +281,12 @@ class SidecarMetrics:
             "Duration of the last engine start until ready.",
             registry=registry,
         )
+        self.config_reloads = Counter(
+            f"{p}_config_reloads",
+            "SIGHUP config reloads, by result (applied, rejected: old config kept).",
+            ["result"],
+            registry=registry,
+        )
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
         self.build.info({"version": version})
         self._init_series()
@@ -300,6 +309,8 @@ class SidecarMetrics:
             self.engine_state.labels(state)
         for reason in ENGINE_RESTART_REASONS:
             self.engine_restarts.labels(reason)
+        for result in CONFIG_RELOAD_RESULTS:
+            self.config_reloads.labels(result)
 
     def set_engine_state(self, state: str) -> None:
         for known in ENGINE_STATES:

@@ -1,4 +1,10 @@
-"""The ``omni-sidecar`` command: ``serve`` and ``probe``."""
+"""The ``omni-sidecar`` command: ``serve``, ``probe`` and ``preflight``.
+
+Every way ``serve`` can fail has its own exit status and one line on stderr,
+never a traceback, so systemd (``RestartPreventExitStatus=2 3 4``) and
+operators can tell the causes apart; :data:`EXIT_STATUSES` lists them and
+``serve --help`` prints them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from engine_launcher.preflight import (
     CheckStatus,
@@ -25,12 +32,54 @@ from proxy.config import (
     load,
 )
 from proxy.errors import ConfigError
+from proxy.logs import configure as configure_logging
 
-__all__ = ["main"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_ENGINE_FAILED",
+    "EXIT_LISTEN",
+    "EXIT_PREFLIGHT",
+    "EXIT_STATUSES",
+    "main",
+    "version",
+]
 
+#: The engine failed for good: restart budget spent, or it never became ready.
+EXIT_ENGINE_FAILED: int = 1
+#: A setting is invalid (unknown key, bad value, a value the core rejects).
 EXIT_CONFIG: int = 2
 #: A cheap preflight check failed before the engine was started.
 EXIT_PREFLIGHT: int = 3
+#: The listen or admin address is in use, not permitted or not available.
+EXIT_LISTEN: int = 4
+
+EXIT_STATUSES: dict[int, str] = {
+    0: "stopped on request (SIGTERM, SIGINT)",
+    EXIT_ENGINE_FAILED: "the engine failed for good (restart budget spent, or never ready)",
+    EXIT_CONFIG: "configuration error",
+    EXIT_PREFLIGHT: "a preflight check failed",
+    EXIT_LISTEN: "listen or admin address in use, not permitted or not available",
+}
+
+
+def version() -> str:
+    """The installed package's version (``0+unknown`` in a bare source checkout)."""
+    try:
+        return metadata.version("omni-sidecar")
+    except metadata.PackageNotFoundError:  # pragma: no cover - source checkout
+        return "0+unknown"
+
+
+def _serve_epilog() -> str:
+    lines = ["exit statuses (one line on stderr, no traceback):"]
+    lines += [f"  {code}  {meaning}" for code, meaning in EXIT_STATUSES.items()]
+    lines += [
+        "",
+        "signals: SIGTERM/SIGINT drain and stop (a second one skips the drain); SIGHUP",
+        "reloads the config file and environment (flags still win) and applies the",
+        "settings marked live; see docs/design.md, Reload.",
+    ]
+    return "\n".join(lines)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -38,16 +87,21 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="omni-sidecar",
         description="Backpressure- and cancellation-aware proxy for vLLM-Omni realtime engines.",
     )
+    parser.add_argument("--version", action="version", version=f"omni-sidecar {version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="run the proxy (in front of the built-in simulator unless configured otherwise)",
         description="Run the proxy. Every setting is also read from the config file and "
         "from OMNI_SIDECAR_<KEY> environment variables (defaults < file < env < flags).",
+        epilog=_serve_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--config", metavar="FILE", help="TOML config file")
     serve.add_argument(
-        "--print-config", action="store_true", help="print every setting and its source, then exit"
+        "--print-config",
+        action="store_true",
+        help="print every setting and its source as TOML that --config accepts, then exit",
     )
     add_cli_arguments(serve)
     probe_parser = commands.add_parser(
@@ -63,14 +117,6 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def _install_uvloop() -> None:
     try:
         import uvloop
@@ -79,13 +125,33 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def _config_path(ns: argparse.Namespace) -> str | None:
+    return getattr(ns, "config", None) or os.environ.get(CONFIG_PATH_ENV) or None
+
+
 def _load(ns: argparse.Namespace) -> LoadedSettings | None:
-    path = getattr(ns, "config", None) or os.environ.get(CONFIG_PATH_ENV) or None
     try:
-        return load(flag_values(ns), os.environ, path)
+        return load(flag_values(ns), os.environ, _config_path(ns))
     except ConfigError as exc:
-        print(f"omni-sidecar: configuration error: {exc}", file=sys.stderr)
+        _config_error(exc)
         return None
+
+
+def _config_error(exc: ConfigError) -> None:
+    print(f"omni-sidecar: configuration error: {exc}", file=sys.stderr)
+
+
+def _print_config(loaded: LoadedSettings) -> int:
+    try:
+        sys.stdout.write(format_settings(loaded))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `serve --print-config | head -1`: the reader left, which is fine.
+        # Point stdout at /dev/null so the interpreter's final flush is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 0
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -93,9 +159,15 @@ def _serve(ns: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_CONFIG
     if ns.print_config:
-        print(format_settings(loaded))
-        return 0
-    _configure_logging(loaded.settings.log_level)
+        return _print_config(loaded)
+    from proxy.server import serve, validate_runtime
+
+    try:
+        validate_runtime(loaded)
+    except ConfigError as exc:
+        _config_error(exc)
+        return EXIT_CONFIG
+    configure_logging(loaded.settings.log_level, loaded.settings.log_format)
     if loaded.settings.engine.kind != "external":
         # Say why before a long model load fails, not after: the same checks as preflight.
         failures = [r for r in run_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL]
@@ -104,12 +176,16 @@ def _serve(ns: argparse.Namespace) -> int:
         if failures:
             return EXIT_PREFLIGHT
     _install_uvloop()
-    from proxy.server import serve
+    flags, path = flag_values(ns), _config_path(ns)
+
+    def reload() -> LoadedSettings:
+        # The same load as at start: the file and env again, the original flags on top.
+        return load(flags, os.environ, path)
 
     try:
-        return asyncio.run(serve(loaded.settings))
+        return asyncio.run(serve(loaded.settings, reload=reload))
     except ConfigError as exc:  # found while building the app (e.g. an empty keys file)
-        print(f"omni-sidecar: configuration error: {exc}", file=sys.stderr)
+        _config_error(exc)
         return EXIT_CONFIG
 
 

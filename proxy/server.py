@@ -5,24 +5,50 @@ says 503 until the engine is ready), then start the engine; ``READY=1`` goes
 to systemd once the listener is bound and the engine answered its health
 check.
 
+Before anything listens, :func:`validate_runtime` builds every object a
+session will need from the settings, so a value the core rejects fails the
+start (exit 2) instead of a client's upgrade.
+
 Shutdown (SIGTERM or SIGINT; handlers only set an event): readiness 503 and
 ``STOPPING=1``; no new sessions; live sessions may finish for up to
 ``drain_timeout``; the rest get ``session.closed`` {reason shutdown} and close
 1001; listeners close; the engine gets SIGTERM on its process group and
 SIGKILL after ``stop_grace``. A second SIGINT or SIGTERM skips the drain.
-Exit status: 0 after a requested stop, 1 when the engine failed for good
-(restart budget exhausted or it never became ready).
+
+Reload (SIGHUP; the handler only sets an event, the main task reloads): the
+config file and environment are loaded again with the original flags (flags
+still win) and validated like at start. Settings declared live (limits, API
+keys and keys file, origins, rate limits, timers, log level and format) apply
+at once to new sessions and handshakes; running sessions keep the limits they
+started with and are not dropped. Changes to the others (listen,
+admin_listen, upstream, max_client_message_bytes,
+max_total_pending_output_bytes, engine.*) are named in the reload's one log
+line and ignored until a restart. An invalid file keeps the old config, and
+one log line says why. ``omni_sidecar_config_reloads_total{result}`` counts
+``applied`` and ``rejected`` reloads.
+
+Exit statuses, one per cause, each with a one-line message on stderr and no
+traceback:
+
+* 0: stopped on request (SIGTERM, SIGINT).
+* 1: the engine failed for good (restart budget spent, or never ready).
+* 2: configuration error (bad value, unknown key, a value the core rejects).
+* 3: a preflight check failed before the engine was started.
+* 4: the listen or admin address is in use, not permitted or not available.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
+import sys
+from collections.abc import Callable
 from importlib import metadata
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -33,17 +59,35 @@ from engine_launcher.supervisor import Supervisor
 from engine_launcher.systemd import Notifier, watchdog_interval
 from metrics import SidecarMetrics
 from proxy.admin import build_admin_app
-from proxy.app import Admission, ProxyState, UpstreamTarget, build_client_app
-from proxy.config import Settings, parse_listen
+from proxy.app import Admission, ProxyState, UpstreamTarget, build_client_app, session_settings
+from proxy.auth import load_api_keys
+from proxy.config import (
+    LIVE_KEYS,
+    SETTING_KEYS,
+    LoadedSettings,
+    Settings,
+    parse_listen,
+    setting_value,
+)
 from proxy.console import EngineView
+from proxy.core.session import SessionCore
+from proxy.errors import ConfigError
+from proxy.logs import configure as configure_logging
 from proxy.observer import SessionRegistry
 
-__all__ = ["Sidecar", "serve"]
+__all__ = ["EXIT_ENGINE_FAILED", "EXIT_LISTEN", "EXIT_OK", "Sidecar", "serve", "validate_runtime"]
 
 log = logging.getLogger("omni_sidecar")
 
 EXIT_OK: Final = 0
 EXIT_ENGINE_FAILED: Final = 1
+#: The listen or admin address is in use, not permitted or not available.
+EXIT_LISTEN: Final = 4
+
+
+class _BindError(Exception):
+    """A listener could not be bound; the message is the one line to print."""
+
 
 _FAILING_CAUSES: Final = frozenset(
     {Observation.EXITED, Observation.UNHEALTHY, Observation.START_FAILED}
@@ -104,6 +148,9 @@ class Sidecar:
         )
         self.stop_requested = asyncio.Event()
         self.force_stop = asyncio.Event()
+        self.reload_requested = asyncio.Event()
+        #: Loads the settings again (file and env, original flags) on SIGHUP.
+        self.reloader: Callable[[], LoadedSettings] | None = None
         self.ready = asyncio.Event()
         self.bound: dict[str, tuple[str, int]] = {}
         self._runners: list[web.AppRunner] = []
@@ -170,6 +217,7 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_requested.set)
 
     def _on_signal(self, signum: int) -> None:
         if self.stop_requested.is_set():
@@ -177,6 +225,8 @@ class Sidecar:
         self.stop_requested.set()
 
     async def _bind(self) -> None:
+        # Said only once both are bound, so a bind failure is the one line on stderr.
+        bound_lines: list[str] = []
         for name, address, app in (
             ("listen", self.settings.listen, build_client_app(self.state)),
             ("admin", self.settings.admin_listen, build_admin_app(self.state)),
@@ -184,24 +234,51 @@ class Sidecar:
             host, port = parse_listen(address)
             runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await runner.setup()
-            site = web.TCPSite(runner, host, port, reuse_address=True)
-            await site.start()
             self._runners.append(runner)
+            site = web.TCPSite(runner, host, port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as exc:  # in use, not permitted, not available
+                key = "listen" if name == "listen" else "admin_listen"
+                reason = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise _BindError(f"cannot listen on {address} ({key}): {reason}") from None
             server = site._server
             sockets = list(getattr(server, "sockets", None) or [])
             bound_port = sockets[0].getsockname()[1] if sockets else port
             self.bound[name] = (host, int(bound_port))
-            log.info("%s listener bound on %s", name, _url(host, int(bound_port)))
+            bound_lines.append(f"{name} listener bound on {_url(host, int(bound_port))}")
+        for line in bound_lines:
+            log.info("%s", line)
 
     async def run(self) -> int:
         """Serve until stopped. Returns the process exit status."""
-        await self._bind()
+        try:
+            await self._bind()
+        except _BindError as err:
+            print(f"omni-sidecar: {err}", file=sys.stderr)
+            for runner in reversed(self._runners):
+                with contextlib.suppress(Exception):
+                    await runner.cleanup()
+            self._runners.clear()
+            return EXIT_LISTEN
         exit_code = EXIT_OK
         supervisor_task = asyncio.ensure_future(self.supervisor.run())
         watchdog = asyncio.ensure_future(self._watchdog())
         stop_wait = asyncio.ensure_future(self.stop_requested.wait())
+        reload_wait: asyncio.Future[Any] | None = None
         try:
-            await asyncio.wait((supervisor_task, stop_wait), return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                reload_wait = asyncio.ensure_future(self.reload_requested.wait())
+                waits: tuple[asyncio.Future[Any], ...] = (
+                    supervisor_task,
+                    stop_wait,
+                    reload_wait,
+                )
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if supervisor_task.done() or stop_wait.done():
+                    break
+                self.reload_requested.clear()
+                self.reload()
             if supervisor_task.done() and not self.stop_requested.is_set():
                 exc = supervisor_task.exception()
                 if isinstance(exc, LauncherError):
@@ -211,11 +288,49 @@ class Sidecar:
                 exit_code = EXIT_ENGINE_FAILED
         finally:
             stop_wait.cancel()
+            if reload_wait is not None:
+                reload_wait.cancel()
             await self._shutdown(supervisor_task)
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
         return exit_code
+
+    def reload(self) -> bool:
+        """Load the settings again and apply the live part; True when applied.
+
+        Runs in the main task (SIGHUP only sets :attr:`reload_requested`).
+        Logs exactly one line: what changed and what needs a restart, or why
+        the new config was rejected (the old one stays).
+        """
+        if self.reloader is None:
+            log.warning("config reload: not available (settings were not loaded from the CLI)")
+            return False
+        old = self.settings
+        try:
+            loaded = self.reloader()
+            validate_runtime(loaded)
+        except ConfigError as exc:
+            self.metrics.config_reloads.labels("rejected").inc()
+            log.error("config reload rejected, keeping the running config: %s", exc)
+            return False
+        new = loaded.settings
+        changed = [k for k in SETTING_KEYS if setting_value(old, k) != setting_value(new, k)]
+        applied = [k for k in changed if k in LIVE_KEYS]
+        ignored = [k for k in changed if k not in LIVE_KEYS]
+        # Keep every setting that cannot change live; take the live ones.
+        fixed = {k: getattr(old, k) for k in SETTING_KEYS if "." not in k and k not in LIVE_KEYS}
+        merged = dataclasses.replace(new, **fixed, engine=old.engine)
+        self.settings = merged
+        self.state.apply_settings(merged)
+        configure_logging(merged.log_level, merged.log_format)
+        self.metrics.config_reloads.labels("applied").inc()
+        log.info(
+            "config reloaded: applied %s; needs a restart, left as it was: %s",
+            ", ".join(applied) or "no changes",
+            ", ".join(ignored) or "nothing",
+        )
+        return True
 
     async def _shutdown(self, supervisor_task: asyncio.Future[None]) -> None:
         log.info("shutting down: draining %d sessions", len(self.sessions.relays))
@@ -274,8 +389,43 @@ def _restart_reason(cause: Observation) -> str:
     return "exited"
 
 
-async def serve(settings: Settings) -> int:
-    """Run the sidecar with signal handling; the CLI's entry point."""
+def validate_runtime(loaded: LoadedSettings) -> None:
+    """Build, and throw away, every object a session needs from the settings.
+
+    Called before the listeners open (and on reload), so a value that the
+    loader accepts but the core rejects stops the start with exit 2 instead
+    of failing a client's upgrade later.
+
+    Raises:
+        ConfigError: naming the key and the source of its value.
+    """
+    settings = loaded.settings
+    try:
+        SessionCore(session_settings(settings), new_event_id=lambda: "validate")
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        # The core's messages start with the field's name ("max_tombstones must be >= 1").
+        word = str(exc).split(" ", 1)[0]
+        key = word if word in SETTING_KEYS else "settings"
+        raise ConfigError(key, str(exc), loaded.sources.get(key, "default")) from None
+    try:
+        load_api_keys(settings.api_keys, settings.api_keys_file)
+    except ConfigError as exc:
+        raise ConfigError(
+            exc.key, exc.message, loaded.sources.get(exc.key, "default") + f" ({exc.source})"
+        ) from None
+
+
+async def serve(settings: Settings, *, reload: Callable[[], LoadedSettings] | None = None) -> int:
+    """Run the sidecar with signal handling; the CLI's entry point.
+
+    Args:
+        settings: The validated settings.
+        reload: Loads them again for SIGHUP (the CLI's original file, env and
+            flags); without it SIGHUP only logs that reload is unavailable.
+    """
     sidecar = Sidecar(settings)
+    sidecar.reloader = reload
     sidecar.install_signal_handlers()
     return await sidecar.run()

@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,13 @@ from typing import BinaryIO
 
 import aiohttp
 
+from proxy.cli import (
+    EXIT_CONFIG,
+    EXIT_ENGINE_FAILED,
+    EXIT_LISTEN,
+    EXIT_STATUSES,
+    version,
+)
 from proxy.probe import ProbeOptions, run_probe
 from tests.conftest import DEADLINE, free_port, http_ok, wait_until
 from tests.integration.helpers import children_of, clean_env, cli_argv, cmdline, run_cli
@@ -185,3 +194,140 @@ async def test_serve_with_upstream_attaches_without_a_child(simulator, tmp_path:
     # The external engine is not ours to stop.
     assert sim.process.poll() is None
     assert await http_ok(sim.http_url + "/health")
+
+
+# -- exit statuses: one per cause, one line on stderr, no traceback ------------------------
+
+
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+async def test_listen_port_in_use_exits_4_with_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, _, err = await run_cli(
+            "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen", "127.0.0.1:0"
+        )
+    assert rc == EXIT_LISTEN == 4, err
+    line = _one_line(err)
+    assert f"127.0.0.1:{port} (listen)" in line
+    assert "in use" in line
+
+
+async def test_admin_port_in_use_exits_4_and_leaves_no_engine() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, _, err = await run_cli(
+            "serve", "--listen", "127.0.0.1:0", "--admin-listen", f"127.0.0.1:{port}"
+        )
+    assert rc == 4, err
+    assert f"127.0.0.1:{port} (admin_listen)" in _one_line(err)
+
+
+async def test_a_value_the_core_rejects_exits_2_before_listening(tmp_path: Path) -> None:
+    config = tmp_path / "sidecar.toml"
+    config.write_text("max_tombstones = 0\n")
+    port = free_port()
+    rc, _, err = await run_cli("serve", "--config", str(config), "--listen", f"127.0.0.1:{port}")
+    assert rc == EXIT_CONFIG == 2, err
+    line = _one_line(err)
+    assert "max_tombstones" in line
+    assert f"file {config}" in line
+    assert not await http_ok(f"http://127.0.0.1:{port}/healthz")
+
+
+async def test_an_empty_api_keys_file_exits_2_naming_key_and_source(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# no keys yet\n")
+    rc, _, err = await run_cli(
+        "serve", "--listen", "127.0.0.1:0", env=clean_env(OMNI_SIDECAR_API_KEYS_FILE=str(keys))
+    )
+    assert rc == 2, err
+    line = _one_line(err)
+    assert "api_keys_file" in line
+    assert "env OMNI_SIDECAR_API_KEYS_FILE" in line
+
+
+async def test_cli_and_server_agree_on_exit_statuses() -> None:
+    from proxy import server
+
+    assert (server.EXIT_LISTEN, server.EXIT_ENGINE_FAILED) == (EXIT_LISTEN, EXIT_ENGINE_FAILED)
+    rc, out, _ = await run_cli("serve", "--help")
+    assert rc == 0
+    for code, meaning in EXIT_STATUSES.items():
+        assert f"  {code}  {meaning}" in out
+
+
+# -- --version and --print-config --------------------------------------------------------
+
+
+async def test_version() -> None:
+    rc, out, err = await run_cli("--version")
+    assert rc == 0, err
+    assert out.strip() == f"omni-sidecar {version()}"
+
+
+async def test_print_config_round_trips_through_config(tmp_path: Path) -> None:
+    env = clean_env(
+        OMNI_SIDECAR_MAX_SESSIONS="9",
+        OMNI_SIDECAR_API_KEYS="sekrit-1",
+        OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS="--chunk-ms 20",
+        OMNI_SIDECAR_LOG_FORMAT="json",
+    )
+    rc, first, err = await run_cli("serve", "--print-config", "--drain-timeout", "4", env=env)
+    assert rc == 0, err
+    assert "sekrit" not in first
+    assert '# upstream = "ws://127.0.0.1:8091"  # (unset) default' in first.splitlines()
+    config = tmp_path / "printed.toml"
+    config.write_text(first)
+    rc, second, err = await run_cli("serve", "--config", str(config), "--print-config")
+    assert rc == 0, err
+
+    def values(text: str) -> list[str]:
+        return [line.split("  # ", 1)[0] for line in text.splitlines()]
+
+    assert values(second) == values(first)
+    assert f"max_sessions = 9  # file {config}" in second.splitlines()
+
+
+async def test_print_config_piped_to_head_exits_0_quietly() -> None:
+    argv = " ".join(shlex.quote(a) for a in cli_argv("serve", "--print-config"))
+    proc = await asyncio.create_subprocess_shell(
+        f"set -o pipefail; {argv} | head -1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=clean_env(),
+        executable="/bin/bash",
+    )
+    async with asyncio.timeout(DEADLINE):
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert len(out.decode().splitlines()) == 1
+    assert err.decode() == ""
+
+
+async def test_print_config_into_a_closed_pipe_exits_0_without_a_traceback() -> None:
+    # Deterministic form of `| head -1`: the reader is gone before the first write.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *cli_argv("serve", "--print-config"),
+            stdout=write_end,
+            stderr=asyncio.subprocess.PIPE,
+            env=clean_env(),
+        )
+    finally:
+        os.close(write_end)
+    async with asyncio.timeout(DEADLINE):
+        _, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert err.decode() == ""

@@ -24,7 +24,9 @@ from metrics import SidecarMetrics
 from metrics import definitions as d
 
 PREFIX = "omni_sidecar_"
-ALLOWED_LABELS = frozenset({"direction", "kind", "reason", "outcome", "policy", "state", "version"})
+ALLOWED_LABELS = frozenset(
+    {"direction", "kind", "reason", "outcome", "policy", "state", "version", "result"}
+)
 
 #: The contract: family name (without ``_total``/``_info``) → (type, label → allowed values).
 #: The design's metrics plus an attempts counter next to each failure counter
@@ -52,6 +54,9 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_engine_state": ("gauge", {"state": d.ENGINE_STATES}),
     "omni_sidecar_engine_restarts": ("counter", {"reason": d.ENGINE_RESTART_REASONS}),
     "omni_sidecar_engine_start_seconds": ("gauge", {}),
+    "omni_sidecar_config_reloads": ("counter", {"result": d.CONFIG_RELOAD_RESULTS}),
+    "omni_sidecar_rejected_connections": ("counter", {"reason": d.CONNECTION_REJECT_REASONS}),
+    "omni_sidecar_pending_handshakes": ("gauge", {}),
     "omni_sidecar_build": ("info", {"version": ()}),
 }
 

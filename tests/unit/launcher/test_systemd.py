@@ -243,9 +243,13 @@ class TestUnitFile:
         assert float(unit[("Service", "TimeoutStartSec")][0]) > EngineConfig().startup_timeout
 
     def test_config_errors_are_not_restarted(self, unit: dict[tuple[str, str], list[str]]) -> None:
-        from proxy.cli import EXIT_CONFIG, EXIT_PREFLIGHT
+        from proxy.cli import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
 
-        assert unit[("Service", "RestartPreventExitStatus")] == [f"{EXIT_CONFIG} {EXIT_PREFLIGHT}"]
+        expected = f"{EXIT_CONFIG} {EXIT_PREFLIGHT} {EXIT_LISTEN}"
+        assert unit[("Service", "RestartPreventExitStatus")] == [expected]
+
+    def test_reload_sends_sighup(self, unit: dict[tuple[str, str], list[str]]) -> None:
+        assert unit[("Service", "ExecReload")] == ["/bin/kill -HUP $MAINPID"]
 
     def test_systemd_analyze_verify(self, tmp_path: Path) -> None:
         analyze = shutil.which("systemd-analyze")
