@@ -1,0 +1,297 @@
+"""ClientFrameWriter without sockets: bytes on the wire checked by an independent parser.
+
+Every rule of the writer (frame encoding at the length boundaries, the write
+bound, the write-time re-check, batching, pong coalescing, close once and
+last) is asserted on what a client would read, parsed with the ``websockets``
+package's frame parser.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable
+
+import pytest
+from websockets.frames import Opcode
+
+from proxy.core.session import DropReason, SessionCore, SessionState
+from proxy.frame_writer import AiohttpWriterAdapter, ClientFrameWriter
+from proxy.frames import OP_TEXT, close_payload, frame_header
+from tests.unit.core.helpers import (
+    audio,
+    b_response_cancel,
+    make_settings,
+    response_created,
+    response_done,
+    sized,
+    transcript_delta,
+)
+from tests.unit.shell.fakes import FakeProtocol, RecordingHooks, parse_frames
+
+BOUND = 4096
+
+
+class Harness:
+    """A core, a writer on a fake transport, and a hand-run ``call_soon``."""
+
+    def __init__(self, *, bound: int = BOUND, backlog: deque[object] | None = None) -> None:
+        self.now = 10.0
+        self.core = SessionCore(make_settings(), new_event_id=lambda: "event_proxy")
+        self.protocol = FakeProtocol()
+        self.hooks = RecordingHooks()
+        self.soon: list[Callable[[], None]] = []
+        self.backlog: deque[object] = backlog if backlog is not None else deque()
+        self.writer = ClientFrameWriter(
+            self.protocol,
+            self.core,
+            self.hooks,
+            write_buffer_bytes=bound,
+            clock=lambda: self.now,
+            call_soon=self.soon.append,
+            upstream_backlog=self.backlog,
+        )
+
+    @property
+    def transport(self):  # type: ignore[no-untyped-def]
+        assert self.protocol.transport is not None
+        return self.protocol.transport
+
+    def engine(self, *frames: str) -> None:
+        for frame in frames:
+            self.core.receive_upstream(frame, self.now)
+
+    def run_soon(self) -> None:
+        calls, self.soon = self.soon, []
+        for call in calls:
+            call()
+
+    def texts(self) -> list[dict[str, object]]:
+        return [
+            json.loads(f.data) for f in parse_frames(self.transport.data) if f.opcode is Opcode.TEXT
+        ]
+
+
+# -- frame encoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [0, 1, 125, 126, 127, 65535, 65536, 70000])
+def test_frame_header_at_length_boundaries_parses_independently(length: int) -> None:
+    payload = bytes(i % 251 for i in range(length))
+    data = frame_header(OP_TEXT, length) + payload + frame_header(OP_TEXT, 2) + b"ok"
+    frames = parse_frames(data)
+    assert [f.opcode for f in frames] == [Opcode.TEXT, Opcode.TEXT]
+    assert frames[0].fin and frames[0].data == payload
+    assert frames[1].data == b"ok"
+
+
+@pytest.mark.parametrize("size", [0, 125, 126, 65535, 65536])
+def test_written_events_at_boundaries_arrive_whole_and_in_order(size: int) -> None:
+    h = Harness(bound=1 << 20)
+    first = sized({"type": "x.big"}, size) if size >= 20 else None
+    frames_in = [first] if first is not None else []
+    frames_in.append(json.dumps({"type": "x.after"}))
+    h.engine(*frames_in)
+    h.writer.pump(h.now)
+    written = parse_frames(h.transport.data)
+    assert [f.data.decode() for f in written] == frames_in
+    assert all(f.opcode is Opcode.TEXT and f.fin for f in written)
+
+
+def test_non_ascii_text_is_framed_by_utf8_length() -> None:
+    h = Harness()
+    text = json.dumps(
+        {"type": "response.output_text.delta", "delta": "héllo ☃ 🎙"}, ensure_ascii=False
+    )
+    h.engine(text)
+    h.writer.pump(h.now)
+    assert [f.data.decode() for f in parse_frames(h.transport.data)] == [text]
+
+
+def test_close_payload_keeps_utf8_whole_and_within_125_bytes() -> None:
+    payload = close_payload(1008, ("é" * 100).encode())
+    assert len(payload) <= 125
+    payload[2:].decode("utf-8")  # a cut half character would raise
+    assert int.from_bytes(payload[:2], "big") == 1008
+
+
+# -- write bound -----------------------------------------------------------------------------------
+
+
+def test_nothing_is_taken_while_the_transport_is_paused() -> None:
+    h = Harness()
+    h.protocol.pause()
+    h.engine(response_created("r1"), audio("r1"))
+    h.writer.pump(h.now)
+    assert h.transport.data == b""
+    assert len(h.core.buffer) == 2, "events stay queued in the core, inside its budget"
+    h.protocol.resume()
+    h.writer.pump(h.now)
+    assert [t["type"] for t in h.texts()] == ["response.created", "response.output_audio.delta"]
+
+
+def test_a_deferred_batch_never_exceeds_the_write_bound() -> None:
+    backlog: deque[object] = deque([object()])  # more engine frames are waiting
+    h = Harness(bound=1000, backlog=backlog)
+    events = [sized({"type": "x.e", "i": i}, 300) for i in range(10)]
+    h.engine(*events)
+    sizes: list[int] = []
+    original = h.writer.flush
+
+    def spy(*, force: bool = False) -> None:
+        sizes.append(h.writer.batch_bytes)
+        original(force=force)
+
+    h.writer.flush = spy  # type: ignore[method-assign]
+    h.writer.pump(h.now, defer=True)
+    h.run_soon()
+    assert sizes and max(sizes) <= 1000, sizes
+    assert [t["i"] for t in h.texts()] == list(range(10))
+
+
+def test_one_event_larger_than_the_bound_is_written_alone() -> None:
+    h = Harness(bound=1000)
+    big = sized({"type": "x.big"}, 5000)
+    h.engine(sized({"type": "x.small"}, 100), big)
+    h.writer.pump(h.now)
+    assert [len(c) for c in h.transport.calls][-1] >= 5000
+    assert len(h.transport.calls) == 2, "the small event and the big one in separate writes"
+
+
+def test_batch_waits_for_the_end_of_the_tick_while_engine_frames_are_waiting() -> None:
+    backlog: deque[object] = deque([object()])
+    h = Harness(backlog=backlog)
+    h.engine(response_created("r1"))
+    h.writer.pump(h.now, defer=True)
+    h.engine(audio("r1", seq=1))
+    h.writer.pump(h.now, defer=True)
+    assert h.transport.calls == [], "deferred while the engine has more frames parsed"
+    assert len(h.soon) == 1, "one end-of-tick write scheduled per burst"
+    h.run_soon()
+    assert len(h.transport.calls) == 1, "the burst goes out in one transport write"
+    assert len(h.texts()) == 2
+
+
+def test_no_backlog_writes_at_once() -> None:
+    h = Harness()
+    h.engine(response_created("r1"))
+    h.writer.pump(h.now, defer=True)
+    assert len(h.texts()) == 1 and h.soon == []
+
+
+# -- write-time re-check ---------------------------------------------------------------------------
+
+
+def test_cancel_between_taking_and_writing_writes_no_byte_of_that_response() -> None:
+    backlog: deque[object] = deque([object()])
+    h = Harness(backlog=backlog)
+    h.engine(response_created("r1"), audio("r1", 400, seq=1), transcript_delta("r1"))
+    h.writer.pump(h.now, defer=True)  # taken into the batch, not yet written
+    assert h.transport.calls == []
+    h.core.receive_client(b_response_cancel("r1"), h.now)  # the cancel lands in between
+    h.run_soon()
+    written = h.texts()
+    assert [t["type"] for t in written] == [
+        "response.created",
+        "response.output_audio_transcript.delta",
+    ]
+    assert b'"response.output_audio.delta"' not in h.transport.data
+    assert h.core.drop_totals()[DropReason.CANCELLED_AUDIO][0] == 1
+
+
+def test_taken_events_are_dropped_not_written_once_the_connection_is_gone() -> None:
+    backlog: deque[object] = deque([object()])
+    h = Harness(backlog=backlog)
+    h.engine(response_created("r1"))
+    h.writer.pump(h.now, defer=True)
+    h.transport.abort()
+    h.run_soon()
+    assert h.transport.calls == []
+    assert h.core.drop_totals()[DropReason.SESSION_CLOSED][0] == 1
+
+
+def test_delivered_reports_each_written_event_to_core_and_hooks() -> None:
+    h = Harness()
+    h.engine(response_created("r1"), response_done("r1"))
+    h.writer.pump(h.now)
+    assert [e.event.type for e in h.hooks.entries] == ["response.created", "response.done"]
+    assert h.writer.frames_written == 2
+    assert h.hooks.written_calls >= 1
+
+
+# -- control frames ----------------------------------------------------------------------------------
+
+
+def test_pong_echoes_the_ping_payload() -> None:
+    h = Harness()
+    h.writer.pong(b"abc")
+    frames = parse_frames(h.transport.data)
+    assert [(f.opcode, f.data) for f in frames] == [(Opcode.PONG, b"abc")]
+
+
+def test_pongs_above_the_mark_are_coalesced_to_the_latest() -> None:
+    h = Harness()
+    h.protocol.pause()
+    for i in range(1000):
+        h.writer.pong(str(i).encode())
+    assert h.transport.calls == [], "nothing is written above the mark"
+    assert h.writer.pongs_coalesced == 999
+    assert h.hooks.blocked_calls >= 1, "the delivery task is woken to write it later"
+    h.protocol.resume()
+    h.writer.pump(h.now)
+    frames = parse_frames(h.transport.data)
+    assert [(f.opcode, f.data) for f in frames] == [(Opcode.PONG, b"999")]
+
+
+def test_ping_is_written_at_once_and_capped_at_125_bytes() -> None:
+    h = Harness()
+    h.writer.ping(b"x" * 500)
+    frames = parse_frames(h.transport.data)
+    assert frames[0].opcode is Opcode.PING and len(frames[0].data) == 125
+
+
+def test_close_frame_goes_after_taken_events_once_and_nothing_follows() -> None:
+    backlog: deque[object] = deque([object()])
+    h = Harness(backlog=backlog)
+    h.engine(response_created("r1"))
+    h.writer.pump(h.now, defer=True)
+    assert h.writer.close(1008, b"overflow")
+    assert not h.writer.close(1000), "a second close writes nothing"
+    h.writer.ping()
+    h.writer.pong(b"x")
+    h.engine(response_done("r1"))
+    h.writer.pump(h.now)
+    h.run_soon()
+    frames = parse_frames(h.transport.data)
+    assert [f.opcode for f in frames] == [Opcode.TEXT, Opcode.CLOSE]
+    assert frames[1].data == close_payload(1008, b"overflow")
+    assert h.writer.close_code_sent == 1008
+
+
+def test_close_on_a_lost_connection_records_no_close_code() -> None:
+    h = Harness()
+    h.transport.abort()
+    assert not h.writer.close(1000)
+    assert h.writer.close_code_sent is None
+
+
+async def test_aiohttp_close_and_control_frames_route_through_the_writer() -> None:
+    h = Harness()
+    adapter = AiohttpWriterAdapter(h.writer)
+    await adapter.send_frame(b"p", 0x9)
+    await adapter.send_frame(b"q", 0xA)
+    await adapter.close(1009, b"message too big")
+    frames = parse_frames(h.transport.data)
+    assert [f.opcode for f in frames] == [Opcode.PING, Opcode.PONG, Opcode.CLOSE]
+    assert h.writer.close_code_sent == 1009
+    assert adapter.transport is h.transport
+
+
+def test_closure_notice_is_the_last_event_taken() -> None:
+    h = Harness()
+    h.engine(response_created("r1"))
+    h.core.shutdown(h.now)
+    h.writer.pump(h.now)
+    types = [t["type"] for t in h.texts()]
+    assert types[-1] == "session.closed"
+    assert h.core.state is SessionState.CLOSED

@@ -1,0 +1,280 @@
+"""The relay coordinator without sockets: fake client, fake engine link, manual clock.
+
+Each test runs a real ``Relay`` (its three tasks, its writer and timers) on
+fakes that record what a peer would observe, and drives time by hand, so the
+keepalive, idle and close deadlines are checked at exact injected times and
+the write-time re-check at an exact interleaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from websockets.frames import Opcode
+
+from proxy.core.buffer import Entry
+from proxy.core.events import UpstreamEvent
+from proxy.core.session import SessionCore
+from proxy.relay import Relay
+from tests.conftest import DEADLINE, wait_until
+from tests.unit.core.helpers import (
+    audio,
+    b_response_cancel,
+    make_settings,
+    response_created,
+    response_done,
+    session_created,
+    transcript_delta,
+)
+from tests.unit.shell.fakes import FakeClient, FakeProtocol, FakeUpstream, ManualScheduler
+
+CLOSE_TIMEOUT = 5.0
+
+
+class Observer:
+    """Stands in for SessionObserver: counts what the relay reports."""
+
+    def __init__(self) -> None:
+        self.client_events = 0
+        self.upstream_events = 0
+        self.entries: list[Entry] = []
+        self.ended = False
+
+    def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
+        self.client_events += 1
+
+    def upstream_event(self, event: UpstreamEvent) -> None:
+        self.upstream_events += 1
+
+    def delivered(self, entry: Entry, taken_at: float) -> None:
+        self.entries.append(entry)
+
+    def after_core_call(self, core: SessionCore) -> None:
+        pass
+
+    def session_observations(self, core: SessionCore) -> None:
+        self.ended = True
+
+
+class Session:
+    """A Relay on fakes, running as a task."""
+
+    def __init__(self, *, manual_soon: bool = False, **relay_kwargs: Any) -> None:
+        #: End-of-tick writes, run by the test when ``manual_soon``.
+        self.soon: list[Any] = []
+        if manual_soon:
+            relay_kwargs["call_soon"] = self.soon.append
+        self.scheduler = ManualScheduler()
+        self.protocol = FakeProtocol()
+        self.client = FakeClient()
+        self.upstream = FakeUpstream()
+        self.observer = Observer()
+        self.core = SessionCore(make_settings(), new_event_id=lambda: "event_proxy")
+        self.relay = Relay(
+            session_key="test",
+            client=self.client,
+            client_protocol=self.protocol,
+            upstream=self.upstream,  # type: ignore[arg-type]
+            core=self.core,
+            observer=self.observer,  # type: ignore[arg-type]
+            close_timeout=CLOSE_TIMEOUT,
+            drain_timeout=30.0,
+            upstream_close_timeout=5.0,
+            scheduler=self.scheduler,
+            **relay_kwargs,
+        )
+        self.client.writer = self.relay.writer
+        # A lost connection ends the client's reads, as aiohttp's reader does.
+        self.transport.on_lost.append(self.client.lose)
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def transport(self):  # type: ignore[no-untyped-def]
+        assert self.protocol.transport is not None
+        return self.protocol.transport
+
+    def texts(self) -> list[dict[str, Any]]:
+        return [json.loads(f.data) for f in self.transport.frames() if f.opcode is Opcode.TEXT]
+
+    def types(self) -> list[str]:
+        return [t["type"] for t in self.texts()]
+
+    async def settle(self) -> None:
+        """Let every task run until nothing is ready (bounded)."""
+        for _ in range(50):
+            await asyncio.sleep(0)
+
+    async def finished(self) -> None:
+        assert self.task is not None
+        async with asyncio.timeout(DEADLINE):
+            await self.task
+
+
+@pytest.fixture
+async def session_factory() -> AsyncIterator[Any]:
+    sessions: list[Session] = []
+
+    async def start(**kwargs: Any) -> Session:
+        s = Session(**kwargs)
+        s.task = asyncio.create_task(s.relay.run())
+        sessions.append(s)
+        await s.settle()
+        return s
+
+    yield start
+    for s in sessions:
+        if s.task is not None and not s.task.done():
+            s.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await s.task
+
+
+async def test_engine_events_reach_the_client_in_order_and_client_text_goes_upstream_verbatim(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.upstream.feed(session_created())
+    s.upstream.feed(response_created("r1"))
+    s.upstream.feed(audio("r1", seq=1))
+    text = '{"type": "input_audio_buffer.append",  "audio": "AAAA"}'
+    s.client.send(aiohttp.WSMsgType.TEXT, text)
+    await wait_until(lambda: len(s.texts()) == 3, what="three events written")
+    assert s.types() == ["session.created", "response.created", "response.output_audio.delta"]
+    assert s.upstream.sent == [text]
+
+
+async def test_cancel_after_the_batch_was_taken_writes_no_audio_of_that_response(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(manual_soon=True)
+    s.upstream.backlog.append(object())  # the engine has more frames parsed: batching
+    s.upstream.feed(response_created("r1"))
+    s.upstream.feed(audio("r1", seq=1))
+    s.upstream.feed(audio("r1", seq=2))
+    # The intake takes the three events into the end-of-tick batch.
+    await wait_until(lambda: s.upstream.inbox.empty(), what="engine frames read")
+    await s.settle()
+    assert s.relay.writer.batch_bytes > 0 and s.transport.calls == []
+    s.client.send(aiohttp.WSMsgType.TEXT, b_response_cancel("r1"))
+    await wait_until(lambda: bool(s.upstream.sent), what="the cancel forwarded")
+    for flush in s.soon:  # the end of the tick comes after the cancel
+        flush()
+    await s.settle()
+    assert s.types() == ["response.created"]
+    assert b"output_audio.delta" not in s.transport.data
+
+
+async def test_events_wait_in_the_core_while_the_client_does_not_read(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.protocol.pause()
+    s.upstream.feed(response_created("r1"))
+    s.upstream.feed(audio("r1", seq=1))
+    await s.settle()
+    assert s.transport.calls == []
+    assert len(s.core.buffer) == 2
+    s.protocol.resume()
+    await wait_until(lambda: len(s.texts()) == 2, what="delivery after the drain")
+
+
+async def test_ping_flood_without_reading_gets_one_pong_after_the_drain(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.protocol.pause()
+    for i in range(500):
+        s.client.send(aiohttp.WSMsgType.PING, str(i).encode())
+    await wait_until(lambda: s.client.inbox.empty(), what="pings read")
+    assert s.transport.calls == []
+    s.protocol.resume()
+    await wait_until(lambda: bool(s.transport.calls), what="the pong")
+    pongs = [f.data for f in s.transport.frames() if f.opcode is Opcode.PONG]
+    assert pongs == [b"499"]
+
+
+async def test_keepalive_pings_then_drops_a_silent_client_at_two_intervals(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(heartbeat_interval=20.0)
+    s.scheduler.advance(10.0)
+    assert [f.opcode for f in s.transport.frames()] == [Opcode.PING]
+    await s.settle()
+    assert s.upstream.pings == 1
+    s.upstream.feed(transcript_delta("r0"))  # the engine keeps talking
+    await s.settle()
+    s.scheduler.advance(29.999)
+    assert not s.transport.aborted
+    s.scheduler.advance(0.001)  # t = 40: the client was silent for two intervals
+    assert s.transport.aborted
+    await s.finished()
+
+
+async def test_idle_client_gets_session_closed_and_close_1000_at_the_timeout(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(client_idle_timeout=30.0)
+    s.scheduler.advance(29.9)
+    await s.settle()
+    assert s.types() == []
+    s.scheduler.advance(0.1)
+    await s.finished()
+    closed = s.texts()[-1]
+    assert closed["type"] == "session.closed" and closed["reason"] == "client_idle_timeout"
+    assert s.relay.close_code_sent == 1000
+    frames = s.transport.frames()
+    assert frames[-1].opcode is Opcode.CLOSE
+
+
+async def test_close_deadline_aborts_a_client_that_never_reads_the_final_events(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.protocol.pause()
+    s.upstream.feed(response_created("r1"))
+    await s.settle()
+    s.relay.shutdown()  # closing: session.closed queued behind response.created
+    await s.settle()
+    s.scheduler.advance(CLOSE_TIMEOUT - 0.001)
+    await s.settle()
+    assert not s.transport.aborted
+    s.scheduler.advance(0.001)
+    assert s.transport.aborted
+    await s.finished()
+    assert s.relay.close_code_sent is None, "no close frame reached the client"
+
+
+async def test_overflow_closes_with_1008_after_the_failure_sequence(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.protocol.pause()
+    s.upstream.feed(response_created("r1"))
+    for i in range(600):  # over the 512-event budget while the client does not read
+        s.upstream.feed(audio("r1", seq=i))
+    await wait_until(lambda: s.upstream.inbox.empty(), what="engine frames read")
+    s.protocol.resume()
+    await s.finished()
+    types = s.types()
+    assert types[-3:] == ["error", "response.done", "session.closed"]
+    assert s.relay.close_code_sent == 1008
+
+
+async def test_engine_close_after_session_closed_ends_the_session_cleanly(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.upstream.feed(response_created("r1"))
+    s.upstream.feed(response_done("r1"))
+    s.upstream.feed('{"type":"session.closed","reason":"client_close"}')
+    s.upstream.feed_close(1000)
+    await s.finished()
+    assert s.types() == ["response.created", "response.done", "session.closed"]
+    assert s.relay.close_code_sent == 1000
+    assert s.observer.ended
