@@ -43,7 +43,7 @@ def make(**kwargs: float) -> tuple[ManualScheduler, Listener, SessionTimers]:
 
 
 def test_keepalive_pings_a_side_silent_for_half_an_interval_at_each_half_interval_tick() -> None:
-    scheduler, listener, timers = make(heartbeat_interval=20.0)
+    scheduler, listener, _timers = make(heartbeat_interval=20.0)
     scheduler.advance(9.999)
     assert listener.of("ping") == []
     scheduler.advance(0.001)  # t = 10: first tick; both sides silent for 10 s
@@ -68,12 +68,12 @@ def test_a_side_silent_for_two_intervals_is_gone_at_the_first_tick_after() -> No
 
 
 def test_keepalive_off_arms_no_timer() -> None:
-    scheduler, listener, timers = make(heartbeat_interval=0.0)
+    scheduler, _listener, _timers = make(heartbeat_interval=0.0)
     assert scheduler.pending() == []
 
 
 def test_idle_fires_exactly_after_the_timeout_without_client_events() -> None:
-    scheduler, listener, timers = make(client_idle_timeout=30.0)
+    scheduler, listener, _timers = make(client_idle_timeout=30.0)
     scheduler.advance(29.999)
     assert listener.of("idle") == []
     scheduler.advance(0.001)
@@ -94,7 +94,7 @@ def test_idle_is_pushed_back_by_client_events_not_by_frames() -> None:
 
 
 def test_duration_fires_once_at_the_limit() -> None:
-    scheduler, listener, timers = make(max_session_duration=300.0)
+    scheduler, listener, _timers = make(max_session_duration=300.0)
     scheduler.advance(299.999)
     assert listener.of("duration") == []
     scheduler.advance(1000.0)
