@@ -97,7 +97,7 @@ class TestDefaults:
         assert e.kind == "simulator"
         assert (e.host, e.port, e.model, e.python) == ("127.0.0.1", None, None, None)
         assert e.startup_timeout == 1200.0
-        assert (e.health_interval, e.health_failures) == (5.0, 3)
+        assert (e.health_interval, e.health_failures) == (2.0, 3)
         assert (e.max_restarts, e.restart_window, e.stop_grace) == (5, 600.0, 30.0)
         assert e.effective_port() is None
 
