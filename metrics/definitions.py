@@ -17,6 +17,7 @@ from prometheus_client import (
 
 __all__ = [
     "CONFIG_RELOAD_RESULTS",
+    "CONNECTION_REJECT_REASONS",
     "DIRECTIONS",
     "DROP_REASONS",
     "ENGINE_RESTART_REASONS",
@@ -68,6 +69,18 @@ REJECT_REASONS: Final = (
     "not_ready",
     "draining",
     "upstream_unavailable",
+)
+#: Connections or HTTP requests refused at the client listener's edge, before
+#: any session exists (docs/security.md): proxy/edge.py, proxy/handshake.py,
+#: proxy/reverse_proxy.py.
+CONNECTION_REJECT_REASONS: Final = (
+    "head_too_large",
+    "head_timeout",
+    "pending_handshakes",
+    "bad_handshake",
+    "body_too_large",
+    "untrusted_proxy_header",
+    "bad_proxy_header",
 )
 OVERFLOW_POLICIES: Final = ("close_session", "fail_response", "process_total")
 ENGINE_STATES: Final = (
@@ -191,6 +204,17 @@ class SidecarMetrics:
             ["reason"],
             registry=registry,
         )
+        self.rejected_connections = Counter(
+            f"{p}_rejected_connections",
+            "Client connections or requests refused at the listener's edge, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.pending_handshakes = Gauge(
+            f"{p}_pending_handshakes",
+            "Client connections whose request head is not complete yet.",
+            registry=registry,
+        )
         self.events = Counter(
             f"{p}_events",
             "Events relayed, by direction and kind.",
@@ -296,6 +320,8 @@ class SidecarMetrics:
             self.sessions.labels(outcome)
         for reason in REJECT_REASONS:
             self.sessions_rejected.labels(reason)
+        for reason in CONNECTION_REJECT_REASONS:
+            self.rejected_connections.labels(reason)
         for direction in DIRECTIONS:
             self.bytes.labels(direction)
             for kind in EVENT_KINDS:

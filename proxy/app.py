@@ -188,6 +188,7 @@ class ProxyState:
         keys = load_api_keys(self.settings.api_keys, self.settings.api_keys_file)
         self.auth = AuthPolicy(keys, self.settings.allowed_origins)
         self.edge = EdgeGuard(EdgeLimits.from_settings(self.settings), self.reject_connection)
+        self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
 
     def reject_connection(self, reason: str, status: int, address: str) -> None:
         """Count and log one connection or request refused at the edge (docs/security.md)."""

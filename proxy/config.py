@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import ipaddress
 import json
 import math
 import shlex
@@ -143,6 +144,15 @@ def _check_ws_url(value: str | None) -> None:
         raise ValueError(f"expected a ws:// or wss:// URL with a host, got {value!r}")
 
 
+def _check_networks(value: tuple[str, ...]) -> None:
+    _check_list_items(value)
+    for item in value:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise ValueError(f"{item!r} is not an IP network (CIDR)") from None
+
+
 def _check_list_items(value: tuple[str, ...]) -> None:
     for item in value:
         if not item or item != item.strip() or "," in item:
@@ -229,6 +239,54 @@ class Settings:
         example='"change-me"',
         metavar="TOKEN",
         mask=lambda value: None if value is None else "***",
+    )
+    max_request_head_bytes: int = setting(
+        32 * KIB,
+        help="Client listener: largest request line plus headers; beyond it 431 and the "
+        "connection is closed (docs/security.md).",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    request_head_timeout: float = setting(
+        10 * SECONDS,
+        help="Client listener: seconds to send a complete request head, from the connection's "
+        "start or the end of the previous response; then 408 and the connection is closed.",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    max_pending_handshakes: int = setting(
+        256,
+        help="Client listener: connections whose request head is not complete yet; one more "
+        "is closed at once.",
+        unit="count",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    max_http_body_bytes: int = setting(
+        16 * MIB,
+        help="Largest reverse-proxied request body (counted while streaming, chunked too); "
+        "beyond it 413 and the engine request is aborted.",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    trusted_proxies: tuple[str, ...] = setting(
+        (),
+        help="CIDR networks of proxies in front of the sidecar. Only from these peers are "
+        "X-Forwarded-For (rightmost untrusted hop) and a PROXY protocol v1/v2 header honoured "
+        "for the per-IP limit and logs; a PROXY header from any other peer closes the "
+        "connection. Empty = off.",
+        live=True,
+        section=_LISTENERS,
+        example='["127.0.0.1/32", "10.0.0.0/8"]',
+        metavar="CIDR,...",
+        check=_check_networks,
     )
     upstream: str | None = setting(
         None,

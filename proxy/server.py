@@ -71,6 +71,7 @@ from proxy.config import (
 )
 from proxy.console import EngineView
 from proxy.core.session import SessionCore
+from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
 from proxy.observer import SessionRegistry
@@ -232,7 +233,17 @@ class Sidecar:
             ("admin", self.settings.admin_listen, build_admin_app(self.state)),
         ):
             host, port = parse_listen(address)
-            runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+            runner_kwargs: dict[str, Any] = {
+                "access_log": None,
+                "handle_signals": False,
+                "shutdown_timeout": 1.0,
+            }
+            runner = (
+                # The client listener's edge: head size, head deadline, pending cap (edge.py).
+                EdgeAppRunner(app, guard=self.state.edge, **runner_kwargs)
+                if name == "listen"
+                else web.AppRunner(app, **runner_kwargs)
+            )
             await runner.setup()
             self._runners.append(runner)
             site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -1,0 +1,376 @@
+"""The client listener's edge: what a connection may cost before it has a request.
+
+aiohttp bounds each header line and field and the number of headers, but not
+the request head as a whole, nor the time a client may take to send it, nor
+how many connections may sit half-way through a head (docs/security.md). A
+client that sends 960 KB of valid-looking header fields per connection and
+never finishes, or one byte a second, held memory and sockets for as long as
+it liked. This module puts a bound on each, before aiohttp's request handler
+sees a byte:
+
+``max_request_head_bytes`` (bytes, default 32 KiB)
+    Request line plus headers (a PROXY header excluded). Beyond it: a 431
+    response and the connection is closed; the bytes already received are
+    dropped with the connection's parser.
+``request_head_timeout`` (seconds, default 10)
+    From the connection's start, or from the end of the previous response on
+    a keep-alive connection, until the head is complete. Beyond it: a 408
+    response and the connection is closed. An idle keep-alive connection is
+    one waiting for its next head, so this is also its idle limit.
+``max_pending_handshakes`` (connections, default 256)
+    Connections whose current request head is not complete yet. A connection
+    that would exceed it is closed at once, before it can send anything.
+PROXY protocol (v1, v2)
+    Read before HTTP, only from a peer in ``trusted_proxies``; from any other
+    peer the connection is closed (:mod:`proxy.forwarded`).
+
+Every refusal is counted in ``omni_sidecar_rejected_connections_total{reason}``
+and logged once, with the client's address. The hooks into aiohttp's request
+handler and server are in :mod:`proxy.compat`, checked at startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from proxy import compat
+from proxy.config import Settings
+from proxy.forwarded import (
+    ProxyHeaderError,
+    TrustedProxies,
+    forwarded_client,
+    parse_proxy_header,
+    proxy_header_kind,
+)
+from proxy.reverse_proxy import DEFAULT_MAX_HTTP_BODY_BYTES
+
+__all__ = [
+    "DEFAULT_MAX_HTTP_BODY_BYTES",
+    "DEFAULT_MAX_PENDING_HANDSHAKES",
+    "DEFAULT_MAX_REQUEST_HEAD_BYTES",
+    "DEFAULT_REQUEST_HEAD_TIMEOUT",
+    "EdgeAppRunner",
+    "EdgeGuard",
+    "EdgeLimits",
+    "EdgeRequestHandler",
+    "client_address",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_HEAD_BYTES: Final = 32 * 1024
+DEFAULT_REQUEST_HEAD_TIMEOUT: Final = 10.0
+DEFAULT_MAX_PENDING_HANDSHAKES: Final = 256
+#: aiohttp's per-item limits on the client listener: no legitimate client of a
+#: realtime API sends a request line or a header near 8 KiB, nor 64 headers.
+MAX_LINE_BYTES: Final = 8 * 1024
+MAX_FIELD_BYTES: Final = 8 * 1024
+MAX_HEADERS: Final = 64
+#: How many bytes decide whether a connection starts with a PROXY header.
+_PROXY_SNIFF_BYTES: Final = 12
+#: A PROXY header that is not complete after this many bytes is not one.
+_PROXY_MAX_BYTES: Final = 16 + 1024
+
+Reject = Callable[[str, int, str], None]
+"""``reject(reason, status, address)``: count and log one refusal (status 0: closed only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """The edge's settings, in their units (see the module docstring)."""
+
+    max_request_head_bytes: int = DEFAULT_MAX_REQUEST_HEAD_BYTES
+    request_head_timeout: float = DEFAULT_REQUEST_HEAD_TIMEOUT
+    max_pending_handshakes: int = DEFAULT_MAX_PENDING_HANDSHAKES
+    trusted_proxies: tuple[str, ...] = ()
+    #: Reverse-proxied request bodies (proxy/reverse_proxy.py), bytes.
+    max_http_body_bytes: int = DEFAULT_MAX_HTTP_BODY_BYTES
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EdgeLimits:
+        """From :class:`proxy.config.Settings`."""
+        return cls(
+            max_request_head_bytes=settings.max_request_head_bytes,
+            request_head_timeout=settings.request_head_timeout,
+            max_pending_handshakes=settings.max_pending_handshakes,
+            trusted_proxies=tuple(settings.trusted_proxies),
+            max_http_body_bytes=settings.max_http_body_bytes,
+        )
+
+
+class EdgeGuard:
+    """State shared by every connection of the client listener.
+
+    Args:
+        limits: the settings.
+        reject: called once per refused connection or request (metrics and log).
+    """
+
+    def __init__(self, limits: EdgeLimits, reject: Reject) -> None:
+        self.limits = limits
+        self.trusted = TrustedProxies(limits.trusted_proxies)
+        self.reject = reject
+        #: Connections whose current request head is not complete.
+        self.pending = 0
+
+    def update(self, limits: EdgeLimits) -> None:
+        """Reloaded settings: they apply to the next read, timer and connection."""
+        self.trusted = TrustedProxies(limits.trusted_proxies)
+        self.limits = limits
+
+
+def _http_response(status: int, reason: str, code: str, message: str) -> bytes:
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class EdgeRequestHandler(web.RequestHandler):
+    """aiohttp's per-connection protocol, with the edge's bounds in front of its parser."""
+
+    def __init__(self, manager: Any, *, guard: EdgeGuard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.guard = guard
+        #: The client address a trusted PROXY header gave; None: the TCP peer's.
+        self.proxied_source: str | None = None
+        self.peer = ""
+        self._sniff: bytes | None = b""  # None once the PROXY question is settled
+        self._head_open = False
+        self._head_bytes = 0
+        self._head_tail = b""
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._handled = 0
+        self._refused = False
+
+    # -- the connection ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername[0]) if peername else ""
+        limits = self.guard.limits
+        if limits.max_pending_handshakes > 0 and (
+            self.guard.pending >= limits.max_pending_handshakes
+        ):
+            self._refuse("pending_handshakes", 0, b"")
+            return
+        self._open_head()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._close_head()
+        super().connection_lost(exc)
+
+    @property
+    def address(self) -> str:
+        """The address the edge logs for this connection."""
+        return self.proxied_source or self.peer
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._sniff is not None:
+            data = self._take_proxy_header(data)
+            if not data:
+                return
+        if self._head_open:
+            if not self._head_fits(data):
+                self._refuse(
+                    "head_too_large",
+                    431,
+                    _http_response(
+                        431,
+                        "Request Header Fields Too Large",
+                        "head_too_large",
+                        f"the request head exceeds {self.guard.limits.max_request_head_bytes}"
+                        " bytes",
+                    ),
+                )
+                return
+            before = compat.requests_parsed(self)
+            super().data_received(data)
+            if compat.requests_parsed(self) != before:
+                self._close_head()
+            return
+        super().data_received(data)
+
+    async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
+        keep_alive = False
+        try:
+            result = await super()._handle_request(*args, **kwargs)
+            response, reset = result
+            keep_alive = bool(response.keep_alive) and not reset
+            return result
+        finally:
+            self._handled += 1
+            # Keep-alive: the next request's head starts now, unless it is
+            # already parsed (pipelined) or the connection is closing.
+            if (
+                keep_alive
+                and self.transport is not None
+                and not compat.closing(self)
+                and compat.requests_parsed(self) == self._handled
+            ):
+                self._open_head()
+
+    # -- the request head ------------------------------------------------------------------------
+
+    def _open_head(self) -> None:
+        if self._head_open or self._refused:
+            return
+        self._head_open = True
+        self._head_bytes = 0
+        self._head_tail = b""
+        self.guard.pending += 1
+        timeout = self.guard.limits.request_head_timeout
+        if timeout > 0:
+            self._head_timer = asyncio.get_running_loop().call_later(timeout, self._head_expired)
+
+    def _close_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._head_open:
+            self._head_open = False
+            self.guard.pending -= 1
+
+    def _head_fits(self, data: bytes) -> bool:
+        """Count ``data`` against the head; False when the head would exceed its cap.
+
+        Bytes after the end of the head (``CRLF CRLF``) in the same read are
+        body and do not count.
+        """
+        limit = self.guard.limits.max_request_head_bytes
+        start = self._head_bytes
+        self._head_bytes += len(data)
+        if limit <= 0 or self._head_bytes <= limit:
+            self._head_tail = (self._head_tail + data)[-3:]
+            return True
+        tail = self._head_tail
+        end = (tail + data).find(b"\r\n\r\n")
+        return end >= 0 and start - len(tail) + end + 4 <= limit
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if not self._head_open or self._refused:
+            return
+        timeout = self.guard.limits.request_head_timeout
+        self._refuse(
+            "head_timeout",
+            408,
+            _http_response(
+                408,
+                "Request Timeout",
+                "head_timeout",
+                f"the request head was not complete within {timeout:g} s",
+            ),
+        )
+
+    # -- the PROXY protocol ---------------------------------------------------------------------
+
+    def _take_proxy_header(self, data: bytes) -> bytes:
+        """Strip a PROXY header off the start of the stream; the HTTP bytes after it."""
+        assert self._sniff is not None
+        buffered = self._sniff + data
+        kind = proxy_header_kind(buffered[:_PROXY_SNIFF_BYTES])
+        if kind is None:
+            self._sniff = None
+            return buffered
+        if kind == "" and len(buffered) < _PROXY_SNIFF_BYTES:
+            self._sniff = buffered
+            return b""
+        if not self.guard.trusted.trusts(self.peer):
+            self._refuse("untrusted_proxy_header", 0, b"")
+            return b""
+        try:
+            header = parse_proxy_header(buffered)
+        except ProxyHeaderError as exc:
+            log.debug("bad PROXY header from %s: %s", self.peer, exc)
+            self._refuse("bad_proxy_header", 0, b"")
+            return b""
+        if header is None:
+            if len(buffered) >= _PROXY_MAX_BYTES:
+                self._refuse("bad_proxy_header", 0, b"")
+                return b""
+            self._sniff = buffered
+            return b""
+        self._sniff = None
+        self.proxied_source = header.source
+        return buffered[header.length :]
+
+    # -- refusing ----------------------------------------------------------------------------------
+
+    def _refuse(self, reason: str, status: int, response: bytes) -> None:
+        """Count, log, answer (when ``response``) and close; nothing more is read."""
+        self._refused = True
+        self._close_head()
+        self.guard.reject(reason, status, self.address)
+        transport = self.transport
+        if transport is not None and response:
+            transport.write(response)
+        self.force_close()
+
+
+class EdgeServer(web.Server):
+    """aiohttp's connection factory, making :class:`EdgeRequestHandler` s."""
+
+    def __init__(self, *args: Any, guard: EdgeGuard, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+
+    def __call__(self) -> EdgeRequestHandler:
+        return EdgeRequestHandler(self, guard=self.guard, **compat.handler_kwargs(self))
+
+
+class EdgeAppRunner(web.AppRunner):
+    """``web.AppRunner`` for the client listener: its connections go through the edge.
+
+    Args:
+        app: the client application.
+        guard: the edge's limits and shared state.
+        kwargs: as for ``web.AppRunner``; aiohttp's per-line, per-field and
+            header-count limits default to the edge's small ones.
+    """
+
+    def __init__(self, app: web.Application, *, guard: EdgeGuard, **kwargs: Any) -> None:
+        kwargs.setdefault("max_line_size", MAX_LINE_BYTES)
+        kwargs.setdefault("max_field_size", MAX_FIELD_BYTES)
+        kwargs.setdefault("max_headers", MAX_HEADERS)
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
+    async def _make_server(self) -> web.Server:
+        base = await super()._make_server()
+        return EdgeServer(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            guard=self.guard,
+            **compat.handler_kwargs(base),
+        )
+
+
+def client_address(request: web.BaseRequest) -> str:
+    """The client's address for the per-address limit and the logs.
+
+    The TCP peer, unless it is a trusted proxy: then the address a PROXY
+    header carried, or the rightmost untrusted ``X-Forwarded-For`` hop
+    (:func:`proxy.forwarded.forwarded_client`).
+    """
+    protocol = request.protocol
+    if not isinstance(protocol, EdgeRequestHandler):
+        return request.remote or ""
+    trusted = protocol.guard.trusted
+    peer = protocol.peer
+    if protocol.proxied_source is not None and trusted.trusts(peer):
+        peer = protocol.proxied_source
+    return forwarded_client(peer, request.headers.getall("X-Forwarded-For", []), trusted)

@@ -1,0 +1,501 @@
+"""Attacks on the client listener's edge (issue 12 items 1, 2, 8), as an attacker sees them.
+
+A real ``omni-sidecar serve`` process in front of a real simulator child;
+five healthy sessions stream one long response each alongside every attack
+and are sequence-checked at the end (``server_event_seq`` 1, 2, 3... without a
+gap, audio still arriving during the attack). Each row asserts what the
+attacker observes (status line, EOF), what the engine observes (its own
+``sessions_total``) and what the operator observes (RSS from ``/proc``,
+``omni_sidecar_rejected_connections_total{reason}``, one log line per refusal).
+Measured figures are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import DEADLINE, MS, free_port, wait_until
+from tests.integration.helpers import (
+    AUDIO_DELTA,
+    Client,
+    SimChild,
+    clean_env,
+    cli_argv,
+    connect,
+    pcm16_b64,
+)
+from tests.integration.leakcheck import MIB, rss_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+#: One long, real-time response per healthy session: it streams through every attack.
+STREAMING = shlex.split(
+    "--chunk-ms 100 --realtime-factor 1 --response-seconds 120 --sample-rate 8000"
+)
+HEALTHY = 5
+KEY = base64.b64encode(os.urandom(16)).decode()
+
+
+# -- the processes ----------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """``omni-sidecar serve --upstream <simulator>``, a child process with its own log."""
+
+    sim: SimChild
+    proc: subprocess.Popen[bytes]
+    port: int
+    admin_port: int
+    log_path: Path
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def metrics(self, http: aiohttp.ClientSession, base: str) -> dict[str, float]:
+        async with http.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    async def rejected(self, reason: str) -> float:
+        async with aiohttp.ClientSession() as http:
+            values = await self.metrics(http, f"http://127.0.0.1:{self.admin_port}")
+        return values[f'omni_sidecar_rejected_connections_total{{reason="{reason}"}}']
+
+    async def gauge(self, name: str) -> float:
+        async with aiohttp.ClientSession() as http:
+            values = await self.metrics(http, f"http://127.0.0.1:{self.admin_port}")
+        return values[name]
+
+    async def engine_sessions(self) -> float:
+        """Sessions the engine accepted: the simulator's own count."""
+        async with aiohttp.ClientSession() as http:
+            values = await self.metrics(http, self.sim.http_url)
+        return values["vllm_omni_sim_sessions_total"]
+
+    def rss(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=DEADLINE)
+
+
+@contextlib.contextmanager
+def served(tmp_path: Path, *flags: str) -> Iterator[Served]:
+    sim = SimChild(*STREAMING)
+    port, admin_port = free_port(), free_port()
+    log_path = tmp_path / f"serve-{port}.log"
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                cli_argv(
+                    "serve", "--listen", f"127.0.0.1:{port}",
+                    "--admin-listen", f"127.0.0.1:{admin_port}",
+                    "--upstream", sim.ws_url, "--heartbeat-interval", "0", *flags,
+                ),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=clean_env(), start_new_session=True,
+            )  # fmt: skip
+        server = Served(sim, proc, port, admin_port, log_path)
+        try:
+            yield server
+        finally:
+            server.kill()
+    finally:
+        sim.kill()
+
+
+async def ready(server: Served) -> None:
+    async def check() -> bool:
+        if server.proc.poll() is not None:
+            pytest.fail(f"serve exited early:\n{server.log()}")
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{server.port}/readyz") as resp:
+                    return resp.status == 200
+        except (aiohttp.ClientError, OSError):
+            return False
+
+    await wait_until(check, timeout=3 * DEADLINE, what="serve /readyz 200")
+
+
+# -- healthy sessions alongside ----------------------------------------------------------------
+
+
+@dataclass
+class Healthy:
+    """Five sessions, each streaming one long response, read in the background."""
+
+    clients: list[Client] = field(default_factory=list)
+    audio_at: list[float] = field(default_factory=list)
+
+    def audio_since(self, moment: float) -> int:
+        return sum(1 for t in self.audio_at if t >= moment)
+
+    def check_order(self) -> None:
+        """Engine events carry server_event_seq 1, 2, 3... in every session."""
+        for n, client in enumerate(self.clients):
+            seqs = [e["server_event_seq"] for e in client.events if "server_event_seq" in e]
+            assert seqs == list(range(1, len(seqs) + 1)), f"session {n}: gap in {seqs[:20]}..."
+            assert not [e for e in client.events if e.get("type") == "error"], client.events[-3:]
+
+
+@contextlib.asynccontextmanager
+async def healthy_sessions(url: str) -> AsyncIterator[Healthy]:
+    healthy = Healthy()
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(HEALTHY):
+            healthy.clients.append(await stack.enter_async_context(connect(url)))
+        for client in healthy.clients:
+            for event in (
+                {"type": "session.update", "session": {"modalities": ["audio", "text"]}},
+                {"type": "input_audio_buffer.append", "audio": pcm16_b64(100)},
+                {"type": "input_audio_buffer.commit"},
+                {"type": "response.create"},
+            ):
+                await client.send(event)
+
+        async def read(client: Client) -> None:
+            while True:
+                event = await client.recv(timeout=DEADLINE * 6)
+                if event.get("type") == AUDIO_DELTA:
+                    healthy.audio_at.append(time.monotonic())
+
+        tasks = [asyncio.ensure_future(read(c)) for c in healthy.clients]
+        try:
+            await wait_until(lambda: len(healthy.audio_at) >= HEALTHY, what="healthy audio")
+            yield healthy
+            # Still streaming after the attack: each session gets audio again.
+            after = time.monotonic()
+            await wait_until(
+                lambda: healthy.audio_since(after) >= HEALTHY, what="healthy audio after"
+            )
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    healthy.check_order()
+
+
+# -- raw sockets --------------------------------------------------------------------------------
+
+
+async def open_raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout: float = DEADLINE) -> bytes:
+    """Everything the server sends until it closes (b'' for a bare close or reset)."""
+    chunks = []
+    with contextlib.suppress(ConnectionError):
+        async with asyncio.timeout(timeout):
+            while chunk := await reader.read(65536):
+                chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_of(answer: bytes) -> int:
+    line = answer.split(b"\r\n", 1)[0].split()
+    return int(line[1]) if len(line) >= 2 else 0
+
+
+class RssSampler:
+    """The process's peak VmRSS while ``sample()`` runs in the background."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = rss_bytes(pid)
+
+    async def run(self) -> None:
+        while True:
+            self.peak = max(self.peak, rss_bytes(self.pid))
+            await asyncio.sleep(5 * MS)
+
+
+# -- the rows ---------------------------------------------------------------------------------------
+
+
+async def test_500_connections_with_huge_unfinished_heads(tmp_path: Path) -> None:
+    """~960 KB of valid header fields each, never finished: 431 after 32 KiB, memory returns."""
+    with served(tmp_path) as server:
+        await ready(server)
+        async with healthy_sessions(server.ws):
+            before = server.rss()
+            sampler = RssSampler(server.proc.pid)
+            sampling = asyncio.ensure_future(sampler.run())
+            field_value = b"a" * 7900  # under aiohttp's 8 KiB field limit
+            statuses: list[int] = []
+
+            async def attacker(n: int) -> None:
+                reader, writer = await open_raw(server.port)
+                try:
+                    writer.write(b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\n")
+                    for i in range(120):  # 120 x 8 KB = 960 KB, and no final CRLF
+                        writer.write(b"X-Pad-%d: %s\r\n" % (i, field_value))
+                        await writer.drain()
+                except ConnectionError:
+                    pass
+                statuses.append(status_of(await read_answer(reader)))
+                writer.close()
+
+            started = time.monotonic()
+            await asyncio.gather(*(attacker(n) for n in range(500)))
+            elapsed = time.monotonic() - started
+            sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
+            too_large = await server.rejected("head_too_large")
+            at_once = await server.rejected("pending_handshakes")
+            assert too_large + at_once == 500, (too_large, at_once)
+            assert too_large > 0
+            # Only the 431 or a reset: never a request that went through.
+            assert set(statuses) <= {431, 0}, set(statuses)
+            peak_growth = sampler.peak - before
+
+            async def settled() -> bool:
+                return server.rss() - before <= 10 * MIB
+
+            await wait_until(settled, timeout=DEADLINE, what="RSS back within 10 MiB")
+            after = server.rss()
+        print(
+            f"\n500 x 960 KB heads: {too_large:.0f} x 431, {at_once:.0f} closed at once, "
+            f"{elapsed:.1f} s; RSS {before / MIB:.1f} MiB -> peak +{peak_growth / MIB:.1f} MiB "
+            f"-> after {after / MIB:.1f} MiB"
+        )
+        assert peak_growth < 64 * MIB
+        assert server.log().count("head_too_large") == too_large
+
+
+async def test_1000_slow_heads_are_closed_by_the_head_deadline(tmp_path: Path) -> None:
+    """One byte a second each; all closed about request_head_timeout after they opened."""
+    deadline = 1.0
+    with served(
+        tmp_path,
+        "--request-head-timeout", str(deadline),
+        "--max-pending-handshakes", "2000",
+    ) as server:  # fmt: skip
+        await ready(server)
+        async with healthy_sessions(server.ws):
+            lifetimes: list[float] = []
+            answers: list[int] = []
+
+            async def slow(n: int) -> None:
+                reader, writer = await open_raw(server.port)
+                opened = time.monotonic()
+                request = b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\n"
+
+                async def drip() -> None:
+                    with contextlib.suppress(ConnectionError):
+                        for byte in request:
+                            writer.write(bytes([byte]))
+                            await asyncio.sleep(1.0)
+
+                dripping = asyncio.ensure_future(drip())
+                answer = await read_answer(reader, timeout=deadline + DEADLINE)
+                lifetimes.append(time.monotonic() - opened)
+                answers.append(status_of(answer))
+                dripping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await dripping
+                writer.close()
+
+            batches = [range(i, i + 100) for i in range(0, 1000, 100)]
+            tasks = []
+            for batch in batches:  # a connect storm above the listen backlog would only retry SYNs
+                tasks += [asyncio.ensure_future(slow(n)) for n in batch]
+                await asyncio.sleep(10 * MS)
+            await asyncio.gather(*tasks)
+            assert len(lifetimes) == 1000
+            assert await server.rejected("head_timeout") == 1000
+            assert set(answers) == {408}, set(answers)
+        print(
+            f"\n1000 slow heads: all closed by the {deadline:g} s head deadline after "
+            f"{min(lifetimes):.2f}-{max(lifetimes):.2f} s"
+        )
+        assert max(lifetimes) < deadline + 2.0
+
+
+def raw_handshake(
+    method: str = "GET",
+    version: str = "HTTP/1.1",
+    *,
+    key: str | None = KEY,
+    ws_version: str | None = "13",
+    connection: str | None = "Upgrade",
+) -> bytes:
+    lines = [f"{method} /v1/realtime {version}", "Host: x", "Upgrade: websocket"]
+    if connection is not None:
+        lines.append(f"Connection: {connection}")
+    if key is not None:
+        lines.append(f"Sec-WebSocket-Key: {key}")
+    if ws_version is not None:
+        lines.append(f"Sec-WebSocket-Version: {ws_version}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+MALFORMED: dict[str, tuple[bytes, int, str]] = {
+    "bad key": (raw_handshake(key="c2hvcnQ="), 400, "bad_key"),
+    "no key": (raw_handshake(key=None), 400, "bad_key"),
+    "bad version": (raw_handshake(ws_version="8"), 426, "bad_version"),
+    "no Connection: Upgrade": (raw_handshake(connection="keep-alive"), 400, "bad_connection"),
+    "POST": (raw_handshake("POST"), 400, "bad_method"),
+    "HTTP/1.0": (raw_handshake(version="HTTP/1.0"), 400, "bad_http_version"),
+}
+
+
+async def send_handshake(port: int, request: bytes) -> tuple[int, bytes]:
+    reader, writer = await open_raw(port)
+    writer.write(request)
+    answer = await read_answer(reader)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return status_of(answer), head + b"\r\n\r\n" + body
+
+
+async def test_malformed_upgrades_never_reach_the_engine(tmp_path: Path) -> None:
+    # Room for all 300 at once: this row is about slots, not the pending-handshake cap.
+    with served(
+        tmp_path, "--max-sessions", str(HEALTHY + 1), "--max-pending-handshakes", "1000"
+    ) as server:
+        await ready(server)
+        async with healthy_sessions(server.ws):
+            engine_before = await server.engine_sessions()
+            for name, (request, status, reason) in MALFORMED.items():
+                got, answer = await send_handshake(server.port, request)
+                assert got == status, (name, answer[:200])
+                body = orjson.loads(answer.partition(b"\r\n\r\n")[2])
+                assert body["error"]["code"] == reason, (name, body)
+                if status == 426:
+                    assert b"Sec-WebSocket-Version: 13" in answer
+            # 300 at once, while every slot but one is taken by the healthy sessions.
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(
+                    send_handshake(server.port, list(MALFORMED.values())[n % 6][0])
+                    for n in range(300)
+                )
+            )
+            elapsed = time.monotonic() - started
+            assert {status for status, _ in results} == {400, 426}
+            # The one free slot is still free: a valid client gets in now.
+            async with connect(server.ws) as late:
+                await late.send({"type": "session.update", "session": {}})
+                await late.recv_until("session.updated")
+            engine_after = await server.engine_sessions()
+            assert engine_after - engine_before == 1, (engine_before, engine_after)
+            refused = await server.rejected("bad_handshake")
+            assert refused == len(MALFORMED) + 300
+        log = server.log()
+        assert log.count("refused handshake from 127.0.0.1: 400 bad_method") == 1 + 50
+        assert log.count("refused handshake from 127.0.0.1: 426 bad_version") == 1 + 50
+        print(
+            f"\nmalformed upgrades: {len(MALFORMED)} kinds + 300 in parallel answered in "
+            f"{elapsed * 1000:.0f} ms; the engine saw 0 of them"
+        )
+
+
+async def test_pending_handshake_cap_closes_new_connections_at_once(tmp_path: Path) -> None:
+    cap = 50
+    with served(tmp_path, "--max-pending-handshakes", str(cap)) as server:
+        await ready(server)
+        async with healthy_sessions(server.ws):
+            idle = [await open_raw(server.port) for _ in range(cap)]
+            await wait_until(
+                lambda: _equals(server.gauge("omni_sidecar_pending_handshakes"), cap),
+                what="the idle connections accepted",
+            )
+            # Connection cap + 1: closed at once, before it sends a byte.
+            reader, writer = await open_raw(server.port)
+            started = time.monotonic()
+            assert await read_answer(reader, timeout=DEADLINE) == b""
+            closed_after = time.monotonic() - started
+            writer.close()
+            await wait_until(
+                lambda: _true(server.rejected("pending_handshakes")), what="counted"
+            )
+            # One of the idle ones finishes its head: there is room again.
+            idle_reader, idle_writer = idle.pop()
+            idle_writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert status_of(await read_answer(idle_reader)) == 200
+            idle_writer.close()
+            reader, writer = await open_raw(server.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert status_of(await read_answer(reader)) == 200
+            writer.close()
+            for _, w in idle:
+                w.close()
+        assert await server.rejected("pending_handshakes") == 1
+        assert "refused connection from 127.0.0.1: closed, pending_handshakes" in server.log()
+        print(f"\npending cap {cap}: connection {cap + 1} closed after {closed_after * 1000:.1f} ms")
+
+
+async def _true(value: Any) -> bool:
+    return bool(await value)
+
+
+async def _equals(value: Any, expected: float) -> bool:
+    return bool(await value == expected)
+
+
+async def test_proxy_protocol_from_an_untrusted_peer_closes_the_connection(
+    tmp_path: Path,
+) -> None:
+    with served(tmp_path) as server:
+        await ready(server)
+        reader, writer = await open_raw(server.port)
+        writer.write(b"PROXY TCP4 203.0.113.7 127.0.0.1 5555 80\r\nGET /healthz HTTP/1.1\r\n\r\n")
+        assert await read_answer(reader) == b""
+        writer.close()
+        assert await server.rejected("untrusted_proxy_header") == 1
+        assert "refused connection from 127.0.0.1: closed, untrusted_proxy_header" in server.log()
+
+
+async def test_normal_clients_pass_the_edge(tmp_path: Path) -> None:
+    """Keep-alive requests, a large-but-legal head, a valid upgrade: nothing refused."""
+    with served(tmp_path) as server:
+        await ready(server)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):  # one keep-alive connection, three heads
+                async with http.get(
+                    f"http://127.0.0.1:{server.port}/healthz",
+                    headers={f"X-Big-{i}": "b" * 4000 for i in range(7)},  # 28 KB head
+                ) as resp:
+                    assert resp.status == 200
+            async with http.ws_connect(server.ws) as ws:
+                await ws.send_str(orjson.dumps({"type": "session.update", "session": {}}).decode())
+                msg = await ws.receive(timeout=DEADLINE)
+                assert msg.type is aiohttp.WSMsgType.TEXT
+        for reason in ("head_too_large", "head_timeout", "pending_handshakes", "bad_handshake"):
+            assert await server.rejected(reason) == 0, reason
