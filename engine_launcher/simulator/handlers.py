@@ -17,14 +17,10 @@ from engine_launcher.simulator.settings import SettingsError, apply_update, trut
 if TYPE_CHECKING:
     from engine_launcher.simulator.session import DuplexSession
 
-__all__ = ["HANDLERS", "OPENING_EVENTS", "Handler"]
+__all__ = ["HANDLERS", "Handler"]
 
 Payload = dict[str, Any]
 Handler = Callable[["DuplexSession", Payload], None]
-
-# First messages that open (or resume) a session themselves instead of
-# triggering a default open (docs/engine-protocol.md, Opening a session).
-OPENING_EVENTS: Final = frozenset({"session.update", "session.resume"})
 
 
 def _named_response(event: Payload) -> str | None:

@@ -28,6 +28,7 @@ from aiohttp import web
 from engine_launcher.simulator.audio import AudioBank, load_wav, make_audio_bank
 from engine_launcher.simulator.config import SimulatorConfig
 from engine_launcher.simulator.connection import SessionRunner, SimulatorState
+from engine_launcher.simulator.handlers import HANDLERS
 from engine_launcher.simulator.protocol import dumps, flat_error, is_false_flag
 from engine_launcher.simulator.session import DuplexSession
 from engine_launcher.simulator.settings import truthy
@@ -179,7 +180,7 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=TRANSPORT_MAX_MESSAGE_BYTES, autoping=True)
     await ws.prepare(request)
     model = query.get("model") or None
-    session = DuplexSession(state.config, state.bank, state.stats, model=model)
+    session = DuplexSession(state.config, state.bank, state.stats, handlers=HANDLERS, model=model)
     # docs/engine-protocol.md, Opening a session: with model= and autostart not disabled, the
     # session opens
     # before any client message (the pitfall the proxy avoids with autostart=0).

@@ -16,15 +16,15 @@ the response lifecycle (start, produce, complete, cancel).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from engine_launcher.simulator.audio import AudioBank
 from engine_launcher.simulator.config import SimulatorConfig
 from engine_launcher.simulator.conversation import Conversation, InputBuffer
-from engine_launcher.simulator.handlers import HANDLERS, OPENING_EVENTS
 from engine_launcher.simulator.protocol import (
     CLIENT_ALIASES,
     IdFactory,
@@ -36,12 +36,17 @@ from engine_launcher.simulator.responses import ResponseEvents, ResponseState
 from engine_launcher.simulator.settings import SessionSettings
 
 __all__ = [
+    "OPENING_EVENTS",
     "CloseFrame",
     "DuplexSession",
     "Outgoing",
     "Phase",
     "SimulatorStats",
 ]
+
+# First messages that open (or resume) a session themselves instead of
+# triggering a default open (docs/engine-protocol.md, Opening a session).
+OPENING_EVENTS: Final = frozenset({"session.update", "session.resume"})
 
 Payload = dict[str, Any]
 
@@ -110,9 +115,13 @@ class DuplexSession:
         bank: AudioBank,
         stats: SimulatorStats,
         *,
+        handlers: Mapping[str, Callable[[DuplexSession, dict[str, Any]], None]],
         model: str | None = None,
     ) -> None:
         self.config = config
+        #: Client event type -> handler (``handlers.HANDLERS``); passed in so that
+        #: this module, which the handlers operate on, does not import them.
+        self._handlers = handlers
         self._stats = stats
         self._ids = IdFactory(deterministic=config.deterministic)
         # A separate counter for event ids: they follow send order only, so
@@ -257,7 +266,7 @@ class DuplexSession:
             # session
             # and is then executed as a command.
             self.open()
-        handler = HANDLERS.get(kind)
+        handler = self._handlers.get(kind)
         if handler is None:
             self.error("unknown_event", f"unknown event type {event_type!r}", event)
             return

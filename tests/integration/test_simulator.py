@@ -34,6 +34,7 @@ import pytest
 
 from engine_launcher.simulator.audio import load_wav, make_audio_bank, pcm16_rms
 from engine_launcher.simulator.config import SimulatorConfig
+from engine_launcher.simulator.handlers import HANDLERS
 from engine_launcher.simulator.session import CloseFrame, DuplexSession, SimulatorStats
 
 # Timeouts scale with the shared factor so slow CI machines can stretch them.
@@ -601,7 +602,7 @@ async def test_server_vad_barge_in(paced_sim: Sim) -> None:
 
 def test_late_audio_never_exceeds_what_was_left() -> None:
     config = SimulatorConfig(chunk_ms=100, response_seconds=0.3, late_audio_chunks=10)
-    session = DuplexSession(config, make_audio_bank(100, 8000), SimulatorStats())
+    session = DuplexSession(config, make_audio_bank(100, 8000), SimulatorStats(), handlers=HANDLERS)
     session.receive_text(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16(100)}))
     session.receive_text(json.dumps({"type": "input_audio_buffer.commit", "response_create": True}))
     (rid,) = session.responses_to_start()
