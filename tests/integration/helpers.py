@@ -67,6 +67,10 @@ RESPONSE_TAIL: Final = [
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 
 
+#: Most events one read helper collects: a runaway server fails the test fast.
+MAX_EVENTS_PER_READ = 200_000
+
+
 def rid_of(event: Event) -> str | None:
     value = event.get("response_id")
     return value if isinstance(value, str) else None
@@ -116,13 +120,17 @@ class Client:
     async def recv_until(
         self, match: str | Callable[[Event], bool], timeout: float = DEADLINE
     ) -> Event:
-        """Read until an event matches (a type name or a predicate); return it."""
+        """Read until an event matches (a type name or a predicate); return it.
+
+        Bounded by a deadline and by ``MAX_EVENTS_PER_READ`` events.
+        """
         check = (lambda e: e.get("type") == match) if isinstance(match, str) else match
         async with asyncio.timeout(timeout):
-            while True:
+            for _ in range(MAX_EVENTS_PER_READ):
                 event = await self.recv()
                 if check(event):
                     return event
+        raise AssertionError(f"no match within {MAX_EVENTS_PER_READ} events")
 
     async def recv_until_closed(self, timeout: float = DEADLINE) -> list[Event]:
         """Read everything up to the close; return the events read in this call.
@@ -132,6 +140,8 @@ class Client:
         start = self.mark()
         async with asyncio.timeout(timeout):
             while True:
+                if len(self.events) - start > MAX_EVENTS_PER_READ:
+                    raise AssertionError(f"more than {MAX_EVENTS_PER_READ} events before the close")
                 msg = await self.ws.receive()
                 if msg.type is aiohttp.WSMsgType.TEXT:
                     self.frames.append(msg.data)
@@ -358,6 +368,8 @@ class RawWebSocket:
         """Text events, then the Close frame's code."""
         events: list[Event] = []
         while True:
+            if len(events) > MAX_EVENTS_PER_READ:
+                raise AssertionError(f"more than {MAX_EVENTS_PER_READ} events before the close")
             opcode, payload = await self.read_frame()
             if opcode == 0x1:
                 events.append(orjson.loads(payload))

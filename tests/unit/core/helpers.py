@@ -398,13 +398,20 @@ class SessionPair:
         return d
 
     def deliver(self, n: int | None = None) -> list[Delivered]:
-        """Write up to ``n`` events (all that are ready when None)."""
+        """Write up to ``n`` events (all that are ready when None).
+
+        Bounded by what the buffer holds (plus the closure notice): a buffer
+        that keeps producing fails the test at once instead of growing memory.
+        """
+        limit = len(self.core.buffer) + 2 if n is None else n
         out: list[Delivered] = []
-        while n is None or len(out) < n:
+        while len(out) < limit:
             entry = self.take()
             if entry is None:
-                break
+                return out
             out.append(self.write(entry))
+        if n is None and self.take() is not None:
+            raise AssertionError(f"the buffer produced more than the {limit} events it held")
         return out
 
     def collect_upstream(self) -> None:

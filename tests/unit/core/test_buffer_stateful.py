@@ -206,9 +206,14 @@ class OutputBufferMachine(RuleBasedStateMachine):
         assert self.buf.held_is_valid is self.held_valid
 
     def teardown(self) -> None:
-        # drain: whatever is left comes out in model order, closure last and once
-        while self.model or (self.closed and not self.closure_delivered):
+        # drain: whatever is left comes out in model order, closure last and once;
+        # bounded, so a buffer that never runs dry fails here instead of eating memory
+        for _ in range(len(self.model) + 2):
+            if not (self.model or (self.closed and not self.closure_delivered)):
+                break
             self.get()
+        else:
+            raise AssertionError("the buffer kept producing events past what was put in")
         assert self.buf.get_nowait() is None
         closures = [d for d in self.delivered if d.closure]
         assert len(closures) == (1 if self.closed else 0)
