@@ -331,3 +331,19 @@ async def test_print_config_into_a_closed_pipe_exits_0_without_a_traceback() -> 
         _, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert err.decode() == ""
+
+
+async def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:
+    async with serve(tmp_path, "--log-format", "json") as srv:
+        await srv.wait_ready()
+        assert await srv.terminate() == 0, srv.log_tail()
+    lines = [line for line in srv.log.read_text().splitlines() if line.strip()]
+    assert len(lines) >= 3, lines
+    for line in lines:
+        entry = json.loads(line)
+        assert {"ts", "level", "logger", "message"} <= entry.keys(), entry
+    messages = [json.loads(line)["message"] for line in lines]
+    assert any(m.startswith("omni-sidecar ready") for m in messages), messages
+    child = [json.loads(line) for line in lines if '"engine_launcher.child"' in line]
+    assert child, lines  # the simulator's own lines, one JSON object each
+    assert all(entry["message"].startswith("engine: ") for entry in child), child
