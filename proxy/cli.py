@@ -160,8 +160,15 @@ def _serve(ns: argparse.Namespace) -> int:
         return EXIT_CONFIG
     if ns.print_config:
         return _print_config(loaded)
+    from proxy.compat import AiohttpHookMissing, require_hooks
     from proxy.server import serve, validate_runtime
 
+    try:
+        # Every aiohttp internal the relay uses must be there, before anything binds.
+        require_hooks()
+    except AiohttpHookMissing as exc:
+        print(f"omni-sidecar: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         validate_runtime(loaded)
     except ConfigError as exc:

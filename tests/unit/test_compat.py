@@ -1,0 +1,71 @@
+"""The aiohttp compatibility layer fails loudly: a missing internal stops ``serve``
+with status 2 and one line, instead of silently turning a feature off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+from aiohttp import base_protocol, client_ws, web_runner, web_ws
+
+from proxy import compat
+
+# (object, attribute) pairs whose removal must be noticed, and the hook named.
+REMOVALS = [
+    (base_protocol.BaseProtocol, "_drain_helper", "BaseProtocol._drain_helper"),
+    (base_protocol.BaseProtocol, "writing_paused", "BaseProtocol.writing_paused"),
+    (web_ws.WebSocketResponse, "send_frame", "WebSocketResponse._writer (send_frame/close)"),
+    (aiohttp, "ClientWSTimeout", "ClientWSTimeout"),
+]
+
+
+def test_the_installed_aiohttp_has_every_hook() -> None:
+    assert compat.missing_hooks() == []
+    compat.require_hooks()
+
+
+@pytest.fixture
+def removed(request: pytest.FixtureRequest) -> Iterator[str]:
+    owner, attribute, hook = request.param
+    saved = owner.__dict__[attribute] if attribute in vars(owner) else getattr(owner, attribute)
+    delattr(owner, attribute)
+    try:
+        yield hook
+    finally:
+        setattr(owner, attribute, saved)
+
+
+@pytest.mark.parametrize("removed", REMOVALS, indirect=True, ids=[r[2] for r in REMOVALS])
+def test_a_missing_internal_is_named(removed: str) -> None:
+    assert removed in compat.missing_hooks()
+    with pytest.raises(compat.AiohttpHookMissing) as info:
+        compat.require_hooks()
+    assert aiohttp.__version__ in str(info.value) and removed in str(info.value)
+
+
+def test_hooks_that_read_attributes_set_in_constructors_see_them() -> None:
+    # Attributes assigned in __init__ are checked through the constructor's code.
+    assert compat._assigns(client_ws.ClientWebSocketResponse.__init__, "_writer", "_reader")
+    assert compat._assigns(web_runner.BaseSite.__init__, "_server")
+    assert not compat._assigns(web_runner.BaseSite.__init__, "_no_such_attribute")
+
+
+def test_serve_exits_2_with_one_line_when_a_hook_is_missing() -> None:
+    code = (
+        "import aiohttp.base_protocol as b\n"
+        "del b.BaseProtocol._drain_helper\n"
+        "from proxy.cli import main\n"
+        "raise SystemExit(main(['serve', '--listen', '127.0.0.1:0',"
+        " '--admin-listen', '127.0.0.1:0']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"aiohttp {aiohttp.__version__}" in lines[0] and "_drain_helper" in lines[0]
