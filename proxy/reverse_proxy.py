@@ -171,6 +171,7 @@ async def _forward(request: web.Request, how: ProxyRequest) -> tuple[web.StreamR
 
     data = body() if request.body_exists else None
     sent = 0
+    response: web.StreamResponse | None = None
     try:
         async with how.session.request(
             request.method,
@@ -194,6 +195,10 @@ async def _forward(request: web.Request, how: ProxyRequest) -> tuple[web.StreamR
             await response.write_eof()
             return response, sent
     except (aiohttp.ClientError, OSError, TimeoutError, _BodyTooLarge) as exc:
+        if response is not None and response.prepared:
+            # Mid-answer: the status is sent; the client sees the connection end early.
+            response.force_close()
+            return response, sent
         if overflowed:
             return _too_large(request, how), 0
         return (
