@@ -278,3 +278,49 @@ async def test_engine_close_after_session_closed_ends_the_session_cleanly(
     assert s.types() == ["response.created", "response.done", "session.closed"]
     assert s.relay.close_code_sent == 1000
     assert s.observer.ended
+
+
+async def test_pings_do_not_count_as_client_activity_for_the_idle_timeout(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(client_idle_timeout=30.0)
+    for _ in range(2):  # pings at t = 10 and 20
+        s.scheduler.advance(10.0)
+        s.client.send(aiohttp.WSMsgType.PING, b"still here")
+        await wait_until(lambda: s.client.inbox.empty(), what="ping read")
+        await s.settle()
+    s.scheduler.advance(10.0)  # t = 30: no event since t = 0
+    await s.finished()
+    assert s.texts()[-1]["reason"] == "client_idle_timeout"
+
+
+async def test_engine_loss_gives_a_stalled_client_the_drain_timeout_not_the_close_timeout(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.protocol.pause()
+    s.upstream.feed(response_created("r1"))
+    await s.settle()
+    s.relay.engine_unavailable()
+    await s.settle()
+    s.scheduler.advance(29.999)  # drain_timeout is 30 s, close_timeout 5 s
+    await s.settle()
+    assert not s.transport.aborted
+    s.scheduler.advance(0.001)
+    assert s.transport.aborted
+    await s.finished()
+
+
+async def test_input_the_engine_does_not_take_fails_the_session_with_1008(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(max_pending_input_bytes=1000)
+    s.upstream.pending_input = 990
+    s.client.send(aiohttp.WSMsgType.TEXT, '{"type":"input_audio_buffer.append","audio":"AAAA"}')
+    await s.finished()
+    error = next(t for t in s.texts() if t["type"] == "error")
+    assert error["error"]["code"] == "input_backpressure"
+    assert s.relay.close_code_sent == 1008
+    assert s.upstream.sent == [] or all(
+        '"input_audio_buffer.append"' not in t for t in s.upstream.sent
+    )
