@@ -32,6 +32,8 @@ handler and server are in :mod:`proxy.compat`, checked at startup.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +79,29 @@ MAX_HEADERS: Final = 64
 _PROXY_SNIFF_BYTES: Final = 12
 #: A PROXY header that is not complete after this many bytes is not one.
 _PROXY_MAX_BYTES: Final = 16 + 1024
+#: A burst of at least this many pending connections that falls to a quarter
+#: of its peak hands the freed heap back to the OS (see :meth:`EdgeGuard.release`).
+_TRIM_AFTER_PENDING: Final = 64
+#: ... at most this often, in seconds.
+_TRIM_INTERVAL: Final = 1.0
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``; None elsewhere (musl, macOS): then nothing is trimmed."""
+    name = ctypes.util.find_library("c")
+    try:
+        function = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    except OSError:
+        return None
+    if function is None:
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    trim: Callable[[int], int] = function
+    return trim
+
+
+_MALLOC_TRIM: Final = _load_malloc_trim()
 
 Reject = Callable[[str, int, str], None]
 """``reject(reason, status, address)``: count and log one refusal (status 0: closed only)."""
@@ -119,6 +144,46 @@ class EdgeGuard:
         self.reject = reject
         #: Connections whose current request head is not complete.
         self.pending = 0
+        self._peak = 0
+        self._trimmed_at = -_TRIM_INTERVAL
+        self._trim_later: asyncio.TimerHandle | None = None
+
+    def opened(self) -> None:
+        """One more connection is sending a request head."""
+        self.pending += 1
+        self._peak = max(self._peak, self.pending)
+
+    def closed(self) -> None:
+        """A head completed, or its connection was refused or went away."""
+        self.pending -= 1
+        if self._peak >= _TRIM_AFTER_PENDING and self.pending <= self._peak // 4:
+            self._peak = self.pending
+            asyncio.get_running_loop().call_soon(self.release)
+
+    def release(self) -> None:
+        """Hand the heap freed by a burst of pending connections back to the OS.
+
+        The heads of hundreds of connections are many small allocations; once
+        those clients leave, glibc keeps the freed heap (RSS stayed +12 MiB after
+        250 held 31 KB heads left) until something trims it. Not a leak, but
+        memory an operator sees as taken: trimming once when a burst ends
+        returns it (+2 MiB). At most once per second (a later burst's end is
+        trimmed when the second is up); a no-op without glibc.
+        """
+        if _MALLOC_TRIM is None or self._trim_later is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._trimmed_at + _TRIM_INTERVAL - loop.time()
+        if wait > 0:
+            self._trim_later = loop.call_later(wait, self._trim)
+        else:
+            self._trim()
+
+    def _trim(self) -> None:
+        assert _MALLOC_TRIM is not None
+        self._trim_later = None
+        self._trimmed_at = asyncio.get_running_loop().time()
+        _MALLOC_TRIM(0)
 
     def update(self, limits: EdgeLimits) -> None:
         """Reloaded settings: they apply to the next read, timer and connection."""
@@ -230,7 +295,7 @@ class EdgeRequestHandler(web.RequestHandler):
         self._head_open = True
         self._head_bytes = 0
         self._head_tail = b""
-        self.guard.pending += 1
+        self.guard.opened()
         timeout = self.guard.limits.request_head_timeout
         if timeout > 0:
             self._head_timer = asyncio.get_running_loop().call_later(timeout, self._head_expired)
@@ -241,7 +306,7 @@ class EdgeRequestHandler(web.RequestHandler):
             self._head_timer = None
         if self._head_open:
             self._head_open = False
-            self.guard.pending -= 1
+            self.guard.closed()
 
     def _head_fits(self, data: bytes) -> bool:
         """Count ``data`` against the head; False when the head would exceed its cap.

@@ -137,9 +137,11 @@ async def ready(server: Served) -> None:
         if server.proc.poll() is not None:
             pytest.fail(f"serve exited early:\n{server.log()}")
         try:
-            async with aiohttp.ClientSession() as http:
-                async with http.get(f"http://127.0.0.1:{server.port}/readyz") as resp:
-                    return resp.status == 200
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{server.port}/readyz") as resp,
+            ):
+                return resp.status == 200
         except (aiohttp.ClientError, OSError):
             return False
 
@@ -289,12 +291,37 @@ async def test_500_connections_with_huge_unfinished_heads(tmp_path: Path) -> Non
 
             await wait_until(settled, timeout=DEADLINE, what="RSS back within 10 MiB")
             after = server.rss()
+
+            # The most a client can hold without being refused: 250 heads just under
+            # the cap, kept open (they would last until the head deadline), then left.
+            held = []
+            for _ in range(250):
+                _, writer = await open_raw(server.port)
+                writer.write(b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\n")
+                for i in range(4):
+                    writer.write(b"X-Pad-%d: %s\r\n" % (i, field_value))
+                held.append(writer)
+            await wait_until(
+                lambda: _equals(server.gauge("omni_sidecar_pending_handshakes"), 250),
+                what="250 heads held",
+            )
+            held_growth = server.rss() - before
+            for writer in held:
+                writer.close()
+            await wait_until(
+                lambda: _equals(server.gauge("omni_sidecar_pending_handshakes"), 0),
+                what="held heads gone",
+            )
+            await wait_until(settled, timeout=DEADLINE, what="RSS back within 10 MiB")
+            after_held = server.rss()
         print(
             f"\n500 x 960 KB heads: {too_large:.0f} x 431, {at_once:.0f} closed at once, "
             f"{elapsed:.1f} s; RSS {before / MIB:.1f} MiB -> peak +{peak_growth / MIB:.1f} MiB "
-            f"-> after {after / MIB:.1f} MiB"
+            f"-> after {after / MIB:.1f} MiB; 250 x 31 KB heads held: "
+            f"+{held_growth / MIB:.1f} MiB, after they left {after_held / MIB:.1f} MiB"
         )
         assert peak_growth < 64 * MIB
+        assert held_growth < 64 * MIB
         assert server.log().count("head_too_large") == too_large
 
 
@@ -442,9 +469,7 @@ async def test_pending_handshake_cap_closes_new_connections_at_once(tmp_path: Pa
             assert await read_answer(reader, timeout=DEADLINE) == b""
             closed_after = time.monotonic() - started
             writer.close()
-            await wait_until(
-                lambda: _true(server.rejected("pending_handshakes")), what="counted"
-            )
+            await wait_until(lambda: _true(server.rejected("pending_handshakes")), what="counted")
             # One of the idle ones finishes its head: there is room again.
             idle_reader, idle_writer = idle.pop()
             idle_writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -458,7 +483,9 @@ async def test_pending_handshake_cap_closes_new_connections_at_once(tmp_path: Pa
                 w.close()
         assert await server.rejected("pending_handshakes") == 1
         assert "refused connection from 127.0.0.1: closed, pending_handshakes" in server.log()
-        print(f"\npending cap {cap}: connection {cap + 1} closed after {closed_after * 1000:.1f} ms")
+        print(
+            f"\npending cap {cap}: connection {cap + 1} closed after {closed_after * 1000:.1f} ms"
+        )
 
 
 async def _true(value: Any) -> bool:
@@ -499,3 +526,55 @@ async def test_normal_clients_pass_the_edge(tmp_path: Path) -> None:
                 assert msg.type is aiohttp.WSMsgType.TEXT
         for reason in ("head_too_large", "head_timeout", "pending_handshakes", "bad_handshake"):
             assert await server.rejected(reason) == 0, reason
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One whole response with a Content-Length, leaving the connection open."""
+    async with asyncio.timeout(DEADLINE):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status_of(head), await reader.readexactly(length)
+
+
+async def test_keep_alive_heads_are_bounded_too(tmp_path: Path) -> None:
+    """After a first good request, the next head has the same cap and deadline."""
+    with served(tmp_path, "--request-head-timeout", "1") as server:
+        await ready(server)
+        request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        # A huge second head: 431.
+        reader, writer = await open_raw(server.port)
+        writer.write(request)
+        assert (await read_response(reader))[0] == 200
+        with contextlib.suppress(ConnectionError):
+            writer.write(b"GET /healthz HTTP/1.1\r\n")
+            for i in range(8):
+                writer.write(b"X-Pad-%d: %s\r\n" % (i, b"p" * 7000))
+                await writer.drain()
+        assert status_of(await read_answer(reader)) == 431
+        writer.close()
+        # A slow second head: 408 about one deadline after the first answer.
+        reader, writer = await open_raw(server.port)
+        writer.write(request)
+        assert (await read_response(reader))[0] == 200
+        answered = time.monotonic()
+        writer.write(b"GET /heal")
+        assert status_of(await read_answer(reader)) == 408
+        waited = time.monotonic() - answered
+        writer.close()
+        assert 0.8 < waited < 3.0, waited
+        # A field over aiohttp's per-field limit on the client listener: 400.
+        reader, writer = await open_raw(server.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: %s\r\n\r\n" % (b"f" * 9000))
+        assert status_of(await read_answer(reader)) == 400
+        writer.close()
+        assert await server.rejected("head_too_large") == 1
+        assert await server.rejected("head_timeout") == 1
+
+        async def none_pending() -> bool:
+            return await server.gauge("omni_sidecar_pending_handshakes") == 0
+
+        await wait_until(none_pending, what="no connection left pending")
