@@ -1,0 +1,225 @@
+"""The lowest aiohttp that ``pyproject.toml`` allows really runs the proxy.
+
+The proxy reaches into aiohttp internals (every one is named in
+``proxy/compat.py``), and those moved between minor releases: aiohttp 3.10.11
+has no ``ClientWSTimeout`` and no ``send_frame`` writer behind
+``WebSocketResponse``, and with it every upgrade answered HTTP 500 while the
+old ``aiohttp>=3.9`` pin allowed it. A floor that nobody installs is a guess,
+so this test installs exactly the declared floor into a clean scratch venv,
+with the product's other runtime dependencies as declared, installs a copy of
+the checkout there without dependencies, and runs one proxied session through
+it with real ``omni-sidecar serve`` and ``omni-sidecar probe`` children.
+
+The floor is parsed from ``pyproject.toml``, so the test follows the pin. It
+needs PyPI (pip's cache makes repeat runs fast) and skips, naming the pip
+error, only when pip cannot reach an index at all; any other install failure
+fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import tomllib
+import venv
+from pathlib import Path
+from typing import Final
+
+import pytest
+from packaging.requirements import Requirement
+
+from tests.conftest import DEADLINE, free_port, http_ok, wait_until
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+PYPROJECT: Final = ROOT / "pyproject.toml"
+
+#: pip's messages when no index can be reached (DNS, refused, timed out, proxy, TLS).
+NETWORK_ERROR: Final = re.compile(
+    r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "
+    r"resolution|Name or service not known|Network is unreachable|No route to host|"
+    r"ConnectTimeoutError|ReadTimeoutError|Connection refused|ProxyError|SSLError|"
+    r"Max retries exceeded",
+    re.IGNORECASE,
+)
+#: A cold pip cache downloads a few MB and builds the checkout's wheel once.
+PIP_TIMEOUT: Final = 240.0
+#: The built-in simulator, unpaced: one response of 3 audio chunks.
+FAST_SIMULATOR: Final = "--realtime-factor 0 --chunk-ms 200 --response-seconds 0.6"
+
+
+def _dependencies() -> list[Requirement]:
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+    return [Requirement(line) for line in project["dependencies"]]
+
+
+def declared_floor() -> str:
+    """The version in the ``aiohttp>=...`` requirement of ``[project] dependencies``."""
+    for requirement in _dependencies():
+        if requirement.name == "aiohttp":
+            floors = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+            assert len(floors) == 1, f"aiohttp needs exactly one >= floor: {requirement}"
+            return floors[0]
+    raise AssertionError("pyproject.toml declares no aiohttp dependency")
+
+
+def _child_env() -> dict[str, str]:
+    """This environment without anything that would steer the scratch venv's Python."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key not in drop
+        and (not key.startswith("OMNI_SIDECAR_") or key.startswith("OMNI_SIDECAR_TESTS_"))
+    }
+
+
+async def _run(*argv: str | Path, cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run a child to completion: (exit status, stdout and stderr together)."""
+    proc = await asyncio.create_subprocess_exec(
+        *map(str, argv),
+        cwd=cwd,
+        env=_child_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def _pip(
+    python: Path, *args: str, cwd: Path, what: str, retries: int = 2, timeout: int = 30
+) -> None:
+    """``python -m pip ARGS``; skip when no index answers, fail on any other error.
+
+    ``retries`` and ``timeout`` are pip's (per request), so an unreachable index
+    is told apart in seconds rather than after pip's default minutes.
+    """
+    rc, out = await _run(
+        python, "-m", "pip", *args, "--retries", str(retries), "--timeout", str(timeout),
+        cwd=cwd, timeout=PIP_TIMEOUT,
+    )  # fmt: skip
+    if rc == 0:
+        return
+    if NETWORK_ERROR.search(out):
+        pytest.skip(f"PyPI unreachable while trying to {what}: {out.strip()[-600:]}")
+    pytest.fail(f"pip could not {what} (exit {rc}):\n{out[-3000:]}")
+
+
+def _copy_checkout(target: Path) -> Path:
+    """The files a wheel is built from, copied so that building never writes into the tree.
+
+    An in-tree build would leave ``build/`` and ``*.egg-info`` in a checkout
+    that other runs may be using.
+    """
+    found = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["tool"]["setuptools"]
+    patterns = found["packages"]["find"]["include"]
+    target.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, target / name)
+    for pattern in patterns:
+        for package in ROOT.glob(pattern):
+            if (package / "__init__.py").is_file():
+                shutil.copytree(
+                    package, target / package.name, ignore=shutil.ignore_patterns("__pycache__")
+                )
+    return target
+
+
+def test_the_declared_range_holds_the_tested_version() -> None:
+    """The dev venv's aiohttp (what the suite runs against) is inside the declared range."""
+    import aiohttp
+
+    (requirement,) = [r for r in _dependencies() if r.name == "aiohttp"]
+    assert any(spec.operator == "<" for spec in requirement.specifier), (
+        f"{requirement}: no upper bound; the next untested minor must be excluded"
+    )
+    assert requirement.specifier.contains(aiohttp.__version__), (
+        f"aiohttp {aiohttp.__version__} runs the suite but {requirement} excludes it"
+    )
+
+
+@pytest.mark.timeout(4 * PIP_TIMEOUT)
+async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path) -> None:
+    floor = declared_floor()
+    others = [str(r) for r in _dependencies() if r.name != "aiohttp"]
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    cli = env_dir / "bin" / "omni-sidecar"
+
+    await _pip(
+        python, "download", "--no-deps", "--dest", str(tmp_path / "dl"), f"aiohttp=={floor}",
+        cwd=tmp_path, what=f"download aiohttp=={floor}", retries=1, timeout=15,
+    )  # fmt: skip
+    await _pip(
+        python, "install", "--quiet", f"aiohttp=={floor}", *others,
+        cwd=tmp_path, what=f"install aiohttp=={floor} and {others}",
+    )  # fmt: skip
+    source = _copy_checkout(tmp_path / "src")
+    await _pip(
+        python, "install", "--quiet", "--no-deps", str(source),
+        cwd=tmp_path, what="install the checkout",
+    )  # fmt: skip
+
+    # What serve's startup check sees in that venv (and that the copy, not the tree, is used).
+    rc, out = await _run(
+        python, "-c",
+        "import json, aiohttp, proxy, proxy.compat as c;"
+        "print(json.dumps([aiohttp.__version__, c.missing_hooks(), proxy.__file__]))",
+        cwd=tmp_path, timeout=DEADLINE,
+    )  # fmt: skip
+    assert rc == 0, out
+    version, missing, proxy_file = json.loads(out.strip().splitlines()[-1])
+    assert version == floor
+    assert missing == [], f"aiohttp {floor} lacks hooks proxy/compat.py needs: {missing}"
+    assert Path(proxy_file).is_relative_to(env_dir), proxy_file
+
+    port, admin_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as sink:
+        serve = await asyncio.create_subprocess_exec(
+            str(cli), "serve", "--listen", f"127.0.0.1:{port}",
+            "--admin-listen", f"127.0.0.1:{admin_port}", "--log-level", "info",
+            "--engine-simulator-args", FAST_SIMULATOR,
+            cwd=tmp_path, env=_child_env(), stdout=sink, stderr=sink,
+        )  # fmt: skip
+    try:
+
+        async def ready() -> bool:
+            assert serve.returncode is None, f"serve exited early:\n{log.read_text()[-3000:]}"
+            return await http_ok(f"http://127.0.0.1:{port}/readyz")
+
+        await wait_until(ready, timeout=DEADLINE * 3, what=f"serve on aiohttp {floor} ready")
+
+        rc, out = await _run(
+            cli, "probe", f"ws://127.0.0.1:{port}/v1/realtime", "--json", "--no-realtime",
+            "--input-seconds", "0.2", "--timeout", str(DEADLINE * 2),
+            cwd=tmp_path, timeout=DEADLINE * 3,
+        )  # fmt: skip
+        assert rc == 0, f"probe on aiohttp {floor} failed:\n{out}\n{log.read_text()[-3000:]}"
+        result = json.loads(out)
+        assert result["completed"] is True, result
+        assert result["response_statuses"] == ["completed"], result
+        assert result["audio_frames"] == 3, result
+
+        serve.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(DEADLINE):
+            assert await serve.wait() == 0, log.read_text()[-3000:]
+    finally:
+        # serve's engine child dies with it (PR_SET_PDEATHSIG); only serve is ours to stop.
+        if serve.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                serve.kill()
+            await serve.wait()
