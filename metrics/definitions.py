@@ -53,6 +53,8 @@ DROP_REASONS: Final = (
     # engine output that arrived after the session began closing, or was still
     # queued when the client went away.
     "session_closed",
+    # client frames over max_client_frame_rate.
+    "client_rate_limited",
 )
 SESSION_OUTCOMES: Final = (
     "client_closed",
@@ -61,6 +63,7 @@ SESSION_OUTCOMES: Final = (
     "engine_unavailable",
     "shutdown",
     "error",
+    "rate_limited",
 )
 REJECT_REASONS: Final = (
     "unauthorized",

@@ -241,6 +241,8 @@ def session_settings(settings: Settings) -> SessionSettings:
         max_tombstones=settings.max_tombstones,
         tombstone_ttl=settings.tombstone_ttl,
         max_input_audio_rate=settings.max_input_audio_rate,
+        max_client_frame_rate=settings.max_client_frame_rate,
+        client_frame_burst=settings.client_frame_burst,
     )
 
 

@@ -420,6 +420,24 @@ class Settings:
         live=True,
         section=_LIMITS,
     )
+    max_client_frame_rate: float = setting(
+        200.0,
+        help="Client data frames per second per session (pings excluded; audio also has "
+        "max_input_audio_rate). Above it frames are dropped with one error "
+        "{client_rate_limited}; 2 s of it closes the session with 1008. 0 = off.",
+        unit="frames/s",
+        minimum=0,
+        live=True,
+        section=_LIMITS,
+    )
+    client_frame_burst: float = setting(
+        400.0,
+        help="Client frames allowed at once above max_client_frame_rate (token bucket size).",
+        unit="frames",
+        minimum=0,
+        live=True,
+        section=_LIMITS,
+    )
     interrupt_on_speech_started: bool = setting(
         False,
         help="Treat input_audio_buffer.speech_started from the engine as a cancel trigger.",
@@ -484,8 +502,9 @@ class Settings:
         section=_TIMERS,
     )
     client_idle_timeout: float = setting(
-        0 * SECONDS,
-        help="Seconds without a client frame before the session is closed. 0 = off.",
+        120 * SECONDS,
+        help="Seconds without a client event (a data frame; pings do not count) before the "
+        "session is closed with session.closed {client_idle_timeout} and 1000. 0 = off.",
         unit="seconds",
         minimum=0,
         live=True,

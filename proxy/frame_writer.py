@@ -116,6 +116,8 @@ class ClientFrameWriter:
         self.frames_written = 0
         self.bytes_written = 0
         self.pongs_coalesced = 0
+        #: Pings answered only by the one pending pong (the client is not reading).
+        self.unanswered_pings = 0
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -167,6 +169,7 @@ class ClientFrameWriter:
         if self._pending_pong is not None and not self.paused:
             self._write_control(OP_PONG, self._pending_pong)
             self._pending_pong = None
+            self.unanswered_pings = 0
         core = self._core
         buffer = core.buffer
         bound = self._bound
@@ -214,7 +217,7 @@ class ClientFrameWriter:
         self._batch_bytes = 0
         core = self._core
         transport = compat.client_transport(self._protocol)
-        gone = transport is None or transport.is_closing() or self.close_sent
+        gone = transport is None or transport.is_closing()
         parts: list[bytes] = []
         written: list[tuple[Entry, float]] = []
         for entry, taken_at in batch:
@@ -261,9 +264,11 @@ class ClientFrameWriter:
             if self._pending_pong is not None:
                 self.pongs_coalesced += 1
             self._pending_pong = payload
+            self.unanswered_pings += 1
             self._hooks.blocked()
             return
         self._pending_pong = None
+        self.unanswered_pings = 0
         self._write_control(OP_PONG, payload)
 
     def close(self, code: int, reason: bytes = b"") -> bool:

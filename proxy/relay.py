@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 
 #: Engine close codes that are a clean end (anything else: engine_unavailable).
 _UPSTREAM_CLEAN_CLOSES: Final = frozenset({1000, 1001})
+#: Client frames that count against max_client_frame_rate (control frames do not).
+_DATA_FRAMES: Final = frozenset({aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY})
+#: The client reader yields to the event loop every 16 frames.
+_YIELD_EVERY_MASK: Final = 15
 
 
 def new_event_id() -> str:
@@ -249,6 +253,22 @@ class Relay:
         self.writer.abort()
         self._wake.set()
 
+    def upstream_close_timed_out(self) -> None:
+        if self.core.state is not SessionState.OPEN:
+            return
+        self.log.info(
+            "engine did not answer session.close within %.1f s; closing",
+            self._upstream_close_timeout,
+        )
+        self.core.end(
+            self._clock(),
+            reason="upstream_timeout",
+            code=CLOSE_NORMAL,
+            outcome=Outcome.CLIENT_CLOSED,
+        )
+        self._upstream_session_closed.set()  # stop waiting for it later, too
+        self._after_core_call()
+
     # -- the writer (DeliveryHooks) ------------------------------------------------------
 
     def delivered(self, entry: Entry, taken_at: float) -> None:
@@ -266,21 +286,40 @@ class Relay:
         client = self.client
         core = self.core
         timers = self.timers
+        writer = self.writer
+        budget_events = core.settings.buffer.max_pending_output_events
+        frames = 0
         try:
             while True:
                 msg = await client.receive()
+                frames += 1
+                if not frames & _YIELD_EVERY_MASK:
+                    # aiohttp returns queued frames without suspending: yield now
+                    # and then so a flooding client cannot starve other sessions.
+                    await asyncio.sleep(0)
                 now = self._clock()
                 timers.last_client_frame = now
                 kind = msg.type
                 if kind is aiohttp.WSMsgType.PING:
-                    self.writer.pong(msg.data)
+                    writer.pong(msg.data)
+                    if writer.unanswered_pings + len(core.buffer) > budget_events:
+                        # Each unanswered ping counts as one event of the output budget.
+                        self.log.warning("client keeps pinging without reading; overflow")
+                        core.control_overflow(now)
+                        self._after_core_call()
                     continue
                 if kind is aiohttp.WSMsgType.PONG:
                     continue
                 timers.last_client_event = now
+                if kind in _DATA_FRAMES and not core.admit_client_frame(len(msg.data), now):
+                    self._observer.client_event(len(msg.data), forwarded=False)
+                    self._after_core_call()
+                    continue
                 if kind is aiohttp.WSMsgType.TEXT:
                     text: str = msg.data
                     decision = core.receive_client(text, now)
+                    if decision.event.kind is ClientKind.SESSION_CLOSE and decision.forward:
+                        timers.arm_upstream_close(self._upstream_close_timeout)
                     self._observer.client_event(
                         decision.event.size,
                         forwarded=decision.forward,

@@ -18,6 +18,9 @@ session's business, through :class:`TimerListener`.
 - **Close deadline**: once a session is closing it has a bounded time to
   deliver its final events and close frame, also while its client does not
   read; then the connection is dropped.
+- **Upstream close** (``upstream_close_timeout``): starts when the client
+  sends ``session.close``; if the engine has not answered by then, the proxy
+  closes the session itself, so a close always completes.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class TimerListener(Protocol):
     def close_deadline_passed(self) -> None:
         """The closing session did not finish in time."""
 
+    def upstream_close_timed_out(self) -> None:
+        """The engine did not answer the client's ``session.close`` in time."""
+
 
 class SessionTimers:
     """The timers of one session. 0 turns a timer off.
@@ -98,6 +104,7 @@ class SessionTimers:
         "_listener",
         "_max_duration",
         "_scheduler",
+        "_upstream_close",
         "close_deadline_at",
         "last_client_event",
         "last_client_frame",
@@ -130,6 +137,7 @@ class SessionTimers:
         self._idle_timer: Cancellable | None = None
         self._duration: Cancellable | None = None
         self._close_deadline: Cancellable | None = None
+        self._upstream_close: Cancellable | None = None
         self.close_deadline_at: float | None = None
 
     def now(self) -> float:
@@ -154,10 +162,18 @@ class SessionTimers:
             self._idle_timer,
             self._heartbeat_timer,
             self._close_deadline,
+            self._upstream_close,
         ):
             if timer is not None:
                 timer.cancel()
-        self._duration = self._idle_timer = self._heartbeat_timer = self._close_deadline = None
+        self._duration = self._idle_timer = self._heartbeat_timer = None
+        self._close_deadline = self._upstream_close = None
+
+    def arm_upstream_close(self, timeout: float) -> None:
+        """The client asked to close: the engine has ``timeout`` seconds to answer."""
+        if self._upstream_close is None:
+            when = self._scheduler.time() + timeout
+            self._upstream_close = self._scheduler.call_at(when, self._upstream_close_due)
 
     def arm_close_deadline(self, budget: float) -> None:
         """Give a closing session ``budget`` seconds to finish; only the first call counts."""
@@ -172,6 +188,9 @@ class SessionTimers:
     def _expire(self) -> None:
         self._duration = None
         self._listener.duration_reached()
+
+    def _upstream_close_due(self) -> None:
+        self._listener.upstream_close_timed_out()
 
     def _deadline_passed(self) -> None:
         self._close_deadline = None

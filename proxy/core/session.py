@@ -87,6 +87,10 @@ _NOTHING: Final[tuple[tuple[float, ...], tuple[float, ...]]] = ((), ())
 #: Response creations remembered for first-audio timing (oldest dropped).
 _MAX_PENDING_CREATES: Final = 64
 
+#: A rate-limited frame less than this many seconds after the previous one
+#: continues the same rate-limit episode (one error per episode).
+_RATE_EPISODE_GAP: Final = 1.0
+
 
 class OverflowPolicy(enum.Enum):
     CLOSE_SESSION = "close_session"
@@ -110,6 +114,7 @@ class DropReason(enum.Enum):
     INVALID_UPSTREAM_FRAME = "invalid_upstream_frame"
     INPUT_BACKPRESSURE = "input_backpressure"  # client audio over max_input_audio_rate
     SESSION_CLOSED = "session_closed"  # engine output after the session began closing
+    CLIENT_RATE_LIMITED = "client_rate_limited"  # client frames over max_client_frame_rate
 
 
 class Outcome(enum.Enum):
@@ -121,6 +126,7 @@ class Outcome(enum.Enum):
     ENGINE_UNAVAILABLE = "engine_unavailable"
     SHUTDOWN = "shutdown"
     ERROR = "error"
+    RATE_LIMITED = "rate_limited"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +142,13 @@ class SessionSettings:
     #: ``input_burst_seconds`` of audio.
     max_input_audio_rate: float = 0.0
     input_burst_seconds: float = 10.0
+    #: Client data frames per second (0 = off) and the burst allowed above it.
+    #: Frames over it are dropped with one ``error`` {client_rate_limited} per
+    #: episode; an episode longer than ``client_rate_limit_close_after`` seconds
+    #: ends the session with 1008.
+    max_client_frame_rate: float = 0.0
+    client_frame_burst: float = 0.0
+    client_rate_limit_close_after: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +220,48 @@ class SessionCore:
             settings.max_input_audio_rate, settings.input_burst_seconds
         )
         self._input_bytes_per_second = audio_bytes_per_second(None, None)
+        rate = settings.max_client_frame_rate
+        self._frame_bucket = TokenBucket(rate, settings.client_frame_burst or 2 * rate)
+        self._limited_since: float | None = None
+        self._last_limited = 0.0
+
+    # -- client frame rate --------------------------------------------------------------
+
+    def admit_client_frame(self, size: int, now: float) -> bool:
+        """Count one client data frame against ``max_client_frame_rate``.
+
+        Returns:
+            False when the frame must be dropped (not read further, not
+            forwarded). The first frame of a rate-limit episode queues one
+            ``error`` {rate_limit_error, client_rate_limited}; an episode that
+            lasts ``client_rate_limit_close_after`` seconds ends the session
+            (``session.closed`` {client_rate_limited}, close 1008).
+        """
+        if self._frame_bucket.take(1.0, now):
+            return True
+        self._count_drop(DropReason.CLIENT_RATE_LIMITED, size)
+        if self.state is not SessionState.OPEN:
+            return False
+        settings = self.settings
+        if self._limited_since is None or now - self._last_limited > _RATE_EPISODE_GAP:
+            self._limited_since = now
+            burst = settings.client_frame_burst or 2 * settings.max_client_frame_rate
+            error = notices.error_event(
+                self._new_id(),
+                "client_rate_limited",
+                f"more than {settings.max_client_frame_rate:g} frames per second "
+                f"(burst {burst:g}); frames are dropped",
+            )
+            self.buffer.offer(error, now)
+        self._last_limited = now
+        if now - self._limited_since >= settings.client_rate_limit_close_after:
+            self.end(
+                now,
+                reason="client_rate_limited",
+                code=CLOSE_POLICY_VIOLATION,
+                outcome=Outcome.RATE_LIMITED,
+            )
+        return False
 
     # -- client → upstream ---------------------------------------------------------------
 
@@ -370,6 +425,9 @@ class SessionCore:
         if verdict is Verdict.EVICTED:
             self.news = True  # late_audio_after_eviction changed
 
+        if event.size > self.settings.buffer.max_pending_output_bytes:
+            self._refuse_oversized(event, now)
+            return event
         offer = self.buffer.offer(event, now)
         if offer.accepted:
             if kind is EventKind.RESPONSE_DONE and rid is not None:
@@ -451,14 +509,25 @@ class SessionCore:
             return rid  # convert the not-yet-queued completion into the failure
         return self.ledger.active_response()
 
-    def _fail_response(self, response_id: str, reason: DropReason, now: float) -> None:
+    def _fail_response(
+        self,
+        response_id: str,
+        reason: DropReason,
+        now: float,
+        *,
+        error: UpstreamEvent | None = None,
+        done_reason: str = "output_backpressure",
+    ) -> None:
         """Purge, tombstone (failed), queue error + failed done, cancel upstream."""
         if self.ledger.cancel(response_id, now, failed=True):
             self._cancels += 1
         removed, removed_bytes = self.buffer.invalidate(response_id)
         self._count_drop(reason, removed_bytes, events=removed)
-        self._queue_backpressure_error(now)
-        done = notices.response_failed(self._new_id(), response_id, "output_backpressure")
+        if error is None:
+            self._queue_backpressure_error(now)
+        else:
+            self.buffer.offer(error, now)
+        done = notices.response_failed(self._new_id(), response_id, done_reason)
         if self.buffer.offer(done, now).accepted:
             self.ledger.on_done_received(response_id)
         else:
@@ -477,6 +546,33 @@ class SessionCore:
         )
         self.buffer.offer(error, now)
 
+    def _refuse_oversized(self, event: UpstreamEvent, now: float) -> None:
+        """An engine frame larger than the whole output budget can never be
+        queued, whatever the client does: drop it and fail its response at
+        once, with an error that names the frame's size (not an overflow of a
+        client that does not read). The session stays open."""
+        self._count_drop(DropReason.OVERFLOW, event.size)
+        self.news = True
+        limit = self.settings.buffer.max_pending_output_bytes
+        target = self._response_to_fail(event) if event.response_id is None else event.response_id
+        detail = f" for response {target}" if target is not None else ""
+        error = notices.error_event(
+            self._new_id(),
+            "upstream_frame_too_large",
+            f"the engine sent a {event.size}-byte {event.type or 'frame'}{detail}, larger "
+            f"than the session's whole output budget ({limit} bytes); it was dropped",
+        )
+        if target is not None and self.ledger.is_open(target):
+            self._fail_response(
+                target,
+                DropReason.FAILED_RESPONSE,
+                now,
+                error=error,
+                done_reason="upstream_frame_too_large",
+            )
+        else:
+            self.buffer.offer(error, now)
+
     def _overflow(self, event: UpstreamEvent, now: float) -> None:
         self._overflows += 1
         self.news = True
@@ -493,6 +589,16 @@ class SessionCore:
                 return
             target = None  # still full with nothing left to fail: close the session
         self.close_for_overflow(now, target=target, dropped=event)
+
+    def control_overflow(self, now: float) -> None:
+        """The client keeps sending control frames (pings) whose answers it does
+        not read: their answers count against the event budget, so this is an
+        overflow like any other (the ``close_session`` sequence, 1008)."""
+        if self.state is not SessionState.OPEN:
+            return
+        self._overflows += 1
+        self.news = True
+        self.close_for_overflow(now, target=self.ledger.active_response())
 
     def close_for_overflow(
         self,

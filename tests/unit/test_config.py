@@ -84,7 +84,9 @@ class TestDefaults:
         assert s.upstream_close_timeout == 5.0
         assert s.drain_timeout == 30.0
         assert s.handshake_timeout == 10.0
-        assert (s.client_idle_timeout, s.max_session_duration, s.max_sessions_per_ip) == (0, 0, 0)
+        # On by default: 120 s without a client event closes a session (no slot is held forever).
+        assert (s.client_idle_timeout, s.max_session_duration, s.max_sessions_per_ip) == (120, 0, 0)
+        assert (s.max_client_frame_rate, s.client_frame_burst) == (200.0, 400.0)
         assert (s.api_keys, s.api_keys_file, s.allowed_origins) == ((), None, ())
         assert s.upstream_authorization == "pass-through"
         assert s.forward_query is True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +21,7 @@ from websockets.frames import Opcode
 
 from proxy.core.buffer import Entry
 from proxy.core.events import UpstreamEvent
-from proxy.core.session import SessionCore
+from proxy.core.session import SessionCore, SessionSettings
 from proxy.relay import Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
@@ -65,7 +66,14 @@ class Observer:
 class Session:
     """A Relay on fakes, running as a task."""
 
-    def __init__(self, *, manual_soon: bool = False, **relay_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        manual_soon: bool = False,
+        core_settings: SessionSettings | None = None,
+        answer_close: bool = True,
+        **relay_kwargs: Any,
+    ) -> None:
         #: End-of-tick writes, run by the test when ``manual_soon``.
         self.soon: list[Any] = []
         if manual_soon:
@@ -73,9 +81,11 @@ class Session:
         self.scheduler = ManualScheduler()
         self.protocol = FakeProtocol()
         self.client = FakeClient()
-        self.upstream = FakeUpstream()
+        self.upstream = FakeUpstream(answer_close=answer_close)
         self.observer = Observer()
-        self.core = SessionCore(make_settings(), new_event_id=lambda: "event_proxy")
+        self.core = SessionCore(
+            core_settings or make_settings(), new_event_id=lambda: "event_proxy"
+        )
         self.relay = Relay(
             session_key="test",
             client=self.client,
@@ -324,3 +334,59 @@ async def test_input_the_engine_does_not_take_fails_the_session_with_1008(
     assert s.upstream.sent == [] or all(
         '"input_audio_buffer.append"' not in t for t in s.upstream.sent
     )
+
+
+async def test_pinging_without_reading_ends_in_the_overflow_sequence(session_factory: Any) -> None:
+    s = await session_factory(core_settings=make_settings(max_events=64))
+    s.protocol.pause()
+    for i in range(200):
+        s.client.send(aiohttp.WSMsgType.PING, str(i).encode())
+    await wait_until(lambda: s.core.outcome is not None, what="the session closing")
+    assert s.core.outcome is not None and s.core.outcome.value == "overflow"
+    assert s.core.overflow_count == 1
+    s.scheduler.advance(CLOSE_TIMEOUT)  # the client never reads: dropped at the deadline
+    await s.finished()
+    assert s.transport.aborted
+    assert s.transport.calls == [], "not one pong piled up for a client that does not read"
+
+
+async def test_session_close_to_a_silent_engine_completes_at_upstream_close_timeout(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(answer_close=False)
+    s.client.send(aiohttp.WSMsgType.TEXT, '{"type":"session.close"}')
+    await wait_until(lambda: bool(s.upstream.sent), what="session.close forwarded")
+    s.scheduler.advance(4.999)  # upstream_close_timeout = 5 s
+    await s.settle()
+    assert s.types() == []
+    s.scheduler.advance(0.001)
+    await s.finished()
+    closed = s.texts()[-1]
+    assert closed["type"] == "session.closed" and closed["reason"] == "upstream_timeout"
+    assert s.relay.close_code_sent == 1000
+
+
+async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: Any) -> None:
+    settings = dataclasses.replace(
+        make_settings(), max_client_frame_rate=10.0, client_frame_burst=20.0
+    )
+    s = await session_factory(core_settings=settings)
+    text = '{"type":"input_audio_buffer.clear"}'
+    for _ in range(100):
+        s.client.send(aiohttp.WSMsgType.TEXT, text)
+    await wait_until(lambda: s.client.inbox.empty(), what="frames read")
+    await s.settle()
+    assert len(s.upstream.sent) == 20, "the burst is forwarded, the rest dropped"
+    assert [t["error"]["code"] for t in s.texts() if t["type"] == "error"] == [
+        "client_rate_limited"
+    ]
+    for _ in range(4):  # the flood goes on for 2 s: closed with 1008
+        s.scheduler.advance(0.5)
+        for _ in range(50):
+            s.client.send(aiohttp.WSMsgType.TEXT, text)
+        await wait_until(
+            lambda: s.client.inbox.empty() or s.core.outcome is not None, what="frames read"
+        )
+    await s.finished()
+    assert s.texts()[-1]["reason"] == "client_rate_limited"
+    assert s.relay.close_code_sent == 1008

@@ -1,0 +1,223 @@
+"""Break each relay-shell rule once, in a throwaway copy, and see which test catches it.
+
+    python scripts/shell_defects.py            # every defect
+    python scripts/shell_defects.py 3 7        # defects 3 and 7 only
+
+For each single-point defect: export the committed tree (``git archive HEAD``)
+to a temporary directory, apply the one edit, run the test file that owns the
+rule with ``-x``, and report whether it failed (caught), the first failing
+test and the seconds the file took. The working tree is never modified, so it
+is safe to run while others work in it. Exit status 1 when a defect survives.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Defect:
+    what: str
+    path: str
+    old: str
+    new: str
+    test: str
+
+
+DEFECTS = [
+    Defect(
+        "writer: no write-time re-check of taken audio",
+        "proxy/frame_writer.py",
+        "            elif not core.still_valid(entry):",
+        "            elif False:",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "writer: batch not bounded by client_write_buffer_bytes",
+        "proxy/frame_writer.py",
+        "            if self._batch and self._batch_bytes + size > bound:",
+        "            if False:",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "writer: takes events while the transport is paused",
+        "proxy/frame_writer.py",
+        "        while not self.close_sent and buffer.has_output() and not self.paused:",
+        "        while not self.close_sent and buffer.has_output():",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "frames: 126-byte payload gets the 7-bit length form",
+        "proxy/frames.py",
+        "    if length < 126:",
+        "    if length <= 126:",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "frames: 65536-byte payload gets the 16-bit length form",
+        "proxy/frames.py",
+        "    if length < 65536:",
+        "    if length <= 65536:",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "writer: every pong written, none coalesced above the mark",
+        "proxy/frame_writer.py",
+        "        if self.paused and not self.gone:\n            if self._pending_pong",
+        "        if False:\n            if self._pending_pong",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "writer: close frame can be written twice",
+        "proxy/frame_writer.py",
+        "        if self.close_sent:\n            return False",
+        "        if False:\n            return False",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "writer: events taken and written after the close frame",
+        "proxy/frame_writer.py",
+        "        while not self.close_sent and buffer.has_output() and not self.paused:",
+        "        while buffer.has_output() and not self.paused:",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "timers: keepalive drops a peer after three intervals, not two",
+        "proxy/session_timers.py",
+        "            if silent >= 2 * interval:",
+        "            if silent >= 3 * interval:",
+        "tests/unit/shell/test_session_timers.py",
+    ),
+    Defect(
+        "timers: close deadline never armed",
+        "proxy/session_timers.py",
+        "        when = self._scheduler.time() + budget\n",
+        "        return\n        when = self._scheduler.time() + budget\n",
+        "tests/unit/shell/test_session_timers.py",
+    ),
+    Defect(
+        "timers: idle timer fires one keepalive interval late (re-armed from the frame time)",
+        "proxy/session_timers.py",
+        "        idle = now - self.last_client_event",
+        "        idle = now - max(self.last_client_event, self.last_client_frame)",
+        "tests/unit/shell/test_session_timers.py",
+    ),
+    Defect(
+        "relay: pings count as client activity for the idle timeout",
+        "proxy/relay.py",
+        "                timers.last_client_frame = now\n",
+        "                timers.last_client_frame = now\n                timers.last_client_event = now\n",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "relay: client pings never answered",
+        "proxy/relay.py",
+        "                    self.writer.pong(msg.data)\n",
+        "                    pass\n",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "relay: engine loss gets close_timeout instead of drain_timeout",
+        "proxy/relay.py",
+        "            if self.core.outcome is Outcome.ENGINE_UNAVAILABLE",
+        "            if False",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "relay: unread input toward the engine not bounded",
+        "proxy/relay.py",
+        "                            > self._max_pending_input\n",
+        "                            > 1 << 62\n",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "relay: keepalive loss does not drop the client",
+        "proxy/relay.py",
+        "        if side == \"client\":\n            self.writer.abort()",
+        "        if side == \"client\":\n            pass",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "supervisor: restart backoff never waited",
+        "engine_launcher/supervisor.py",
+        "                await self._pause(delay)\n",
+        "                await self._pause(0.0)\n",
+        "tests/unit/launcher/test_supervisor_shell.py",
+    ),
+    Defect(
+        "supervisor: one restart more than the budget allows",
+        "engine_launcher/supervisor.py",
+        "                if not self._budget.allows(now):",
+        "                if not self._budget.allows(now) and self.restarts > self.config.max_restarts:",
+        "tests/unit/launcher/test_supervisor_shell.py",
+    ),
+    Defect(
+        "admission: one session over max_sessions",
+        "proxy/app.py",
+        "return self.max_sessions == 0 or self.active < self.max_sessions",
+        "return self.max_sessions == 0 or self.active <= self.max_sessions",
+        "tests/unit/shell/test_admission.py",
+    ),
+    Defect(
+        "admission: admission_timeout not waited",
+        "proxy/app.py",
+        "        if not self._has_slot() and self.admission_timeout > 0:",
+        "        if False:",
+        "tests/unit/shell/test_admission.py",
+    ),
+]
+
+
+def run(defect: Defect) -> tuple[bool, str, float]:
+    with tempfile.TemporaryDirectory(prefix="shell-defect-") as tmp:
+        archive = subprocess.run(
+            ["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        target = Path(tmp) / defect.path
+        text = target.read_text()
+        if text.count(defect.old) != 1:
+            raise SystemExit(f"defect {defect.what!r}: the edit matches {text.count(defect.old)}x")
+        target.write_text(text.replace(defect.old, defect.new))
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", defect.test, "-x", "-q", "-p", "no:cacheprovider"],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        seconds = time.monotonic() - started
+        failed = [
+            line.split(" ")[1].split("::")[-1]
+            for line in result.stdout.splitlines()
+            if line.startswith("FAILED ")
+        ]
+        return result.returncode != 0, (failed[0] if failed else "-"), seconds
+
+
+def main(argv: list[str]) -> int:
+    chosen = [int(a) for a in argv] or list(range(1, len(DEFECTS) + 1))
+    survived = 0
+    print("| # | defect | caught by | test file | seconds |")
+    print("|---|---|---|---|---|")
+    for number in chosen:
+        defect = DEFECTS[number - 1]
+        caught, test, seconds = run(defect)
+        survived += not caught
+        verdict = test if caught else "**not caught**"
+        print(
+            f"| {number} | {defect.what} | {verdict} | {Path(defect.test).name} | {seconds:.1f} |"
+        )
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
