@@ -1,11 +1,13 @@
 """The aiohttp applications: the client listener and the admin listener.
 
-Client listener (DESIGN.md §7): WS ``/v1/realtime`` and ``/v1/duplex``,
-``GET /healthz``, ``GET /readyz``; every other path is reverse-proxied to the
-engine, streamed. The admin listener is ``proxy/admin.py``.
+Client listener (docs/design.md, Routes and listeners): WS ``/v1/realtime``
+and ``/v1/duplex``, ``GET /healthz``, ``GET /readyz``; every other path is
+reverse-proxied to the engine, streamed (proxy/reverse_proxy.py). The admin
+listener is ``proxy/admin.py``.
 
-Admission happens before the WebSocket upgrade (DESIGN.md §6): draining or
-engine not ready → 503, ``max_sessions`` reached → 503 with ``Retry-After``
+Admission happens before the WebSocket upgrade (docs/design.md, Admission and
+lifecycle), after the handshake itself was found valid (proxy/handshake.py):
+draining or engine not ready → 503, ``max_sessions`` reached → 503 with ``Retry-After``
 (after waiting up to ``admission_timeout`` for a slot), upstream connect
 failure → 502. The upstream WebSocket is opened before the client's upgrade
 completes, so a client never gets a socket that leads nowhere.

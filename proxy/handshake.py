@@ -1,8 +1,8 @@
 """Is this request a complete, valid WebSocket opening handshake (RFC 6455 §4.2.1)?
 
 Checked before auth, admission, a session slot or any engine connection
-(docs/design.md, Admission): a request that asks for a WebSocket but is not a
-valid one must cost the engine nothing. aiohttp's own checks run only inside
+(docs/design.md, Admission and lifecycle): a request that asks for a
+WebSocket but is not a valid one must cost the engine nothing. aiohttp's own checks run only inside
 ``WebSocketResponse.prepare()``, which the session reaches after it has
 already connected to the engine, and they let ``POST`` and ``HTTP/1.0``
 through.

@@ -1,8 +1,8 @@
 """Plain HTTP on the client listener, streamed to the engine and back.
 
 Every path that is not one of ours (and a request on a WebSocket path that
-does not ask for a WebSocket) goes to the engine (docs/design.md, Client
-listener). Two things a proxy must not pass along (docs/security.md):
+does not ask for a WebSocket) goes to the engine (docs/design.md, Routes and
+listeners). Two things a proxy must not pass along (docs/security.md):
 
 * hop-by-hop headers (RFC 9110 §7.6.1) and every header the sender named in
   its ``Connection`` header, in both directions: they describe one hop, and a
