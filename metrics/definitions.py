@@ -84,6 +84,7 @@ CONNECTION_REJECT_REASONS: Final = (
     "body_too_large",
     "untrusted_proxy_header",
     "bad_proxy_header",
+    "bad_request_head",
 )
 OVERFLOW_POLICIES: Final = ("close_session", "fail_response", "process_total")
 ENGINE_STATES: Final = (

@@ -36,6 +36,7 @@ __all__ = [
     "client_transport",
     "closing",
     "handler_kwargs",
+    "head_refused",
     "install_client_writer",
     "missing_hooks",
     "requests_parsed",
@@ -148,6 +149,13 @@ def requests_parsed(protocol: Any) -> int:
     return int(protocol._request_count)
 
 
+def head_refused(protocol: Any) -> bool:
+    """aiohttp's parser refused the last request head (its 400: a line, field or header
+    count over the listener's limits, or a malformed head); the edge counts it."""
+    messages = protocol._messages
+    return bool(messages) and isinstance(messages[-1][0], _web_protocol._ErrInfo)
+
+
 def closing(protocol: Any) -> bool:
     """aiohttp will not read another request on this connection."""
     return bool(protocol._close or protocol._force_close)
@@ -235,7 +243,7 @@ HOOKS: Final[tuple[Hook, ...]] = (
     Hook("WebSocketDataQueue._buffer", lambda: _queue_has_buffer()),
     Hook("BaseSite._server", lambda: _assigns(web_runner.BaseSite.__init__, "_server")),
     Hook(
-        "RequestHandler._request_count/_close/_force_close/_handle_request",
+        "RequestHandler._request_count/_close/_force_close/_handle_request/_messages",
         lambda: (
             _assigns(
                 _web_protocol.RequestHandler.__init__, "_request_count", "_close", "_force_close"
@@ -243,6 +251,7 @@ HOOKS: Final[tuple[Hook, ...]] = (
             and _assigns(_web_protocol.RequestHandler.data_received, "_request_count")
             and _assigns(_web_protocol.RequestHandler.start, "_handle_request")
             and asyncio.iscoroutinefunction(_web_protocol.RequestHandler._handle_request)
+            and _assigns(_web_protocol.RequestHandler.data_received, "_messages", "_ErrInfo")
         ),
     ),
     Hook(

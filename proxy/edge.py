@@ -265,6 +265,8 @@ class EdgeRequestHandler(web.RequestHandler):
             super().data_received(data)
             if compat.requests_parsed(self) != before:
                 self._close_head()
+                if compat.head_refused(self):  # aiohttp answers it 400 and closes
+                    self.guard.reject("bad_request_head", 400, self.address)
             return
         super().data_received(data)
 

@@ -573,6 +573,8 @@ async def test_keep_alive_heads_are_bounded_too(tmp_path: Path) -> None:
         writer.close()
         assert await server.rejected("head_too_large") == 1
         assert await server.rejected("head_timeout") == 1
+        assert await server.rejected("bad_request_head") == 1
+        assert "refused connection from 127.0.0.1: 400 bad_request_head" in server.log()
 
         async def none_pending() -> bool:
             return await server.gauge("omni_sidecar_pending_handshakes") == 0
