@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -340,3 +341,18 @@ async def test_a_session_through_nginx_with_tls_is_limited_and_logged_by_client_
     assert "session open: 127.0.0.2 -> " in caplog.text
     assert "session open: 127.0.0.3 -> " in caplog.text
     assert "session open: 127.0.0.1 -> " not in caplog.text
+
+
+async def test_a_reload_changes_the_trusted_proxies_at_once(simulator, sidecar) -> None:
+    """trusted_proxies is live: the next handshake is judged by the reloaded list."""
+    sim = await simulator()
+    proxy = await sidecar(upstream=sim.ws_url, max_sessions_per_ip=1)
+    port = proxy.sidecar.bound["listen"][1]
+    async with raw_session(port, b"", "X-Forwarded-For: 198.51.100.4\r\n") as first:
+        assert first == 101
+        async with raw_session(port, b"", "X-Forwarded-For: 198.51.100.5\r\n") as ignored:
+            assert ignored == 429  # not trusted yet: both are 127.0.0.1
+        state = proxy.sidecar.state
+        state.apply_settings(dataclasses.replace(state.settings, trusted_proxies=("127.0.0.1/32",)))
+        async with raw_session(port, b"", "X-Forwarded-For: 198.51.100.5\r\n") as believed:
+            assert believed == 101
