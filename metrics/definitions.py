@@ -27,6 +27,7 @@ __all__ = [
     "REJECT_REASONS",
     "SESSION_OUTCOMES",
     "STANDARD_PREFIXES",
+    "TRUNCATION_SOURCES",
     "SidecarMetrics",
 ]
 
@@ -154,6 +155,9 @@ _FINE_SECONDS: Final = (
 CANCEL_TO_SILENCE_BUCKETS: Final = (0.0, 0.0005, 0.001, 0.0025, *_FINE_SECONDS)
 #: response.create → first audio: model latency dominates (0.05 s – several s).
 FIRST_AUDIO_BUCKETS: Final = (*_FINE_SECONDS, 30.0)
+#: Audio held by a client at a cancel: around max_audio_lead (0.5 s) and whole replies.
+AUDIO_LEAD_BUCKETS: Final = (0.0, 0.1, 0.25, 0.5, 0.6, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+TRUNCATION_SOURCES: Final = ("client", "sidecar")
 #: Upstream WebSocket connect on loopback: ~ms; seconds mean trouble.
 CONNECT_BUCKETS: Final = (
     0.0005,
@@ -274,6 +278,35 @@ class SidecarMetrics:
             buckets=FIRST_AUDIO_BUCKETS,
             registry=registry,
         )
+        # Playback ledger (docs/design.md, Playback).
+        self.audio_delivered = Counter(
+            f"{p}_audio_delivered_seconds",
+            "Audio seconds of engine output released to clients.",
+            registry=registry,
+        )
+        self.audio_lead_at_cancel = Histogram(
+            f"{p}_audio_lead_at_cancel_seconds",
+            "Audio a client held unplayed when its response was cancelled (the old answer "
+            "it could still play if it does not clear its buffer).",
+            buckets=AUDIO_LEAD_BUCKETS,
+            registry=registry,
+        )
+        self.playback_acks = Counter(
+            f"{p}_playback_acks",
+            "playback.ack frames the sidecar sent to the engine on behalf of clients.",
+            registry=registry,
+        )
+        self.truncations = Counter(
+            f"{p}_truncations",
+            "Assistant items truncated at a cancel to what was heard, by who asked.",
+            ["source"],
+            registry=registry,
+        )
+        self.paced_bound_releases = Counter(
+            f"{p}_paced_bound_releases",
+            "Paced audio released early because max_paced_audio_bytes was reached.",
+            registry=registry,
+        )
         self.upstream_connect = Histogram(
             f"{p}_upstream_connect_seconds",
             "Upstream WebSocket connect time.",
@@ -341,6 +374,8 @@ class SidecarMetrics:
             self.engine_restarts.labels(reason)
         for result in CONFIG_RELOAD_RESULTS:
             self.config_reloads.labels(result)
+        for source in TRUNCATION_SOURCES:
+            self.truncations.labels(source)
 
     def set_engine_state(self, state: str) -> None:
         for known in ENGINE_STATES:

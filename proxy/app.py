@@ -34,6 +34,7 @@ from proxy import compat
 from proxy.auth import AuthPolicy, load_api_keys, offered_subprotocols
 from proxy.config import Settings
 from proxy.core.buffer import BufferLimits
+from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings
 from proxy.edge import EdgeGuard, EdgeLimits, client_address
 from proxy.frame_writer import AiohttpWriterAdapter
@@ -245,6 +246,12 @@ def session_settings(settings: Settings) -> SessionSettings:
         max_input_audio_rate=settings.max_input_audio_rate,
         max_client_frame_rate=settings.max_client_frame_rate,
         client_frame_burst=settings.client_frame_burst,
+        playback=PlaybackSettings(
+            pacing=settings.playback_pacing,
+            max_audio_lead=settings.max_audio_lead,
+            max_paced_audio_bytes=settings.max_paced_audio_bytes,
+            ack=AckMode(settings.playback_ack),
+        ),
     )
 
 

@@ -111,6 +111,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LOG_LEVELS: Final[tuple[str, ...]] = typing.get_args(LogLevel)
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final[tuple[str, ...]] = typing.get_args(LogFormat)
+PlaybackAck = Literal["auto", "off", "always"]
 
 _CONSTRUCTOR_SOURCE: Final = "Settings()"
 
@@ -122,6 +123,7 @@ _CANCELLATION: Final = "Cancellation"
 _TIMERS: Final = "Timers"
 _AUTH: Final = "Auth and upstream request"
 _LOGGING: Final = "Logging"
+_PLAYBACK: Final = "Playback"
 
 
 # --------------------------------------------------------------------------
@@ -437,6 +439,41 @@ class Settings:
         minimum=0,
         live=True,
         section=_LIMITS,
+    )
+    playback_pacing: bool = setting(
+        False,
+        help="Release a response's audio no faster than real time plus max_audio_lead, so "
+        "after a barge-in at most that much of the old answer is in the client. Held audio "
+        "stays in the session's buffer (bounded by max_paced_audio_bytes).",
+        live=True,
+        section=_PLAYBACK,
+    )
+    max_audio_lead: float = setting(
+        0.5 * SECONDS,
+        help="With playback_pacing: audio seconds a client may hold ahead of real time.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_PLAYBACK,
+    )
+    max_paced_audio_bytes: int = setting(
+        1 * MIB,
+        help="With playback_pacing: pending output above this is released at once (counted "
+        "as omni_sidecar_paced_bound_releases_total) rather than failing the session. "
+        "At most max_pending_output_bytes.",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_PLAYBACK,
+    )
+    playback_ack: PlaybackAck = setting(  # noqa: RUF009 - a dataclasses.field
+        "auto",
+        help='Send playback.ack to the engine for clients that do not: "auto" until the '
+        'client sends its own, "always" (the client\'s own acks are not forwarded), "off". '
+        "On a cancel, partly heard audio is also truncated for the engine.",
+        live=True,
+        section=_PLAYBACK,
+        metavar="MODE",
     )
     interrupt_on_speech_started: bool = setting(
         False,

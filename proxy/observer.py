@@ -50,6 +50,7 @@ class Relay(Protocol):
 
     def engine_unavailable(self) -> None: ...
 
+
 _C2U = "client_to_upstream"
 _U2C = "upstream_to_client"
 
@@ -229,6 +230,7 @@ class SessionObserver:
 
     __slots__ = (
         "_cancels_seen",
+        "_core",
         "_delay",
         "_flushed",
         "_key",
@@ -236,6 +238,7 @@ class SessionObserver:
         "_late_evicted_seen",
         "_m",
         "_overflows_seen",
+        "_playback_seen",
         "_registry",
         "_session_id_seen",
         "_state_seen",
@@ -274,6 +277,8 @@ class SessionObserver:
         self.c2u_control = self.c2u_audio = self.c2u_invalid = self.c2u_bytes = 0
         self.u2c_audio = self.u2c_control = self.u2c_error = self.u2c_invalid = 0
         self.u2c_bytes = 0
+        self._core: SessionCore | None = None
+        self._playback_seen: tuple[float, int, int, int, int] = (0.0, 0, 0, 0, 0)
         self._flushed = (0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
@@ -300,6 +305,8 @@ class SessionObserver:
 
     def flush(self) -> None:
         """Add the counts accumulated since the last flush to the counters."""
+        if self._core is not None:
+            self._export_playback(self._core)
         now = (
             self.c2u_control,
             self.c2u_audio,
@@ -341,6 +348,7 @@ class SessionObserver:
 
     def after_core_call(self, core: SessionCore) -> None:
         """Sync buffer size; export drops, overflows and timings when there is news."""
+        self._core = core
         buffer = core.buffer
         pending = (buffer.pending_bytes, len(buffer))
         if pending != self._last_pending:
@@ -406,6 +414,35 @@ class SessionObserver:
             m.cancel_to_silence.observe(value)
         for value in first:
             m.first_audio.observe(value)
+        self._export_playback(core)
+
+    def _export_playback(self, core: SessionCore) -> None:
+        """Playback ledger counters since the last export (plain integer compares)."""
+        playback = core.playback
+        m = self._m
+        for value in playback.take_lead_observations():
+            m.audio_lead_at_cancel.observe(value)
+        seen = self._playback_seen
+        now = (
+            playback.audio_sent,
+            playback.acks_sent,
+            playback.truncations_client,
+            playback.truncations_sidecar,
+            playback.paced_bound_releases,
+        )
+        if now == seen:
+            return
+        if now[0] > seen[0]:
+            m.audio_delivered.inc(now[0] - seen[0])
+        if now[1] > seen[1]:
+            m.playback_acks.inc(now[1] - seen[1])
+        if now[2] > seen[2]:
+            m.truncations.labels("client").inc(now[2] - seen[2])
+        if now[3] > seen[3]:
+            m.truncations.labels("sidecar").inc(now[3] - seen[3])
+        if now[4] > seen[4]:
+            m.paced_bound_releases.inc(now[4] - seen[4])
+        self._playback_seen = now
 
     def session_observations(self, core: SessionCore) -> None:
         """The session ended: final sync and its outcome."""

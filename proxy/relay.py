@@ -253,6 +253,20 @@ class Relay:
         self.writer.abort()
         self._wake.set()
 
+    def pace_due(self) -> None:
+        writer = self.writer
+        if not writer.paused:
+            writer.pump(self._clock())
+        self._after_core_call()
+
+    def playback_due(self) -> None:
+        core = self.core
+        when = core.playback_tick(self._clock())
+        if when is not None:
+            self.timers.arm_playback(when)
+        if core.has_upstream_commands:
+            self._wake.set()  # the delivery task sends them (sending awaits)
+
     def upstream_close_timed_out(self) -> None:
         if self.core.state is not SessionState.OPEN:
             return
@@ -275,7 +289,12 @@ class Relay:
         self._observer.delivered(entry, taken_at)
 
     def written(self) -> None:
-        self._observer.after_core_call(self.core)
+        core = self.core
+        if core.playback.acking:
+            when = core.playback.next_ack_at(self._clock())
+            if when is not None:
+                self.timers.arm_playback(when)
+        self._observer.after_core_call(core)
 
     def blocked(self) -> None:
         self._wake.set()
@@ -325,6 +344,9 @@ class Relay:
                         forwarded=decision.forward,
                         audio=decision.event.kind is ClientKind.AUDIO_APPEND,
                     )
+                    if core.has_upstream_commands:
+                        # What the user heard (a cancel's truncation) goes first.
+                        await self._flush_upstream_commands()
                     if decision.forward:
                         if (
                             self.upstream.input_backlog() + decision.event.size
@@ -434,7 +456,9 @@ class Relay:
 
     def _after_core_call(self) -> None:
         core = self.core
-        if core.buffer.has_output() or core.state is not SessionState.OPEN:
+        if core.paced_until is not None:
+            self.timers.arm_pace(core.paced_until)
+        if core.ready() or core.state is not SessionState.OPEN:
             self._wake.set()
             if core.state is SessionState.CLOSING:
                 self._arm_close_deadline()
@@ -453,21 +477,20 @@ class Relay:
     async def _deliver(self) -> None:
         core = self.core
         writer = self.writer
+        buffer = core.buffer
         while True:
             if self._ping_upstream:
                 self._ping_upstream = False
                 await self.upstream.ping()
+            if core.has_upstream_commands and core.state is SessionState.OPEN:
+                await self._flush_upstream_commands()  # playback acks
             if core.state is SessionState.CLOSED and not writer.has_pending:
                 break
             if writer.gone:
                 break
             if core.state is SessionState.CLOSING:
                 self._arm_close_deadline()
-            if not core.buffer.has_output() and not writer.has_pending:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if writer.paused:
+            if writer.paused and (writer.has_pending or buffer.has_output()):
                 # Write only below the client transport's high-water mark.
                 try:
                     await writer.wait_writable()
@@ -475,6 +498,13 @@ class Relay:
                     break
                 continue
             writer.pump(self._clock())
+            self._after_core_call()
+            if core.state is SessionState.CLOSED and not writer.has_pending:
+                break
+            if not writer.has_pending and not core.ready():
+                # Nothing to write now (or pacing holds it: its timer wakes us).
+                self._wake.clear()
+                await self._wake.wait()
         await self._wind_down()
 
     async def _wind_down(self) -> None:

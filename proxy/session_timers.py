@@ -18,6 +18,8 @@ session's business, through :class:`TimerListener`.
 - **Close deadline**: once a session is closing it has a bounded time to
   deliver its final events and close frame, also while its client does not
   read; then the connection is dropped.
+- **Pacing and playback**: one-shot wake-ups at the times the core asks
+  for (paced audio release, playback acks).
 - **Upstream close** (``upstream_close_timeout``): starts when the client
   sends ``session.close``; if the engine has not answered by then, the proxy
   closes the session itself, so a close always completes.
@@ -82,6 +84,12 @@ class TimerListener(Protocol):
     def upstream_close_timed_out(self) -> None:
         """The engine did not answer the client's ``session.close`` in time."""
 
+    def pace_due(self) -> None:
+        """Paced audio held back may be released now."""
+
+    def playback_due(self) -> None:
+        """Playback acks may be due."""
+
 
 class SessionTimers:
     """The timers of one session. 0 turns a timer off.
@@ -103,6 +111,9 @@ class SessionTimers:
         "_idle_timer",
         "_listener",
         "_max_duration",
+        "_pace",
+        "_pace_at",
+        "_playback",
         "_scheduler",
         "_upstream_close",
         "close_deadline_at",
@@ -138,6 +149,9 @@ class SessionTimers:
         self._duration: Cancellable | None = None
         self._close_deadline: Cancellable | None = None
         self._upstream_close: Cancellable | None = None
+        self._pace: Cancellable | None = None
+        self._pace_at = 0.0
+        self._playback: Cancellable | None = None
         self.close_deadline_at: float | None = None
 
     def now(self) -> float:
@@ -163,11 +177,35 @@ class SessionTimers:
             self._heartbeat_timer,
             self._close_deadline,
             self._upstream_close,
+            self._pace,
+            self._playback,
         ):
             if timer is not None:
                 timer.cancel()
         self._duration = self._idle_timer = self._heartbeat_timer = None
-        self._close_deadline = self._upstream_close = None
+        self._close_deadline = self._upstream_close = self._pace = self._playback = None
+
+    def arm_pace(self, when: float) -> None:
+        """Wake the session at ``when`` to release paced audio (the earliest wins)."""
+        if self._pace is not None:
+            if self._pace_at <= when:
+                return
+            self._pace.cancel()
+        self._pace_at = when
+        self._pace = self._scheduler.call_at(when, self._pace_fired)
+
+    def arm_playback(self, when: float) -> None:
+        """Wake the session at ``when`` for playback acks, unless already armed."""
+        if self._playback is None:
+            self._playback = self._scheduler.call_at(when, self._playback_fired)
+
+    def _pace_fired(self) -> None:
+        self._pace = None
+        self._listener.pace_due()
+
+    def _playback_fired(self) -> None:
+        self._playback = None
+        self._listener.playback_due()
 
     def arm_upstream_close(self, timeout: float) -> None:
         """The client asked to close: the engine has ``timeout`` seconds to answer."""

@@ -267,6 +267,14 @@ class OutputBuffer:
         """True when ``get_nowait`` would return something."""
         return bool(self._queue) or (self._closure is not None and not self._closure_taken)
 
+    def peek(self) -> Entry | None:
+        """The entry ``get_nowait`` would return next, without taking it."""
+        if self._queue:
+            return self._queue[0]
+        if self._closure is not None and not self._closure_taken:
+            return self._closure
+        return None
+
     def get_nowait(self) -> Entry | None:
         """Take the next event and hold it outside the budget.
 

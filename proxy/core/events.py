@@ -133,6 +133,10 @@ class UpstreamEvent:
     status: str | None = None
     action: str | None = None
     body: dict[str, Any] | None = None
+    #: An audio delta's base64 length and the fields the playback ledger reads
+    #: (``item_id``, ``format``, ``sample_rate_hz``), when the frame has them.
+    audio_chars: int = 0
+    audio_meta: dict[str, Any] | None = None
 
     @property
     def is_audio(self) -> bool:
@@ -270,6 +274,8 @@ def classify_upstream(text: str) -> UpstreamEvent:
                     audio_type,
                     EventKind.AUDIO_DELTA,
                     response_id=_str_or_none(doc.get("response_id")),
+                    audio_chars=spliced[1],
+                    audio_meta=doc,
                 )
     body = _parse_object(text)
     if isinstance(body, str):
@@ -289,6 +295,10 @@ def classify_upstream(text: str) -> UpstreamEvent:
                 response_id = _str_or_none(response.get("id"))
     elif kind is EventKind.OVERLAP_DECISION:
         action = _str_or_none(body.get("action"))
+    audio_chars = 0
+    if kind is EventKind.AUDIO_DELTA:
+        delta = body.get("delta")
+        audio_chars = len(delta) if isinstance(delta, str) else 0
     return UpstreamEvent(
         text,
         size,
@@ -298,6 +308,8 @@ def classify_upstream(text: str) -> UpstreamEvent:
         status=status,
         action=action,
         body=body,
+        audio_chars=audio_chars,
+        audio_meta=body if kind is EventKind.AUDIO_DELTA else None,
     )
 
 

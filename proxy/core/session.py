@@ -43,6 +43,7 @@ from proxy.core.events import (
     classify_upstream,
 )
 from proxy.core.ledger import CancellationLedger, LedgerStatistics, Verdict
+from proxy.core.playback import PlaybackLedger, PlaybackSettings
 from proxy.core.ratelimit import TokenBucket, audio_bytes_per_second
 
 __all__ = [
@@ -86,6 +87,9 @@ _NOTHING: Final[tuple[tuple[float, ...], tuple[float, ...]]] = ((), ())
 
 #: Response creations remembered for first-audio timing (oldest dropped).
 _MAX_PENDING_CREATES: Final = 64
+
+#: Client playback acknowledgements (vLLM-Omni's name and its alias).
+_PLAYBACK_ACKS: Final = frozenset({"playback.ack", "audio.playback_ack"})
 
 #: A rate-limited frame less than this many seconds after the previous one
 #: continues the same rate-limit episode (one error per episode).
@@ -149,6 +153,16 @@ class SessionSettings:
     max_client_frame_rate: float = 0.0
     client_frame_burst: float = 0.0
     client_rate_limit_close_after: float = 2.0
+    #: Pacing, acks on the client's behalf, truncation (proxy.core.playback).
+    playback: PlaybackSettings = field(default_factory=PlaybackSettings)
+
+    def __post_init__(self) -> None:
+        paced = self.playback.max_paced_audio_bytes
+        if self.playback.pacing and paced > self.buffer.max_pending_output_bytes:
+            raise ValueError(
+                f"max_paced_audio_bytes ({paced}) must not exceed max_pending_output_bytes "
+                f"({self.buffer.max_pending_output_bytes}): held audio would overflow the session"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +238,9 @@ class SessionCore:
         self._frame_bucket = TokenBucket(rate, settings.client_frame_burst or 2 * rate)
         self._limited_since: float | None = None
         self._last_limited = 0.0
+        self.playback = PlaybackLedger(settings.playback)
+        #: While pacing holds the next audio delta back: when it may go.
+        self.paced_until: float | None = None
 
     # -- client frame rate --------------------------------------------------------------
 
@@ -309,6 +326,12 @@ class SessionCore:
         elif event.kind is ClientKind.SESSION_CLOSE:
             self.client_close_requested = True
             self.upstream_close_sent = True
+        elif event.type in _PLAYBACK_ACKS:
+            if not self.playback.on_client_ack():
+                return ClientDecision(event, forward=False)  # playback_ack = always
+        elif event.type == "conversation.item.truncate":
+            item_id = (event.body or {}).get("item_id")
+            self.playback.on_client_truncate(item_id if isinstance(item_id, str) else None)
         return ClientDecision(event, forward=True)
 
     def reject_client_frame(
@@ -384,8 +407,13 @@ class SessionCore:
             self._count_drop(reason, event.size)
             return event
         rid = event.response_id
+        playback = self.playback
+        if playback.awaiting_answers and playback.swallow(event):
+            return event  # answers the sidecar's own ack: the client never asked
         if kind is EventKind.SESSION_CREATED:
             self._note_session_id(event)
+            if event.body is not None:
+                playback.on_session(event.body)
         elif kind is EventKind.RESPONSE_CREATED and rid is not None:
             self.ledger.on_created(rid)
             if self._pending_creates:
@@ -412,6 +440,8 @@ class SessionCore:
         elif kind is EventKind.SESSION_CLOSED:
             self._close(event, CLOSE_NORMAL, self._closed_outcome(), now)
             return event
+        elif event.type == "session.updated" and event.body is not None:
+            playback.on_session(event.body)
 
         if rid is None and event.body is not None:
             rid = self._response_of_item(event.body)
@@ -462,6 +492,11 @@ class SessionCore:
     # -- cancellation ---------------------------------------------------------------------------
 
     def _cancel(self, response_id: str, now: float) -> None:
+        told = self.playback.on_cancel(response_id, now)
+        if told:
+            # What the user heard goes to the engine before anything else we send.
+            self._to_upstream.extend(told)
+            self.news = True
         if self.ledger.cancel(response_id, now):
             self._cancels += 1
             if len(self._silence) >= self.settings.max_tombstones:
@@ -715,7 +750,18 @@ class SessionCore:
             writes it without awaiting in between, then calls ``delivered``.
         """
         buffer = self.buffer
+        playback = self.playback
+        # A closing session delivers what is left at once (its close deadline runs).
+        pacing = playback.settings.pacing and self.state is SessionState.OPEN
+        self.paced_until = None
         while True:
+            if pacing:
+                head = buffer.peek()
+                if head is not None and head.event.is_audio and not head.closure:
+                    when = playback.release_at(head.event, now, buffer.pending_bytes)
+                    if when is not None:
+                        self.paced_until = when
+                        return None
             entry = buffer.get_nowait()
             if entry is None:
                 return None
@@ -732,7 +778,20 @@ class SessionCore:
                 self._count_drop(DropReason.CANCELLED_AUDIO, event.size)
                 buffer.release_held()
                 continue
+            if event.is_audio:
+                playback.released(event, now)
             return entry
+
+    def ready(self) -> bool:
+        """Something can be written now (output queued and not held by pacing)."""
+        return self.paced_until is None and self.buffer.has_output()
+
+    def playback_tick(self, now: float) -> float | None:
+        """Queue the playback acks due now; return when to call again (None: idle)."""
+        if self.state is not SessionState.OPEN:
+            return None
+        self._to_upstream.extend(self.playback.acks_due(now))
+        return self.playback.next_ack_at(now)
 
     def delivered(self, entry: Entry, now: float, *, release: bool = True) -> None:
         """The entry was written to the client.
@@ -759,6 +818,7 @@ class SessionCore:
                 self._first_audio_observed.append(max(0.0, now - created))
                 self.news = True
         elif event.kind is EventKind.RESPONSE_DONE:
+            self.playback.done_delivered(rid)
             self.ledger.on_done_delivered(rid, now)
             # Time has moved on: tombstones whose TTL passed go now, not only
             # when an event of their response happens to arrive.

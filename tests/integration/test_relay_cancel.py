@@ -232,7 +232,8 @@ async def test_server_vad_barge_in_drops_the_late_audio(paced_sim, sidecar) -> N
 
 
 async def test_cancel_naming_an_older_response_leaves_the_newer_one_alone(engine, sidecar) -> None:
-    proxy = await sidecar(upstream=engine.ws_url)
+    # No acks or truncations on the client's behalf: the engine sees only the cancel.
+    proxy = await sidecar(upstream=engine.ws_url, playback_ack="off")
 
     def created(rid: str) -> Event:
         return {"type": "response.created", "response_id": rid, "response": {"id": rid}}

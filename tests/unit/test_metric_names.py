@@ -25,7 +25,7 @@ from metrics import definitions as d
 
 PREFIX = "omni_sidecar_"
 ALLOWED_LABELS = frozenset(
-    {"direction", "kind", "reason", "outcome", "policy", "state", "version", "result"}
+    {"direction", "kind", "reason", "outcome", "policy", "state", "version", "result", "source"}
 )
 
 #: The contract: family name (without ``_total``/``_info``) → (type, label → allowed values).
@@ -57,6 +57,11 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_config_reloads": ("counter", {"result": d.CONFIG_RELOAD_RESULTS}),
     "omni_sidecar_rejected_connections": ("counter", {"reason": d.CONNECTION_REJECT_REASONS}),
     "omni_sidecar_pending_handshakes": ("gauge", {}),
+    "omni_sidecar_audio_delivered_seconds": ("counter", {}),
+    "omni_sidecar_audio_lead_at_cancel_seconds": ("histogram", {}),
+    "omni_sidecar_playback_acks": ("counter", {}),
+    "omni_sidecar_truncations": ("counter", {"source": d.TRUNCATION_SOURCES}),
+    "omni_sidecar_paced_bound_releases": ("counter", {}),
     "omni_sidecar_build": ("info", {"version": ()}),
 }
 

@@ -1,0 +1,400 @@
+"""The playback ledger: what a client was sent and has heard, per response item.
+
+I/O-free: time is passed in. One ledger per session (docs/design.md, Playback).
+
+- **Pacing** (``playback_pacing``): audio deltas of a response are released no
+  faster than real time plus ``max_audio_lead`` seconds, measured from its
+  first released delta, so after an interruption at most about
+  ``max_audio_lead`` (plus one chunk) of the old answer is in the client.
+  Audio waiting to be released stays in the session's output buffer, bounded
+  separately by ``max_paced_audio_bytes``: above it audio is released early
+  (counted) rather than failing the session.
+- **Heard estimate**: the audio seconds played of an item are the lesser of
+  what was released and the wall time since its first released delta (a
+  client plays at 1x and starts on the first delta).
+- **Acks on the client's behalf** (``playback_ack``: ``auto``, ``off``,
+  ``always``): stock clients never send ``playback.ack``, so the engine's
+  history would keep a whole reply the user did not hear. The ledger writes
+  ``playback.ack`` frames for the engine at most every ``ack_interval`` per
+  item and once when the item's audio is done playing; the engine's
+  ``playback.acknowledged`` answers to them are not shown to the client.
+  With ``auto`` the sidecar stops the moment the client sends its own ack;
+  with ``always`` the client's own acks are not forwarded.
+- **Truncation on interrupt**: when a response whose audio was partly heard
+  is cancelled and the client did not truncate it itself, the engine is told
+  where the user stopped hearing: ``conversation.item.truncate`` when the
+  engine announced ``supports_audio_truncate``, else a final ``playback.ack``
+  with ``truncate: true``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from proxy.core.events import UpstreamEvent
+from proxy.core.ratelimit import BYTES_PER_SAMPLE
+
+__all__ = [
+    "ACK_EVENT_PREFIX",
+    "AckMode",
+    "ItemPlayback",
+    "PlaybackLedger",
+    "PlaybackSettings",
+    "audio_seconds",
+]
+
+#: ``event_id`` prefix of the acks the sidecar writes (their errors are ours too).
+ACK_EVENT_PREFIX: Final = "event_sidecar_ack_"
+#: Output audio defaults (vLLM-Omni and OpenAI Realtime: pcm16 at 24 kHz).
+DEFAULT_OUTPUT_FORMAT: Final = "pcm16"
+DEFAULT_OUTPUT_RATE: Final = 24_000
+_G711_RATE: Final = 8_000
+#: Items remembered per session; the oldest finished one is dropped beyond it.
+MAX_ITEMS: Final = 64
+#: Items the client truncated itself, remembered per session (oldest dropped).
+MAX_CLIENT_TRUNCATED: Final = 256
+#: Our acks/truncations awaiting the engine's answer (oldest forgotten beyond).
+MAX_OUTSTANDING: Final = 256
+
+
+class AckMode(enum.Enum):
+    AUTO = "auto"
+    OFF = "off"
+    ALWAYS = "always"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlaybackSettings:
+    """The ledger's settings (seconds and bytes)."""
+
+    pacing: bool = False
+    max_audio_lead: float = 0.5
+    max_paced_audio_bytes: int = 1024 * 1024
+    ack: AckMode = AckMode.OFF  # the product default ("auto") comes from the settings
+    ack_interval: float = 0.25
+
+
+def audio_seconds(chars: int, audio_format: str | None, sample_rate_hz: int | None) -> float:
+    """Seconds of mono audio in ``chars`` of base64 of ``audio_format`` at ``sample_rate_hz``."""
+    fmt = audio_format or DEFAULT_OUTPUT_FORMAT
+    width = BYTES_PER_SAMPLE.get(fmt, 2)
+    if sample_rate_hz and sample_rate_hz > 0:
+        rate = sample_rate_hz
+    else:
+        rate = _G711_RATE if width == 1 else DEFAULT_OUTPUT_RATE
+    return (chars * 3 // 4) / width / rate
+
+
+@dataclass(slots=True)
+class ItemPlayback:
+    """One response item's audio as the client got it."""
+
+    response_id: str
+    item_id: str | None
+    started_at: float | None = None
+    sent: float = 0.0  # audio seconds released to the client
+    acked_ms: int = -1  # played_ms of the last ack the sidecar wrote
+    last_ack_at: float = -math.inf
+    done: bool = False  # its response.done was delivered: no more audio
+    finished: bool = False  # final ack or truncation written; nothing more to say
+
+    def played(self, now: float) -> float:
+        """Audio seconds the client has played by ``now`` (estimate)."""
+        if self.started_at is None:
+            return 0.0
+        return min(self.sent, max(0.0, now - self.started_at))
+
+    def lead(self, now: float) -> float:
+        """Audio seconds in the client, sent and not yet played."""
+        return self.sent - self.played(now)
+
+
+class PlaybackLedger:
+    """Per-session playback state; see the module docstring.
+
+    Args:
+        settings: pacing and ack settings.
+    """
+
+    def __init__(self, settings: PlaybackSettings) -> None:
+        self.settings = settings
+        self.items: OrderedDict[str, ItemPlayback] = OrderedDict()
+        #: The client sent a playback.ack of its own.
+        self.client_acks = False
+        self._client_truncated: OrderedDict[str, None] = OrderedDict()
+        self.supports_truncate = False
+        self.output_format: str | None = None
+        self.output_rate: int | None = None
+        self._own_acks_outstanding = 0
+        self._own_truncates: OrderedDict[str, None] = OrderedDict()
+        #: event_id -> "ack" | "truncate" of our frames not answered yet (bounded:
+        #: the oldest is forgotten beyond MAX_OUTSTANDING).
+        self._own: OrderedDict[str, str] = OrderedDict()
+        self._ack_seq = 0
+        # statistics (plain counters; the shell exports them)
+        self.audio_sent = 0.0
+        self.acks_sent = 0
+        self.truncations_sidecar = 0
+        self.truncations_client = 0
+        self.paced_bound_releases = 0
+        self.lead_at_cancel: list[float] = []
+
+    # -- what the engine and the client say ---------------------------------------------
+
+    @property
+    def acking(self) -> bool:
+        """The sidecar acks for this session now."""
+        mode = self.settings.ack
+        return mode is AckMode.ALWAYS or (mode is AckMode.AUTO and not self.client_acks)
+
+    def on_session(self, body: dict[str, Any]) -> None:
+        """``session.created``/``session.updated``: output format, truncate support."""
+        session = body.get("session")
+        if not isinstance(session, dict):
+            return
+        caps = session.get("capabilities")
+        if isinstance(caps, dict):
+            self.supports_truncate = caps.get("supports_audio_truncate") is True
+        fmt: object = session.get("output_audio_format")
+        rate: object = session.get("sample_rate_hz")
+        audio = session.get("audio")
+        if isinstance(audio, dict) and isinstance(audio.get("output"), dict):
+            out = audio["output"]
+            spec = out.get("format")
+            if isinstance(spec, dict):
+                fmt, rate = spec.get("type", fmt), spec.get("rate", rate)
+            elif isinstance(spec, str):
+                fmt = spec
+            rate = out.get("sample_rate_hz", rate)
+        if isinstance(fmt, str):
+            self.output_format = fmt
+        if isinstance(rate, int) and rate > 0:
+            self.output_rate = rate
+
+    def on_client_ack(self) -> bool:
+        """The client sent ``playback.ack``. Returns whether to forward it."""
+        if self.settings.ack is AckMode.ALWAYS:
+            return False
+        self.client_acks = True
+        return True
+
+    def on_client_truncate(self, item_id: str | None) -> None:
+        """The client sent ``conversation.item.truncate`` itself."""
+        self.truncations_client += 1
+        if item_id is None:
+            return
+        self._client_truncated[item_id] = None
+        if len(self._client_truncated) > MAX_CLIENT_TRUNCATED:
+            self._client_truncated.popitem(last=False)
+
+    @property
+    def awaiting_answers(self) -> bool:
+        """Some of our acks or truncations have not been answered yet."""
+        return bool(self._own)
+
+    def swallow(self, event: UpstreamEvent) -> bool:
+        """An engine answer to one of the sidecar's own acks or truncations.
+
+        The client never asked for it, so it is not shown to the client.
+        """
+        if not self._own:
+            return False
+        kind = event.type
+        if kind == "playback.acknowledged" and self._own_acks_outstanding > 0:
+            self._answered("ack")
+            return True
+        body = event.body
+        if kind == "conversation.item.truncated" and body is not None:
+            item_id = body.get("item_id")
+            if isinstance(item_id, str) and item_id in self._own_truncates:
+                del self._own_truncates[item_id]
+                self._answered("truncate")
+                return True
+        if kind == "error" and body is not None:
+            error = body.get("error")
+            echoed = error.get("event_id") if isinstance(error, dict) else None
+            if isinstance(echoed, str) and echoed in self._own:
+                self._answered(self._own.pop(echoed))
+                return True
+        return False
+
+    def _answered(self, what: str) -> None:
+        if what == "ack":
+            self._own_acks_outstanding = max(0, self._own_acks_outstanding - 1)
+        for event_id, kind in self._own.items():
+            if kind == what:
+                del self._own[event_id]
+                break
+
+    # -- audio released to the client ---------------------------------------------------
+
+    def seconds_of(self, event: UpstreamEvent) -> float:
+        meta = event.audio_meta or {}
+        fmt = meta.get("format")
+        rate = meta.get("sample_rate_hz")
+        return audio_seconds(
+            event.audio_chars,
+            fmt if isinstance(fmt, str) else self.output_format,
+            rate if isinstance(rate, int) else self.output_rate,
+        )
+
+    def _item(self, event: UpstreamEvent) -> ItemPlayback:
+        rid = event.response_id or ""
+        item = self.items.get(rid)
+        if item is None:
+            meta = event.audio_meta or {}
+            item_id = meta.get("item_id")
+            item = ItemPlayback(rid, item_id if isinstance(item_id, str) else None)
+            self.items[rid] = item
+            if len(self.items) > MAX_ITEMS:
+                for key, old in self.items.items():
+                    if old.finished or old.done:
+                        del self.items[key]
+                        break
+                else:
+                    self.items.popitem(last=False)
+        return item
+
+    def release_at(self, event: UpstreamEvent, now: float, pending_bytes: int) -> float | None:
+        """When a paced audio delta may go to the client (None: now).
+
+        Released once what was already released of its response is at most
+        the time since its first delta plus ``max_audio_lead``. Above
+        ``max_paced_audio_bytes`` of pending output it goes at once.
+        """
+        if not self.settings.pacing or event.response_id is None:
+            return None
+        item = self.items.get(event.response_id)
+        if item is None or item.started_at is None:
+            return None
+        when = item.started_at + item.sent - self.settings.max_audio_lead
+        if when <= now:
+            return None
+        if pending_bytes >= self.settings.max_paced_audio_bytes:
+            self.paced_bound_releases += 1
+            return None
+        return when
+
+    def released(self, event: UpstreamEvent, now: float) -> None:
+        """An audio delta was taken for writing to the client."""
+        if event.response_id is None:
+            return
+        item = self._item(event)
+        if item.started_at is None:
+            item.started_at = now
+        seconds = self.seconds_of(event)
+        item.sent += seconds
+        self.audio_sent += seconds
+
+    def done_delivered(self, response_id: str) -> None:
+        item = self.items.get(response_id)
+        if item is not None:
+            item.done = True
+
+    # -- what goes to the engine -------------------------------------------------------------
+
+    def acks_due(self, now: float) -> list[str]:
+        """``playback.ack`` frames to write now (empty when not acking)."""
+        if not self.acking:
+            return []
+        out = []
+        interval = self.settings.ack_interval
+        for item in self.items.values():
+            if item.finished or item.started_at is None:
+                continue
+            played = item.played(now)
+            played_ms = int(played * 1000)
+            final = item.done and played >= item.sent
+            if final or (now - item.last_ack_at >= interval and played_ms > item.acked_ms):
+                out.append(self._ack(item, played_ms, now, truncate=False))
+                if final:
+                    item.finished = True
+        return out
+
+    def next_ack_at(self, now: float) -> float | None:
+        """When ``acks_due`` next has something to say (None: nothing playing)."""
+        if not self.acking:
+            return None
+        soonest: float | None = None
+        for item in self.items.values():
+            if item.finished or item.started_at is None:
+                continue
+            at = max(now, item.last_ack_at + self.settings.ack_interval)
+            if item.done:
+                at = min(at, max(now, item.started_at + item.sent))
+            soonest = at if soonest is None else min(soonest, at)
+        return soonest
+
+    def on_cancel(self, response_id: str, now: float) -> list[str]:
+        """A cancel trigger hit ``response_id``: tell the engine what was heard."""
+        item = self.items.get(response_id)
+        if item is None or item.started_at is None or item.finished:
+            return []
+        self.lead_at_cancel.append(item.lead(now))
+        played = item.played(now)
+        # What is in the client but unheard will not be played (the client
+        # clears it, or the pacing kept it short): the item ends here.
+        item.sent = played
+        item.finished = True
+        if item.item_id is not None and item.item_id in self._client_truncated:
+            return []
+        played_ms = int(played * 1000)
+        if self.supports_truncate and item.item_id is not None:
+            self.truncations_sidecar += 1
+            self._own_truncates[item.item_id] = None
+            if len(self._own_truncates) > MAX_OUTSTANDING:
+                self._own_truncates.popitem(last=False)
+            return [
+                orjson.dumps(
+                    {
+                        "type": "conversation.item.truncate",
+                        "event_id": self._track("truncate"),
+                        "item_id": item.item_id,
+                        "content_index": 0,
+                        "audio_end_ms": played_ms,
+                    }
+                ).decode()
+            ]
+        if not self.acking:
+            return []
+        self.truncations_sidecar += 1
+        return [self._ack(item, played_ms, now, truncate=True)]
+
+    def _track(self, kind: str) -> str:
+        """A fresh event_id for one of our frames, remembered until answered."""
+        self._ack_seq += 1
+        event_id = f"{ACK_EVENT_PREFIX}{self._ack_seq}"
+        self._own[event_id] = kind
+        if len(self._own) > MAX_OUTSTANDING:
+            _, dropped = self._own.popitem(last=False)
+            if dropped == "ack":
+                self._own_acks_outstanding = max(0, self._own_acks_outstanding - 1)
+        return event_id
+
+    def _ack(self, item: ItemPlayback, played_ms: int, now: float, *, truncate: bool) -> str:
+        item.acked_ms = played_ms
+        item.last_ack_at = now
+        self.acks_sent += 1
+        self._own_acks_outstanding += 1
+        body: dict[str, Any] = {
+            "type": "playback.ack",
+            "event_id": self._track("ack"),
+            "response_id": item.response_id,
+            "played_ms": played_ms,
+            "committed_ms": played_ms,
+        }
+        if item.item_id is not None:
+            body["item_id"] = item.item_id
+        if truncate:
+            body["truncate"] = True
+        return orjson.dumps(body).decode()
+
+    def take_lead_observations(self) -> list[float]:
+        out, self.lead_at_cancel = self.lead_at_cancel, []
+        return out
