@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from engine_launcher.simulator.playback import COMMIT_ALL_ON_DONE, PLAYBACK_COMMIT_POLICIES
+
 __all__ = [
     "DEFAULT_CHUNK_MS",
     "DEFAULT_HOST",
@@ -34,6 +36,7 @@ DEFAULT_SAMPLE_RATE: Final = 24000
 DEFAULT_REALTIME_FACTOR: Final = 1.0
 DEFAULT_RESPONSE_SECONDS: Final = 4.0
 DEFAULT_LATE_AUDIO_CHUNKS: Final = 3
+DEFAULT_GENERATION_SPEED: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +63,9 @@ class SimulatorConfig:
     health_fail_after: float | None = None
     ignore_sigterm: bool = False
     stall_after: float | None = None
+    playback_commit_policy: str = COMMIT_ALL_ON_DONE
+    supports_audio_truncate: bool = False
+    generation_speed: float = DEFAULT_GENERATION_SPEED
 
     def __post_init__(self) -> None:
         # Validate here so a bad value fails at start-up with a message that
@@ -76,6 +82,13 @@ class SimulatorConfig:
             raise ValueError(f"--response-seconds must be positive, got {self.response_seconds}")
         if self.late_audio_chunks < 0:
             raise ValueError(f"--late-audio-chunks must be >= 0, got {self.late_audio_chunks}")
+        if self.generation_speed <= 0 or not math.isfinite(self.generation_speed):
+            raise ValueError(f"--generation-speed must be > 0, got {self.generation_speed}")
+        if self.playback_commit_policy not in PLAYBACK_COMMIT_POLICIES:
+            raise ValueError(
+                "--playback-commit-policy must be one of "
+                f"{', '.join(PLAYBACK_COMMIT_POLICIES)}, got {self.playback_commit_policy!r}"
+            )
         if self.event_names not in ("ga", "beta"):
             raise ValueError(f"--event-names must be ga or beta, got {self.event_names!r}")
         for name in ("startup_delay", "crash_after", "health_fail_after", "stall_after"):
@@ -90,8 +103,13 @@ class SimulatorConfig:
 
     @property
     def chunk_interval(self) -> float:
-        """Seconds between two produced chunks (0 means as fast as possible)."""
-        return self.chunk_ms * self.realtime_factor / 1000
+        """Seconds between two produced chunks (0 means as fast as possible).
+
+        ``chunk_ms * realtime_factor / generation_speed``: with
+        ``--generation-speed 4`` a 2 s reply is on the wire after 0.5 s, the way
+        a GPU engine outruns playback.
+        """
+        return self.chunk_ms * self.realtime_factor / self.generation_speed / 1000
 
     @property
     def listen_interval(self) -> float:
@@ -171,6 +189,32 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send response.listen once per chunk period while idle",
     )
+    parser.add_argument(
+        "--generation-speed",
+        type=float,
+        default=DEFAULT_GENERATION_SPEED,
+        metavar="X",
+        help="produce audio X times faster than real time: one chunk every chunk_ms/X "
+        "(times --realtime-factor); 4 sends a 2 s reply in 0.5 s (default %(default)s)",
+    )
+    playback = parser.add_argument_group("playback ledger and history")
+    playback.add_argument(
+        "--playback-commit-policy",
+        choices=PLAYBACK_COMMIT_POLICIES,
+        default=COMMIT_ALL_ON_DONE,
+        help="default of each session (session.update playback_commit_policy overrides it): "
+        "commit_all_on_done = a completed reply enters history whole unless acks say less; "
+        "ack_only = history gets only what playback.ack committed, and response.create is "
+        "refused (response_already_active) while sent audio is unacknowledged "
+        "(default %(default)s)",
+    )
+    playback.add_argument(
+        "--supports-audio-truncate",
+        action="store_true",
+        help="advertise capabilities.supports_audio_truncate and answer "
+        "conversation.item.truncate with conversation.item.truncated (history cut at "
+        "audio_end_ms); without it the event is an error",
+    )
     fault = parser.add_argument_group("fault knobs")
     fault.add_argument(
         "--startup-delay",
@@ -232,6 +276,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
             health_fail_after=ns.health_fail_after,
             ignore_sigterm=ns.ignore_sigterm,
             stall_after=ns.stall_after,
+            playback_commit_policy=ns.playback_commit_policy,
+            supports_audio_truncate=ns.supports_audio_truncate,
+            generation_speed=ns.generation_speed,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -147,6 +147,11 @@ class SessionRunner:
                     async with asyncio.timeout(CLOSE_TIMEOUT):
                         await self._ws.close(code=1011, message=b"internal_error")
 
+    @property
+    def session(self) -> DuplexSession:
+        """The protocol core of this socket (read by ``GET /debug/history``)."""
+        return self._session
+
     def request_close(self, reason: str, code: int) -> None:
         """Queue ``session.closed`` and a close frame (server shutdown)."""
         self._session.request_close(reason, code)

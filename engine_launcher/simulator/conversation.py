@@ -138,6 +138,10 @@ class Conversation:
             self.pending_input = True
         return previous
 
+    def items(self) -> list[Payload]:
+        """All items, oldest first."""
+        return list(self._items.values())
+
     def get(self, item_id: str) -> Payload | None:
         """Return the item, or ``None``."""
         return self._items.get(item_id)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from engine_launcher.simulator.conversation import Conversation, InputAudioError, InputBuffer
+from engine_launcher.simulator.playback import PlaybackCursor
 from engine_launcher.simulator.settings import SettingsError, apply_update, truthy
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def on_commit(s: DuplexSession, event: Payload) -> None:
     )
     s.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
     if create:
-        if s.active is not None:
+        if s.active is not None or s.playback_wait:
             s.error("response_already_active", "a response is already active", event)
         else:
             s.start_response()
@@ -191,7 +192,7 @@ def on_input_cancel(s: DuplexSession, event: Payload) -> None:
     s.emit({"type": "input_audio_buffer.cleared"})
     if s.active is not None:
         s.cancel_active("barge_in")
-    else:
+    elif not s.release_playback_wait():
         s.epoch += 1
 
 
@@ -223,18 +224,30 @@ def on_item_create(s: DuplexSession, event: Payload) -> None:
 
 
 def on_item_retrieve(s: DuplexSession, event: Payload) -> None:
-    """``conversation.item.retrieved`` or ``item_not_found``."""
-    item = s.history.get(str(event.get("item_id")))
+    """``conversation.item.retrieved`` or ``item_not_found``.
+
+    An assistant item's transcript is what the engine's history holds for it
+    after every cut (acks, truncation, cancel): what the model believes it said,
+    ``""`` while an ``ack_only`` reply awaits its ack.
+    """
+    item_id = str(event.get("item_id"))
+    item = s.history.get(item_id)
     if item is None:
         s.error("item_not_found", f"no item {event.get('item_id')!r}", event)
-    else:
-        s.emit({"type": "conversation.item.retrieved", "item": item})
+        return
+    record = s.record_for_item(item_id)
+    if record is not None:
+        item = {**item, "content": [{"type": "output_audio", "transcript": record.text or ""}]}
+    s.emit({"type": "conversation.item.retrieved", "item": item})
 
 
 def on_item_delete(s: DuplexSession, event: Payload) -> None:
-    """``conversation.item.deleted`` or ``item_not_found``."""
+    """``conversation.item.deleted`` or ``item_not_found``; a reply leaves history with it."""
     item_id = str(event.get("item_id"))
     if s.history.delete(item_id):
+        record = s.record_for_item(item_id)
+        if record is not None:
+            del s.records[record.response_id]
         # The engine echoes its internal event under ``event`` (wheel 0.30 ``ItemDeleted``).
         s.emit(
             {
@@ -247,15 +260,161 @@ def on_item_delete(s: DuplexSession, event: Payload) -> None:
         s.error("item_not_found", f"no item {item_id!r}", event)
 
 
+def _int_field(event: Payload, key: str) -> int | None:
+    value = event.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
 def on_item_truncate(s: DuplexSession, event: Payload) -> None:
-    """``capabilities.supports_audio_truncate`` is false for this engine."""
-    s.error("unsupported_audio_truncate", "audio truncation is not supported", event)
+    """Cut an assistant item's history at ``audio_end_ms`` (``--supports-audio-truncate``).
+
+    Like the 0.30 engine: ``conversation.item.truncated`` (with the internal
+    event and ``truncated``: whether history changed), then the same cut
+    applied as a truncating ``playback.ack``, answered by
+    ``playback.acknowledged`` (or that ack's error). Without the flag the
+    engine announces no truncation and the event is an error.
+    """
+    if not s.config.supports_audio_truncate:
+        s.error("unsupported_audio_truncate", "audio truncation is not supported", event)
+        return
+    item_id = event.get("item_id")
+    audio_end_ms = _int_field(event, "audio_end_ms")
+    content_index = _int_field(event, "content_index")
+    if not isinstance(item_id, str) or audio_end_ms is None:
+        s.error("bad_event", "conversation.item.truncate requires item_id and audio_end_ms", event)
+        return
+    content_index = 0 if content_index is None else content_index
+    record = s.record_for_item(item_id)
+    item = s.history.get(item_id)
+    if record is None and item is None:
+        s.error("item_not_found", f"Conversation item not found: {item_id}", event)
+        return
+    if record is None:
+        s.error(
+            "bad_event", "conversation.item.truncate only supports assistant message items", event
+        )
+        return
+    if audio_end_ms < 0:
+        s.error("bad_event", "conversation.item.truncate requires non-negative audio_end_ms", event)
+        return
+    if content_index != 0:
+        s.error(
+            "bad_event",
+            f"conversation.item.truncate content_index out of range: {content_index}",
+            event,
+        )
+        return
+    previous_cap = record.hard_cap_ms
+    record.hard_cap_ms = audio_end_ms if previous_cap is None else min(previous_cap, audio_end_ms)
+    truncated = s.commit_history(record, audio_end_ms)
+    internal = {
+        "type": "conversation.item.truncated",
+        "session_id": s.session_id,
+        "item_id": item_id,
+        "content_index": content_index,
+        "audio_end_ms": event.get("audio_end_ms"),
+        "truncated": truncated,
+    }
+    s.emit(
+        {
+            "type": "conversation.item.truncated",
+            "item_id": item_id,
+            "content_index": content_index,
+            "audio_end_ms": audio_end_ms,
+            "event": internal,
+        }
+    )
+    ack = {"item_id": item_id, "played_ms": audio_end_ms, "committed_ms": audio_end_ms}
+    on_playback_ack(s, {**ack, "type": "playback.ack", "truncate": True})
+
+
+def _ack_target(s: DuplexSession, event: Payload) -> tuple[str | None, str | None]:
+    """(response_id, item_id) an ack is about, filled in the way the engine does."""
+    named = event.get("response_id")
+    response_id = named if isinstance(named, str) and named else None
+    item_id = event.get("item_id")
+    if not isinstance(item_id, str) or not item_id:
+        item_id = f"item_{response_id}" if response_id is not None else None
+    elif response_id is None and item_id.startswith("item_"):
+        response_id = item_id.removeprefix("item_")
+    if response_id is None and item_id is None:
+        waiting = [r for r in s.records.values() if r.ended and not r.in_history]
+        if len(waiting) == 1:
+            response_id, item_id = waiting[0].response_id, waiting[0].item_id
+        elif s.active is not None:
+            response_id, item_id = s.active.response_id, s.active.item_id
+    return response_id, item_id
 
 
 def on_playback_ack(s: DuplexSession, event: Payload) -> None:
-    """Answer with the playback ledger (docs/engine-protocol.md, Playback acknowledgement)."""
-    played = event.get("played_ms", 0)
-    # Wheel 0.30 ``PlaybackAcknowledged`` renders only ``event`` (the ledger).
+    """Apply a client playback report to the ledger and history (docs/design.md, Simulator).
+
+    ``played_ms``/``committed_ms`` are cumulative ms of the response's audio
+    (``committed_ms`` defaults to ``played_ms``); both only move forward,
+    except that ``truncate: true`` sets the committed position exactly and
+    caps the item's history there for good. Answered by
+    ``playback.acknowledged`` whose ``event`` carries the ledger after the ack
+    and ``history_committed`` (whether history changed), or by an error:
+    ``playback_item_mismatch`` (item_id is not ``item_<response_id>``),
+    ``playback_item_not_found`` (no such reply), ``playback_ack_too_late`` (a
+    later user turn was committed before the reply held a history position).
+    """
+    played = event.get("played_ms", event.get("audio_ms", 0))
+    if isinstance(played, bool) or not isinstance(played, int | float):
+        s.error("bad_event", "playback.ack requires played_ms", event)
+        return
+    committed_raw = event.get("committed_ms")
+    committed = (
+        int(committed_raw)
+        if isinstance(committed_raw, int | float) and not isinstance(committed_raw, bool)
+        else int(played)
+    )
+    response_id, item_id = _ack_target(s, event)
+    record = None
+    if response_id is not None:
+        if item_id != f"item_{response_id}":
+            s.error(
+                "playback_item_mismatch",
+                "playback.ack item_id must match item_<response_id>.",
+                event,
+            )
+            return
+        record = s.records.get(response_id)
+        if record is None:
+            s.error(
+                "playback_item_not_found",
+                f"No assistant response item is registered for {response_id}.",
+                event,
+            )
+            return
+        if not record.reserved and not record.in_history and s.turn_id > record.turn_id:
+            s.error(
+                "playback_ack_too_late",
+                "playback.ack arrived after a later user input was committed.",
+                event,
+            )
+            return
+        record.reserved = True
+    elif item_id is not None:
+        s.error(
+            "playback_item_not_found",
+            "playback.ack requires a response-owned assistant item.",
+            event,
+        )
+        return
+    hard = event.get("truncate") is True
+    cursor = record.cursor if record is not None else s.current
+    cursor.acknowledge(int(played), committed)
+    history_committed = False
+    if record is not None:
+        if hard:
+            cursor.truncate(committed)
+            cap = record.hard_cap_ms
+            record.hard_cap_ms = committed if cap is None else min(cap, committed)
+        history_committed = s.commit_history(record, committed)
+    # Wheel 0.30 ``PlaybackAcknowledged`` renders only ``event`` (the internal event).
     s.emit(
         {
             "type": "playback.acknowledged",
@@ -263,21 +422,25 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
                 "type": "playback.acknowledged",
                 "session_id": s.session_id,
                 "epoch": s.epoch,
-                "item_id": event.get("item_id"),
-                "played_ms": played,
-                "committed_ms": event.get("committed_ms", played),
-                "truncate": bool(event.get("truncate", False)),
+                "item_id": item_id,
+                "played_ms": int(played),
+                "committed_ms": committed,
+                "truncate": hard,
+                "playback": cursor.as_dict(),
+                "history_committed": history_committed,
             },
         }
     )
+    if record is not None and history_committed and committed >= cursor.total_ms:
+        record.released = True
 
 
 # ----------------------------------------------------------------- responses
 
 
 def on_response_create(s: DuplexSession, event: Payload) -> None:
-    """Needs committed input and no active response."""
-    if s.active is not None:
+    """Needs committed input, no active response and (``ack_only``) no playback wait."""
+    if s.active is not None or s.playback_wait:
         s.error("response_already_active", "a response is already active", event)
     elif not s.history.pending_input:
         s.error("response_create_without_input", "commit input audio first", event)
@@ -294,6 +457,9 @@ def on_response_cancel(s: DuplexSession, event: Payload) -> None:
             s.cancel_active("client_cancelled")
         else:
             s.error("response_not_active", f"response {named!r} is not active", event)
+    elif s.release_playback_wait():
+        # ack_only audio still playing: the engine counts it as response work.
+        pass
     elif named is None:
         s.error("response_not_active", "no response is active", event)
     # A named response that already ended is silently ignored.
@@ -304,15 +470,23 @@ def on_output_clear(s: DuplexSession, event: Payload) -> None:
     named = _named_response(event)
     if s.active is not None and named in (None, s.active.response_id):
         s.cancel_active("output_audio_buffer_clear", output_cleared=True)
-    else:
-        s.emit({"type": "output_audio_buffer.cleared", "response_id": named or s.last_response_id})
+        return
+    target = named or s.last_response_id
+    if s.active is None and target == s.last_response_id and s.release_playback_wait():
+        # The latest completed reply is still playing under ack_only: the clear
+        # reaches the engine, which cuts its history at the acked position and
+        # frees the turn (a new epoch).
+        return
+    if s.active is None and target == s.last_response_id:
+        s.current = PlaybackCursor()  # the engine drops the cursor, epoch unchanged
+    s.emit({"type": "output_audio_buffer.cleared", "response_id": target})
 
 
 def on_barge_in(s: DuplexSession, event: Payload) -> None:
     """Hard interrupt (``supports_barge_in``); advances the epoch even when idle."""
     if s.active is not None:
         s.cancel_active("barge_in")
-    else:
+    elif not s.release_playback_wait():
         s.epoch += 1
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from engine_launcher.simulator.audio import AudioBank
+from engine_launcher.simulator.playback import AssistantRecord
 from engine_launcher.simulator.protocol import AudioEventNames
 
 __all__ = [
@@ -151,12 +152,20 @@ class ResponseEvents:
             },
         ]
 
-    def chunk(self, resp: ResponseState) -> list[Payload]:
-        """The next audio delta and its transcript delta; advances ``resp``."""
+    def chunk(self, resp: ResponseState, session_id: str, record: AssistantRecord) -> list[Payload]:
+        """The next audio delta and its transcript delta; advances ``resp`` and its ledger.
+
+        ``metadata`` is what the 0.30 engine puts there: ``audio_duration_ms``
+        and the single audio/text mark are cumulative over the response (audio
+        up to the end of this delta, characters spoken by then), ``playback``
+        is the response's ledger after this delta, ``end_of_turn`` is true on
+        the last delta of an uncut response.
+        """
         index = resp.next_chunk
         resp.next_chunk += 1
         text = self._bank.transcript(index)
         resp.transcript.append(text)
+        total_ms = record.add_chunk(text, self._bank.chunk_ms)
         rid = resp.response_id
         return [
             {
@@ -170,7 +179,17 @@ class ResponseEvents:
                 "sample_rate_hz": self._bank.sample_rate,
                 # metadata.epoch is the epoch the chunk was produced under: late
                 # audio after a cancel carries the cancelled epoch (§3.3).
-                "metadata": {"epoch": resp.epoch, "audio_duration_ms": self._bank.chunk_ms},
+                "metadata": {
+                    "session_id": session_id,
+                    "epoch": resp.epoch,
+                    "model_speak": True,
+                    "end_of_turn": resp.remaining <= 0,
+                    "playback": record.cursor.as_dict(),
+                    "audio_duration_ms": total_ms,
+                    "audio_text_marks": [
+                        {"text_chars": len(record.full_text), "audio_end_ms": total_ms}
+                    ],
+                },
             },
             {
                 "type": self._names.transcript_delta,
@@ -231,13 +250,23 @@ class ResponseEvents:
             },
         }
 
-    def completed(self, resp: ResponseState) -> list[Payload]:
-        """Normal ending: closing markers, ``response.done`` (completed), rate limits."""
+    def completed(
+        self, resp: ResponseState, record: AssistantRecord, *, committed: bool
+    ) -> list[Payload]:
+        """Normal ending: closing markers, ``response.done`` (completed), rate limits.
+
+        Args:
+            resp: the finished response.
+            record: its ledger (``metadata.playback``).
+            committed: whether the reply entered history at its end (under
+                ``ack_only`` without acks it did not).
+        """
         meta = {
             "epoch": resp.epoch,
             "turn_id": resp.turn_id,
-            "committed": True,
-            "committed_ms": resp.produced_ms,
+            "committed": committed,
+            "committed_ms": record.audio_ms if committed else 0,
+            "playback": record.cursor.as_dict(),
         }
         return [
             *self._closing(resp, "completed"),
@@ -246,12 +275,19 @@ class ResponseEvents:
         ]
 
     def cancelled(
-        self, resp: ResponseState, *, reason: str, new_epoch: int, output_cleared: bool
+        self,
+        resp: ResponseState,
+        record: AssistantRecord,
+        *,
+        reason: str,
+        new_epoch: int,
+        output_cleared: bool,
     ) -> list[Payload]:
         """Cancel terminal sequence of docs/engine-protocol.md, Cancellation in the engine.
 
         Args:
             resp: the cancelled response.
+            record: its ledger at the cancel (late audio included).
             reason: one of :data:`CANCEL_REASONS`.
             new_epoch: the session epoch after the cancel.
             output_cleared: prepend ``output_audio_buffer.cleared``.
@@ -265,13 +301,9 @@ class ResponseEvents:
             "epoch": new_epoch,
             "turn_id": resp.turn_id,
             "committed": False,
-            "committed_ms": 0,
-            "playback": {
-                "generated_ms": resp.produced_ms,
-                "sent_ms": resp.produced_ms,
-                "played_ms": 0,
-                "committed_ms": 0,
-            },
+            # What history kept: the acknowledged position (0 when the client never acked).
+            "committed_ms": record.cursor.committed_ms,
+            "playback": record.cursor.as_dict(),
         }
         events.extend(self._closing(resp, "cancelled"))
         events.append(self._done(resp, "cancelled", {"type": "cancelled", "reason": reason}, meta))

@@ -2,7 +2,8 @@
 
 Routes (docs/engine-protocol.md, Routes; HTTP surface): WebSocket ``/v1/realtime`` and
 ``/v1/duplex``
-(same handler), ``GET /health``, ``GET /v1/models``, ``GET /metrics``.
+(same handler), ``GET /health``, ``GET /v1/models``, ``GET /metrics``, and the
+simulator's own ``GET /debug/history`` (the engine's conversation history).
 
 Process lifecycle, in order: install signal handlers (they only set an Event);
 ``--startup-delay`` (abortable, like a model load); build the voice; bind and
@@ -163,6 +164,28 @@ async def handle_metrics(request: web.Request) -> web.Response:
     )
 
 
+async def handle_debug_history(request: web.Request) -> web.Response:
+    """``GET /debug/history``: each open session's conversation history, as the model sees it.
+
+    ``{"sessions": {session_id: {"playback_commit_policy", "epoch", "items",
+    "pending"}}}``. ``items`` is the history in order: users with their
+    placeholder transcript, assistant replies with the text history holds
+    (after acks, truncation, cancels), ``audio_ms`` (the audio position that
+    text ends at), ``full_text`` (everything generated) and the ledger
+    ``playback``. ``pending`` lists replies not (or no longer) in history, e.g.
+    ``ack_only`` replies awaiting their ack. For tests and the bench to compare
+    what the model believes it said with what the user heard; it is not part
+    of the engine's API, and a session that has not opened yet is left out.
+    """
+    state = request.app[STATE_KEY]
+    sessions = {
+        runner.session.session_id: runner.session.history_view()
+        for runner in list(state.sessions)
+        if runner.session.session_id
+    }
+    return _json({"sessions": sessions})
+
+
 # ------------------------------------------------------------- WebSocket
 
 
@@ -212,6 +235,7 @@ def build_app(config: SimulatorConfig, bank: AudioBank) -> web.Application:
     app.router.add_get("/health", handle_health)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/debug/history", handle_debug_history)
     app.router.add_get("/v1/realtime", handle_realtime)
     app.router.add_get("/v1/duplex", handle_realtime)
     return app
@@ -300,13 +324,17 @@ async def serve(
         port = runner.addresses[0][1] if runner.addresses else config.port
         logger.info(
             "omni engine simulator listening on http://%s:%d (model=%s, chunk_ms=%d, "
-            "realtime_factor=%g, event_names=%s)",
+            "realtime_factor=%g, generation_speed=%g, event_names=%s, "
+            "playback_commit_policy=%s, supports_audio_truncate=%s)",
             config.host,
             port,
             config.model,
             config.chunk_ms,
             config.realtime_factor,
+            config.generation_speed,
             config.event_names,
+            config.playback_commit_policy,
+            config.supports_audio_truncate,
         )
         if on_listening is not None:
             on_listening(port)

@@ -25,6 +25,7 @@ import orjson
 from engine_launcher.simulator.audio import AudioBank
 from engine_launcher.simulator.config import SimulatorConfig
 from engine_launcher.simulator.conversation import Conversation, InputBuffer
+from engine_launcher.simulator.playback import ACK_ONLY, AssistantRecord, PlaybackCursor
 from engine_launcher.simulator.protocol import (
     CLIENT_ALIASES,
     IdFactory,
@@ -36,6 +37,7 @@ from engine_launcher.simulator.responses import ResponseEvents, ResponseState
 from engine_launcher.simulator.settings import SessionSettings
 
 __all__ = [
+    "MAX_ASSISTANT_RECORDS",
     "OPENING_EVENTS",
     "CloseFrame",
     "DuplexSession",
@@ -49,6 +51,13 @@ __all__ = [
 OPENING_EVENTS: Final = frozenset({"session.update", "session.resume"})
 
 Payload = dict[str, Any]
+
+#: Assistant replies whose playback ledger and history text one session keeps
+#: (unit: replies). When a session exceeds it, the oldest reply is forgotten: it
+#: leaves the engine history (``/debug/history``) and later acks for it are
+#: answered ``playback_item_not_found``. Real sessions have a handful of turns;
+#: the bound only keeps a runaway test or bench session from growing forever.
+MAX_ASSISTANT_RECORDS: Final = 1000
 
 
 class Phase(enum.Enum):
@@ -107,6 +116,12 @@ class DuplexSession:
         history: conversation items.
         active: the response being produced, if any.
         last_response_id: the most recent response, active or not.
+        records: what the engine remembers of each assistant reply (ledger,
+            history text), oldest first, at most :data:`MAX_ASSISTANT_RECORDS`.
+        current: the playback cursor of the latest response; a cancel, a
+            barge-in or a clear replaces it with an empty one. Under
+            ``ack_only`` a response cannot start while it holds unacknowledged
+            audio (:attr:`playback_wait`).
     """
 
     def __init__(
@@ -135,11 +150,15 @@ class DuplexSession:
         self.session_id = ""
         self.epoch = 0
         self.turn_id = 0
-        self.settings = SessionSettings(model=model or config.model)
+        self.settings = SessionSettings(
+            model=model or config.model, playback_commit_policy=config.playback_commit_policy
+        )
         self.input = InputBuffer()
         self.history = Conversation()
         self.active: ResponseState | None = None
         self.last_response_id: str | None = None
+        self.records: dict[str, AssistantRecord] = {}
+        self.current = PlaybackCursor()
 
     # ------------------------------------------------------------------ queries
 
@@ -151,6 +170,92 @@ class DuplexSession:
     def is_active(self, response_id: str) -> bool:
         """True while ``response_id`` is still being produced."""
         return self.active is not None and self.active.response_id == response_id
+
+    @property
+    def playback_wait(self) -> bool:
+        """``ack_only`` and the latest response's audio is not all acknowledged.
+
+        The engine then treats the turn as still the model's: ``response.create``
+        is refused with ``response_already_active`` (docs/design.md, Simulator).
+        """
+        return self.settings.playback_commit_policy == ACK_ONLY and self.current.unacknowledged
+
+    def record_for_item(self, item_id: str) -> AssistantRecord | None:
+        """The assistant reply behind ``item_id`` (``item_<response_id>``), if remembered."""
+        if not item_id.startswith("item_"):
+            return None
+        record = self.records.get(item_id.removeprefix("item_"))
+        return record if record is not None and record.item_id == item_id else None
+
+    def commit_history(self, record: AssistantRecord, audio_end_ms: int) -> bool:
+        """Cut ``record``'s history text at ``audio_end_ms``; return whether history changed.
+
+        While the response runs nothing is in history yet (its end applies the
+        ledger). Until its audio is fully acknowledged an ended reply is cut
+        from the full text (a later ack can lengthen it again); after that only
+        shorter cuts apply.
+        """
+        if not record.ended:
+            return False
+        if not record.released:
+            return record.commit_at(audio_end_ms)
+        if record.text is None:
+            return False
+        cut = record.text_at(audio_end_ms)
+        if len(cut) < len(record.text):
+            record.text = cut or None
+            record.audio_ms = min(record.audio_ms, audio_end_ms) if cut else 0
+        return True
+
+    def release_playback_wait(self) -> bool:
+        """An idle cancel trigger while ``ack_only`` audio is unacknowledged.
+
+        The engine cuts the last reply's history at the acknowledged position,
+        advances the epoch and starts an empty cursor; the client sees only
+        ``output_audio_buffer.cleared``. Returns ``False`` (nothing done) when
+        there is no wait.
+        """
+        if not self.playback_wait:
+            return False
+        record = self.records.get(self.last_response_id or "")
+        if record is not None:
+            self.commit_history(record, self.current.committed_ms)
+        self.epoch += 1
+        self.current = PlaybackCursor()
+        self.emit({"type": "output_audio_buffer.cleared", "response_id": self.last_response_id})
+        return True
+
+    def history_view(self) -> Payload:
+        """The engine's conversation history as the model would see it (``/debug/history``)."""
+        items: list[Payload] = []
+        pending: list[Payload] = []
+        for item in self.history.items():
+            record = self.record_for_item(item["id"])
+            if record is None:
+                content = item.get("content") or [{}]
+                first = content[0] if isinstance(content, list) and content else {}
+                text = first.get("transcript") or first.get("text") or ""
+                entry: Payload = {"id": item["id"], "role": item.get("role"), "text": text}
+                if isinstance(item.get("audio_ms"), int):
+                    entry["audio_ms"] = item["audio_ms"]
+                items.append(entry)
+                continue
+            entry = {
+                "id": record.item_id,
+                "role": "assistant",
+                "response_id": record.response_id,
+                "text": record.text or "",
+                "audio_ms": record.audio_ms,
+                "full_text": record.full_text.strip(),
+                "playback": record.cursor.as_dict(),
+            }
+            (items if record.in_history else pending).append(entry)
+        return {
+            "playback_commit_policy": self.settings.playback_commit_policy,
+            "epoch": self.epoch,
+            "items": items,
+            "pending": pending,
+        }
 
     def events_to_send(self) -> list[Outgoing]:
         """Drain the frames to send, in order. A :class:`CloseFrame` is always last."""
@@ -211,12 +316,12 @@ class DuplexSession:
                 "output": {"format": "pcm16", "sample_rate_hz": self.config.sample_rate},
             },
             "overlap_policy": "barge_in_on_speech" if s.server_vad else "listen_only",
-            "playback_commit_policy": "commit_all_on_done",
+            "playback_commit_policy": s.playback_commit_policy,
             "capabilities": {
                 "implementation_level": "simulated",
                 "supports_barge_in": True,
                 "supports_session_resume": True,
-                "supports_audio_truncate": False,
+                "supports_audio_truncate": self.config.supports_audio_truncate,
                 "chunk_period_ms": self.config.chunk_ms,
             },
             "extra_body": dict(s.extra_body),
@@ -316,6 +421,11 @@ class DuplexSession:
         )
         self.active = resp
         self.last_response_id = rid
+        record = AssistantRecord(response_id=rid, item_id=resp.item_id, turn_id=self.turn_id)
+        self.records[rid] = record
+        while len(self.records) > MAX_ASSISTANT_RECORDS:
+            del self.records[next(iter(self.records))]
+        self.current = record.cursor
         self.history.pending_input = False
         for payload in self._builder.opening(resp, self.settings.modalities):
             self.emit(payload)
@@ -326,14 +436,27 @@ class DuplexSession:
         resp = self.active
         if resp is None or resp.response_id != response_id or self.phase is not Phase.OPEN:
             return
-        for payload in self._builder.chunk(resp):
+        record = self._record(resp)
+        for payload in self._builder.chunk(resp, self.session_id, record):
             self.emit(payload)
         if resp.remaining <= 0:
-            for payload in self._builder.completed(resp):
+            record.ended = True
+            committed = record.commit_on_end(self.settings.playback_commit_policy)
+            for payload in self._builder.completed(resp, record, committed=committed):
                 self.emit(payload)
             self.history.add({"id": resp.item_id, "role": "assistant"})
             self.active = None
             self._stats.responses_completed += 1
+
+    def _record(self, resp: ResponseState) -> AssistantRecord:
+        """The ledger of ``resp`` (re-created if the record bound evicted it mid-response)."""
+        record = self.records.get(resp.response_id)
+        if record is None:
+            record = AssistantRecord(
+                response_id=resp.response_id, item_id=resp.item_id, turn_id=resp.turn_id
+            )
+            self.records[resp.response_id] = record
+        return record
 
     def produce_listen(self) -> None:
         """``response.listen``: the model keeps listening (idle timer or silence)."""
@@ -376,15 +499,21 @@ class DuplexSession:
         # already produced
         # and queued is still delivered ahead of the cancelled response.done,
         # and never more than the response had left.
+        record = self._record(resp)
         late = min(self.config.late_audio_chunks, resp.remaining)
         for _ in range(late):
-            for payload in self._builder.chunk(resp):
+            for payload in self._builder.chunk(resp, self.session_id, record):
                 self.emit(payload)
         self._stats.late_audio_events += late
+        # The engine ends a cancelled response as if the policy were ack_only:
+        # history keeps only what the client acknowledged, whatever the policy.
+        record.ended = True
+        record.commit_on_end(ACK_ONLY)
         for payload in self._builder.cancelled(
-            resp, reason=reason, new_epoch=self.epoch, output_cleared=output_cleared
+            resp, record, reason=reason, new_epoch=self.epoch, output_cleared=output_cleared
         ):
             self.emit(payload)
+        self.current = PlaybackCursor()
         self.history.add({"id": resp.item_id, "role": "assistant"})
         self.active = None
         self._stats.responses_cancelled += 1

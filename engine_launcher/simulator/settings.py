@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from engine_launcher.simulator.audio import input_bytes_per_sample
+from engine_launcher.simulator.playback import COMMIT_ALL_ON_DONE, normalize_policy
 
 __all__ = [
     "DEFAULT_INPUT_RATE",
@@ -38,7 +39,6 @@ _ECHO_KEYS: Final = (
     "temperature",
     "idle_timeout_s",
     "overlap_policy",
-    "playback_commit_policy",
     "max_response_output_tokens",
     "tools",
     "tool_choice",
@@ -69,6 +69,9 @@ class SessionSettings:
     extra_body: dict[str, Any] = field(default_factory=dict)
     echo: dict[str, Any] = field(default_factory=dict)
     ref_audio_present: bool = False
+    #: ``commit_all_on_done`` or ``ack_only`` (docs/design.md, Simulator); any
+    #: other spelling falls back to ``commit_all_on_done``, as in the engine.
+    playback_commit_policy: str = COMMIT_ALL_ON_DONE
 
     @property
     def server_vad(self) -> bool:
@@ -167,6 +170,11 @@ def apply_update(current: SessionSettings, session: dict[str, Any]) -> SessionSe
     extra = session.get("extra_body")
     if isinstance(extra, dict):
         new.extra_body.update(extra)
+    for source in (session, extra if isinstance(extra, dict) else {}):
+        # The engine reads it at the top level and, failing that, from extra_body.
+        if isinstance(source.get("playback_commit_policy"), str):
+            new.playback_commit_policy = normalize_policy(source["playback_commit_policy"])
+            break
     for key in _ECHO_KEYS:
         if key in session:
             new.echo[key] = session[key]

@@ -326,11 +326,32 @@ async def test_full_response_sequence(fast_sim: Sim) -> None:
     assert created_resp["object"] == "realtime.response"
     assert created_resp["status"] == "in_progress"
     assert created_resp["metadata"]["duplex_event"] == {"epoch": 0, "turn_id": 1}
-    for delta in (e for e in response if e["type"] == names["audio_delta"]):
+    deltas = [e for e in response if e["type"] == names["audio_delta"]]
+    for n, delta in enumerate(deltas, start=1):
         assert delta["item_id"] == f"item_{rid}"
         assert (delta["output_index"], delta["content_index"]) == (0, 0)
         assert delta["format"] == "pcm16" and delta["sample_rate_hz"] == 24000
-        assert delta["metadata"] == {"epoch": 0, "audio_duration_ms": 200}
+        # As the 0.30 engine: duration, mark and ledger are cumulative over the response.
+        spoken = "".join(e["delta"] for e in response if e["type"] == names["transcript_delta"])
+        text_chars = len(
+            "".join(
+                e["delta"]
+                for e in response[: response.index(delta) + 2]
+                if e["type"] == names["transcript_delta"]
+            )
+        )
+        assert 0 < text_chars <= len(spoken)
+        assert delta["metadata"] == {
+            "session_id": session["id"],
+            "epoch": 0,
+            "model_speak": True,
+            "end_of_turn": n == len(deltas),
+            "playback": {
+                "generated_ms": 200 * n, "sent_ms": 200 * n, "played_ms": 0, "committed_ms": 0,
+            },
+            "audio_duration_ms": 200 * n,
+            "audio_text_marks": [{"text_chars": text_chars, "audio_end_ms": 200 * n}],
+        }  # fmt: skip
         assert len(base64.b64decode(delta["delta"])) == 2 * 24000 * 200 // 1000
     done = response[-2]["response"]
     assert done["status"] == "completed"
