@@ -24,11 +24,13 @@ does a fixed one that is still listed.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import dataclasses
 import types
 import typing
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -310,7 +312,7 @@ def test_upstream_commands_parse_as_engine_commands(vllm_omni: VllmOmni) -> None
 SIM_ARGS: Final = (
     "--event-names", "ga", "--deterministic", "--chunk-ms", "200",
     "--realtime-factor", f"{0.1 * TIMEOUT_FACTOR:g}", "--response-seconds", "4",
-    "--late-audio-chunks", "2",
+    "--late-audio-chunks", "2", "--supports-audio-truncate",
 )  # fmt: skip
 SILENCE: Final = pcm16_b64(200)
 LOUD: Final = pcm16_b64(100, amplitude=0.3)
@@ -334,6 +336,14 @@ async def _run_session(url: str) -> list[Event]:
         rid = done["response_id"]
         await c.send({"type": "playback.ack", "response_id": rid, "item_id": f"item_{rid}",
                       "played_ms": 3000, "committed_ms": 3000})  # fmt: skip
+        await c.recv_until("playback.acknowledged")
+        # ... then cut by a truncating ack and by conversation.item.truncate
+        await c.send({"type": "playback.ack", "response_id": rid, "item_id": f"item_{rid}",
+                      "played_ms": 2000, "truncate": True})  # fmt: skip
+        await c.recv_until("playback.acknowledged")
+        await c.send({"type": "conversation.item.truncate", "item_id": f"item_{rid}",
+                      "content_index": 0, "audio_end_ms": 1000})  # fmt: skip
+        await c.recv_until("conversation.item.truncated")
         await c.recv_until("playback.acknowledged")
         # 2. a silence declaration: the model keeps listening
         await c.send(append)
@@ -396,6 +406,7 @@ def test_the_scripted_session_covers_the_interesting_events(ga_session: list[Eve
         AUDIO_DELTA, "response.done", "playback.acknowledged", "response.listen", "error",
         "conversation.item.deleted", "input_audio_buffer.cleared",
         "input_audio_buffer.speech_started", "overlap.decision", "session.closed",
+        "conversation.item.truncated",
     } <= seen  # fmt: skip
     statuses = [e["response"]["status"] for e in ga_session if e["type"] == "response.done"]
     assert statuses == ["completed", "cancelled", "cancelled"]
@@ -480,6 +491,8 @@ def internal_events(session: list[Event]) -> list[Event]:
                             "status_details": response["status_details"]})  # fmt: skip
         elif kind == "response.listen":
             out.append({"type": kind, "epoch": event.get("epoch")})
+        elif kind == "conversation.item.truncated":
+            out.append(event["event"])  # the session's internal event, echoed by the engine
         elif kind in ("conversation.item.deleted", "input_audio_buffer.speech_started"):
             out.append(
                 {k: v for k, v in event.items() if k not in ("event_id", "server_event_seq")}
@@ -627,3 +640,114 @@ async def test_duplex_client_parser_demultiplexes_the_simulator_session(
             and e["response_id"] == handle.response_id
         )  # fmt: skip
         assert handle.transcript == transcript_done
+
+
+# ------------------------------------------------- playback ledger (the wheel's own source)
+
+
+def _wheel_source(vo: VllmOmni, path: str) -> ast.Module:
+    with zipfile.ZipFile(vo.wheel) as archive:
+        return ast.parse(archive.read(path).decode("utf-8"))
+
+
+def _literal_keys(node: ast.Dict) -> set[str]:
+    return {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+
+
+def _dict_with(tree: ast.AST, key: str, value: str) -> ast.Dict:
+    """The one dict literal in ``tree`` that maps ``key`` to the string ``value``."""
+    found = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Dict)
+        and any(isinstance(k, ast.Constant) and k.value == key
+                and isinstance(v, ast.Constant) and v.value == value
+                for k, v in zip(node.keys, node.values))
+    ]  # fmt: skip
+    assert len(found) == 1, f"{len(found)} dicts with {key}={value!r}"
+    return found[0]
+
+
+def wheel_playback_acknowledged_keys(vo: VllmOmni) -> tuple[set[str], set[str], set[str]]:
+    """From the wheel's source (not importable: it needs torch): the keys of the
+    ``playback.acknowledged`` event, of the ledger, and the ack's error codes."""
+    ledger = _wheel_source(vo, "vllm_omni/engine/duplex/session/playback_ledger.py")
+    event_keys = _literal_keys(_dict_with(ledger, "type", "playback.acknowledged"))
+    codes = {
+        node.args[0].value
+        for node in ast.walk(ledger)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "error_event"
+        and node.args and isinstance(node.args[0], ast.Constant)
+    }  # fmt: skip
+    config = _wheel_source(vo, "vllm_omni/engine/duplex/config.py")
+    cursor = next(
+        n
+        for n in ast.walk(config)
+        if isinstance(n, ast.ClassDef) and n.name == "DuplexPlaybackCursor"
+    )
+    as_dict = next(
+        n for n in ast.walk(cursor) if isinstance(n, ast.FunctionDef) and n.name == "as_dict"
+    )
+    returned = next(n for n in ast.walk(as_dict) if isinstance(n, ast.Return))
+    assert isinstance(returned.value, ast.Dict)
+    return event_keys, _literal_keys(returned.value), codes
+
+
+#: The ack errors the simulator answers with (each one in test_simulator_playback.py).
+SIMULATOR_ACK_ERROR_CODES: Final = frozenset(
+    {"bad_event", "playback_item_mismatch", "playback_item_not_found", "playback_ack_too_late"}
+)
+
+
+def test_playback_acknowledged_has_the_wheels_ledger_shape(
+    vllm_omni: VllmOmni, ga_session: list[Event]
+) -> None:
+    event_keys, ledger_keys, codes = wheel_playback_acknowledged_keys(vllm_omni)
+    acknowledged = [e for e in ga_session if e["type"] == "playback.acknowledged"]
+    assert len(acknowledged) == 3
+    for wire in acknowledged:
+        assert wire.keys() - TRANSPORT_KEYS == {"type", "event_id", "event"}
+        assert wire["event"].keys() == event_keys
+        assert wire["event"]["playback"].keys() == ledger_keys
+    assert [e["event"]["truncate"] for e in acknowledged] == [False, True, True]
+    assert [e["event"]["committed_ms"] for e in acknowledged] == [3000, 2000, 1000]
+    assert codes == SIMULATOR_ACK_ERROR_CODES
+
+
+def test_audio_delta_metadata_is_what_the_engine_projection_renders(
+    vllm_omni: VllmOmni, ga_session: list[Event]
+) -> None:
+    """Our delta ``metadata`` (ledger, cumulative duration, text marks) keeps only keys
+    the engine's internal delta has, and its projection renders them unchanged."""
+    channel = _wheel_source(vllm_omni, "vllm_omni/engine/duplex/session/model_channel.py")
+    internal = _dict_with(channel, "type", "response.output_audio.delta")
+    # Keys the wheel adds to that payload after building it (payload["..."] = ...).
+    internal_keys = _literal_keys(internal) | {
+        node.slice.value
+        for node in ast.walk(channel)
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+        and getattr(node.value, "id", "") == "payload" and isinstance(node.slice, ast.Constant)
+    }  # fmt: skip
+    projection = vllm_omni.projection
+    sid = ga_session[0]["session"]["id"]
+    state = projection.RealtimeProjectionState(session_id=sid)
+    deltas = [e for e in ga_session if e["type"] == AUDIO_DELTA]
+    assert deltas
+    for delta in deltas:
+        meta = delta["metadata"]
+        assert meta.keys() <= internal_keys, meta.keys() - internal_keys
+        rendered = [
+            e.to_realtime()
+            for e in projection.project_internal_event(
+                state,
+                {
+                    **meta,
+                    "type": AUDIO_DELTA,
+                    "response_id": delta["response_id"],
+                    "audio": delta["delta"],
+                    "format": delta["format"],
+                    "sample_rate_hz": delta["sample_rate_hz"],
+                },
+            )
+        ]
+        wire = next(e for e in rendered if e["type"] == AUDIO_DELTA)
+        assert wire["metadata"] == meta
