@@ -139,8 +139,8 @@ def on_commit(s: DuplexSession, event: Payload) -> None:
     audio_ms = int(s.input.ms)
     s.input.clear()
     s.turn_id += 1
-    # DESIGN §9: a commit starts a response only with extra_body.auto_response
-    # or an explicit response_create/create_response flag.
+    # docs/engine-protocol.md, Client events: a commit starts a response only with
+    # extra_body.auto_response or an explicit response_create/create_response flag.
     create = (
         truthy(event.get("response_create"))
         or truthy(event.get("create_response"))
