@@ -309,25 +309,32 @@ class PlaybackLedger:
             if item.finished or item.started_at is None:
                 continue
             played = item.played(now)
-            played_ms = int(played * 1000)
+            played_ms = round(played * 1000)
             final = item.done and played >= item.sent
-            if final or (now - item.last_ack_at >= interval and played_ms > item.acked_ms):
+            # Nothing heard yet is nothing to say (the first ack comes once audio plays).
+            progressed = played_ms > max(item.acked_ms, 0)
+            if final or (now - item.last_ack_at >= interval and progressed):
                 out.append(self._ack(item, played_ms, now, truncate=False))
                 if final:
                     item.finished = True
         return out
 
     def next_ack_at(self, now: float) -> float | None:
-        """When ``acks_due`` next has something to say (None: nothing playing)."""
+        """When ``acks_due`` may next have something to say (None: nothing playing).
+
+        May be ``now`` or earlier when an ack is due; called right after
+        ``acks_due`` it is always later than ``now``.
+        """
         if not self.acking:
             return None
+        interval = self.settings.ack_interval
         soonest: float | None = None
         for item in self.items.values():
             if item.finished or item.started_at is None:
                 continue
-            at = max(now, item.last_ack_at + self.settings.ack_interval)
+            at = max(item.last_ack_at, item.started_at) + interval
             if item.done:
-                at = min(at, max(now, item.started_at + item.sent))
+                at = min(at, item.started_at + item.sent)
             soonest = at if soonest is None else min(soonest, at)
         return soonest
 
@@ -344,7 +351,7 @@ class PlaybackLedger:
         item.finished = True
         if item.item_id is not None and item.item_id in self._client_truncated:
             return []
-        played_ms = int(played * 1000)
+        played_ms = round(played * 1000)
         if self.supports_truncate and item.item_id is not None:
             self.truncations_sidecar += 1
             self._own_truncates[item.item_id] = None

@@ -790,8 +790,12 @@ class SessionCore:
         """Queue the playback acks due now; return when to call again (None: idle)."""
         if self.state is not SessionState.OPEN:
             return None
-        self._to_upstream.extend(self.playback.acks_due(now))
-        return self.playback.next_ack_at(now)
+        playback = self.playback
+        self._to_upstream.extend(playback.acks_due(now))
+        when = playback.next_ack_at(now)
+        if when is not None and when <= now:
+            when = now + playback.settings.ack_interval  # nothing new was heard yet
+        return when
 
     def delivered(self, entry: Entry, now: float, *, release: bool = True) -> None:
         """The entry was written to the client.

@@ -21,6 +21,7 @@ from websockets.frames import Opcode
 
 from proxy.core.buffer import Entry
 from proxy.core.events import UpstreamEvent
+from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.session import SessionCore, SessionSettings
 from proxy.relay import Relay
 from tests.conftest import DEADLINE, wait_until
@@ -390,3 +391,62 @@ async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: An
     await s.finished()
     assert s.texts()[-1]["reason"] == "client_rate_limited"
     assert s.relay.close_code_sent == 1008
+
+
+def _chunk(response_id: str, seq: int) -> str:
+    """100 ms of pcm16 at 24 kHz."""
+    return json.dumps(
+        {
+            "type": "response.output_audio.delta",
+            "response_id": response_id,
+            "item_id": f"item_{response_id}",
+            "delta": "A" * 6400,
+            "format": "pcm16",
+            "sample_rate_hz": 24000,
+            "seq": seq,
+        }
+    )
+
+
+async def test_paced_audio_is_released_by_the_pace_timer_at_real_time(
+    session_factory: Any,
+) -> None:
+    settings = dataclasses.replace(
+        make_settings(), playback=PlaybackSettings(pacing=True, max_audio_lead=0.2)
+    )
+    s = await session_factory(core_settings=settings)
+    s.upstream.feed(response_created("r1"))
+    for i in range(10):
+        s.upstream.feed(_chunk("r1", i))
+    await wait_until(lambda: s.upstream.inbox.empty(), what="engine frames read")
+    await s.settle()
+    audio = [t for t in s.texts() if t["type"] == "response.output_audio.delta"]
+    assert len(audio) == 3, "0.2 s of lead: the first chunk plus two"
+    for second in (1, 2):
+        s.scheduler.advance(0.1 - 0.001)
+        await s.settle()
+        assert len([t for t in s.texts() if "seq" in t]) == 2 + second
+        s.scheduler.advance(0.001)
+        await s.settle()
+    assert [t["seq"] for t in s.texts() if "seq" in t] == list(range(5))
+
+
+async def test_acks_go_upstream_on_the_playback_timer_and_answers_are_hidden(
+    session_factory: Any,
+) -> None:
+    settings = dataclasses.replace(
+        make_settings(), playback=PlaybackSettings(ack=AckMode.AUTO, ack_interval=0.25)
+    )
+    s = await session_factory(core_settings=settings)
+    s.upstream.feed(response_created("r1"))
+    for i in range(5):
+        s.upstream.feed(_chunk("r1", i))
+    await wait_until(lambda: len(s.texts()) == 6, what="audio delivered")
+    s.scheduler.advance(0.25)
+    await wait_until(lambda: len(s.upstream.sent) == 1, what="an ack")
+    ack = json.loads(s.upstream.sent[0])
+    assert (ack["type"], ack["played_ms"], ack["item_id"]) == ("playback.ack", 250, "item_r1")
+    s.upstream.feed('{"type":"playback.acknowledged","event":{"played_ms":250}}')
+    s.upstream.feed(transcript_delta("r1"))
+    await wait_until(lambda: len(s.texts()) == 7, what="the transcript")
+    assert "playback.acknowledged" not in s.types()
