@@ -288,6 +288,10 @@ class EngineProcess:
         self._env = env or {}
         self._proc: asyncio.subprocess.Process | None = None
         self._pumps: list[asyncio.Task[None]] = []
+        #: Resolved when the pidfd says the child exited: its status, or None when
+        #: asyncio reaped it first (then ``proc.wait()`` has the status).
+        self._exit: asyncio.Future[int | None] | None = None
+        self._pidfd: int | None = None
         self.started_at: float | None = None
 
     @property
@@ -296,6 +300,12 @@ class EngineProcess:
 
     @property
     def returncode(self) -> int | None:
+        """The exit status as soon as the child has exited (before it is reaped)."""
+        seen = self._exit
+        if seen is not None and seen.done() and not seen.cancelled():
+            status = seen.result()
+            if status is not None:
+                return status
         return None if self._proc is None else self._proc.returncode
 
     async def start(self) -> None:
@@ -323,6 +333,7 @@ class EngineProcess:
         except OSError as exc:
             raise EngineStartError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
         self.started_at = time.monotonic()
+        self._watch_exit(self._proc.pid)
         # Owned here and awaited in ``stop``: they end at EOF, when the group is gone.
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._pumps = [
@@ -346,9 +357,55 @@ class EngineProcess:
                 level, in_traceback = stderr_level(line, in_traceback)
             engine_log.log(level, "engine: %s", line)
 
+    def _watch_exit(self, pid: int) -> None:
+        """Learn of the exit from a pidfd in the event loop, not from a reaper thread.
+
+        asyncio's default child watcher (3.11) reaps in a thread and hands the
+        status over when that thread next gets the GIL, milliseconds later; a
+        client admitted meanwhile would be sent to a dead port (502). The pidfd
+        turns readable the moment the child exits; ``waitid(WNOWAIT)`` reads the
+        status and leaves the reaping to asyncio. Without pidfds (old kernels,
+        other systems) ``wait`` falls back to asyncio's own.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        self._pidfd = pidfd
+        self._exit = loop.create_future()
+        loop.add_reader(pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        status: int | None = None
+        with contextlib.suppress(ChildProcessError, OSError):  # already reaped: asyncio has it
+            info = os.waitid(os.P_PIDFD, self._pidfd or -1, os.WEXITED | os.WNOWAIT)
+            if info is not None:
+                exited = info.si_code == os.CLD_EXITED
+                status = info.si_status if exited else -info.si_status
+        self._close_pidfd()
+        if status is None and self._proc is not None:
+            status = self._proc.returncode
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(status)
+
+    def _close_pidfd(self) -> None:
+        pidfd, self._pidfd = self._pidfd, None
+        if pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
+
     async def wait(self) -> int:
         """Wait for the child to exit; return its exit status."""
         assert self._proc is not None
+        seen = self._exit
+        if seen is not None and not seen.cancelled():
+            # Awaited directly (no extra task): the caller hears of the exit on the
+            # next loop turn after the pidfd fired.
+            status = await seen
+            if status is not None:
+                return status
         return await self._proc.wait()
 
     async def stop(self, grace: float) -> int | None:
@@ -372,6 +429,7 @@ class EngineProcess:
         self._signal_group(signal.SIGKILL)
         if proc.returncode is None:
             await proc.wait()
+        self._close_pidfd()
         pumps, self._pumps = self._pumps, []
         if pumps:
             # The last lines (a traceback) are still in the pipes: let them reach the log.

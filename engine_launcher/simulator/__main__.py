@@ -13,11 +13,16 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags, configure logging to stderr, run; return the exit code."""
+    """Parse flags, configure logging to stdout, run; return the exit code.
+
+    stdout like vLLM's own logger: the launcher logs a child's stdout at INFO
+    and its stderr at WARNING and up, so stderr is left to real trouble
+    (an uncaught traceback).
+    """
     config = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
-        stream=sys.stderr,
+        stream=sys.stdout,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return run(config)

@@ -7,6 +7,9 @@ events and close codes, restart metrics, exit status, log lines, processes.
 docs/design.md, Admission and lifecycle (engine goes away, admission), Engine launcher and Engine
 supervision.
 
+The same rules in virtual time, without children or sockets:
+tests/unit/launcher/test_supervisor_shell.py.
+
 Every wait has a deadline (multiples of ``MS``, scaled by
 ``OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR``); nothing sleeps and hopes.
 """
@@ -34,6 +37,7 @@ import pytest
 
 import engine_launcher.supervisor
 from engine_launcher.config import EngineConfig
+from engine_launcher.errors import RestartBudgetExhausted
 from engine_launcher.policy import EngineState
 from engine_launcher.supervisor import Supervisor
 from proxy.config import Settings
@@ -45,9 +49,10 @@ pytestmark = pytest.mark.timeout(60)
 PY = sys.executable
 RESTARTS = "omni_sidecar_engine_restarts_total"
 
-#: Fast supervision for tests: poll health every 100 ms, 2 failures = unhealthy.
+#: Fast supervision for tests: poll health every 200 ms (each probe may take as
+#: long), 2 failures = unhealthy.
 FAST: dict[str, Any] = {
-    "health_interval": 100 * MS,
+    "health_interval": 200 * MS,
     "health_failures": 2,
     "stop_grace": 2000 * MS,
     "startup_timeout": 3 * DEADLINE,
@@ -523,3 +528,116 @@ async def test_admission_timeout_waits_for_a_free_slot(sidecar: Any) -> None:
         assert orjson.loads(msg.data)["type"] == "session.created"
         await ws.close()
     assert proxy.metric("omni_sidecar_sessions_rejected_total", {"reason": "capacity"}) == 0
+
+
+# -- detection: exit, stop, output ---------------------------------------------------------------
+
+
+async def test_killed_engine_closes_admission_before_the_next_handshake(sidecar: Any) -> None:
+    """The exit is awaited, not polled: with health probes 30 s apart, only the
+    exit waiter can close admission, and it does before the next client arrives
+    (503 not_ready, never 502 from a dead engine port)."""
+    proxy: RunningSidecar = await sidecar(engine=engine(health_interval=30.0))
+    pid = proxy.sidecar.supervisor.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: gone(pid), what="the engine reaped")
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(proxy.url)
+    assert refused.value.status == 503
+    status, body = await readyz(proxy.http_url)
+    assert (status, body["reason"]) == (503, "not_ready")
+    assert "engine exited with status -9" in body["detail"]
+    assert proxy.metric("omni_sidecar_engine_up") == 0
+    rejected = "omni_sidecar_sessions_rejected_total"
+    assert proxy.metric(rejected, {"reason": "not_ready"}) == 1
+    assert proxy.metric(rejected, {"reason": "upstream_unavailable"}) == 0
+    await wait_until(
+        lambda: proxy.sidecar.supervisor.state is EngineState.READY,
+        timeout=2 * DEADLINE,
+        what="restarted",
+    )
+
+
+async def test_stopped_engine_is_declared_within_the_documented_bound_then_killed(
+    sidecar: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGSTOP: the port still accepts, /health never answers. Declared unhealthy
+    after exactly ``health_failures`` failed probes, within ``failures × interval +
+    probe timeout``; SIGTERM (with SIGCONT) is ignored, so SIGKILL after the grace."""
+    caplog.set_level(logging.INFO)
+    interval, failures, grace = 300 * MS, 3, 500 * MS
+    proxy: RunningSidecar = await sidecar(
+        engine=engine(
+            "--ignore-sigterm",
+            health_interval=interval,
+            health_failures=failures,
+            stop_grace=grace,
+        )
+    )
+    supervisor = proxy.sidecar.supervisor
+    pid = supervisor.pid
+    assert pid is not None
+    bound = failures * interval + min(interval, 5.0)
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    ready_after_stop = 0
+
+    async def not_ready() -> bool:
+        nonlocal ready_after_stop
+        status, _ = await readyz(proxy.http_url)
+        ready_after_stop += status == 200
+        return status == 503
+
+    await wait_until(not_ready, timeout=bound + DEADLINE, what="/readyz 503")
+    declared = time.monotonic() - stopped_at
+    print(f"\nSIGSTOP -> /readyz 503 in {declared:.2f} s (bound {bound:.2f} s)")
+    assert declared >= failures * interval * 0.95  # not at the first failed probe
+    assert declared <= bound + 500 * MS
+    assert ready_after_stop >= 1
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine_launcher"]
+    assert any(f"-> restarting (unhealthy) {failures} failed health checks" in m for m in messages)
+    await wait_until(lambda: gone(pid), timeout=grace + DEADLINE, what="stopped engine killed")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"engine ignored SIGTERM for {grace:.1f} s; sending SIGKILL" in warnings
+    await wait_until(
+        lambda: supervisor.state is EngineState.READY and supervisor.pid != pid,
+        timeout=2 * DEADLINE,
+        what="a new engine ready",
+    )
+
+
+ENGINE_OUTPUT = """\
+import sys
+print("plain progress on stdout", flush=True)
+print("WARNING a warning on stderr", file=sys.stderr, flush=True)
+print("a bare stderr line", file=sys.stderr, flush=True)
+import vllm_omni_is_not_here  # noqa
+"""
+
+
+async def test_engine_output_reaches_our_log_by_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """stdout at INFO, stderr at WARNING, a traceback at ERROR, each line ``engine: ``."""
+    caplog.set_level(logging.INFO)
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_OUTPUT)
+    config = EngineConfig(kind="command", command=(PY, str(script)), max_restarts=0, **FAST)
+    with pytest.raises(RestartBudgetExhausted) as failed:
+        async with asyncio.timeout(DEADLINE):
+            await Supervisor(config).run()
+    assert "engine exited with status 1 before it was ready" in str(failed.value)
+    lines = [
+        (r.levelname, r.getMessage()) for r in caplog.records if r.name == "engine_launcher.child"
+    ]
+    print("\n".join(f"{level} {text}" for level, text in lines))
+    assert ("INFO", "engine: plain progress on stdout") in lines
+    assert ("WARNING", "engine: WARNING a warning on stderr") in lines
+    assert ("WARNING", "engine: a bare stderr line") in lines
+    traceback = [text for level, text in lines if level == "ERROR"]
+    assert traceback[0] == "engine: Traceback (most recent call last):"
+    assert traceback[-1] == "engine: ModuleNotFoundError: No module named 'vllm_omni_is_not_here'"
+    assert any(text.startswith('engine:   File "') for text in traceback)
+    assert all(level in ("INFO", "WARNING", "ERROR") for level, _ in lines)
