@@ -41,7 +41,7 @@ class RestartBudgetExhausted(LauncherError):
     """The engine was restarted too often within the restart window.
 
     The process should exit non-zero so that systemd restarts the unit
-    (DESIGN.md §8).
+    (docs/design.md, Engine supervision).
 
     Args:
         message: A description for the log.

@@ -14,7 +14,7 @@ and a probe factory returning a :class:`Probe`. The defaults are the real
 ones: :class:`MonotonicClock`, :class:`~engine_launcher.process.EngineProcess`
 and :func:`default_probe`.
 
-Detection (docs/design.md, Engine launcher):
+Detection (docs/design.md, Engine supervision):
 
 - The child's exit is awaited, never polled: ``wait()`` runs for the whole
   life of a child and every sleep and probe races it, so the EXITED state
