@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import (
@@ -60,6 +61,15 @@ _CHALLENGE: Final = 'Basic realm="omni-sidecar admin", Bearer realm="omni-sideca
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _json(
+    data: object, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    """JSON via orjson: several times faster than json.dumps on a 500-session page."""
+    return web.Response(
+        body=orjson.dumps(data), status=status, headers=headers, content_type="application/json"
+    )
+
+
 def _token_matches(header: str, token: str) -> bool:
     """Bearer <token>, or Basic with any user name and the token as password."""
     scheme, _, credentials = header.partition(" ")
@@ -87,7 +97,7 @@ async def _guard(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """The token check (when set) and the security headers, for every route."""
     token = _admin_token(request.app[STATE])
     if token is not None and not _token_matches(request.headers.get("Authorization", ""), token):
-        response: web.StreamResponse = web.json_response(
+        response: web.StreamResponse = _json(
             {"error": {"code": "unauthorized", "message": "admin_token required"}},
             status=401,
             headers={"WWW-Authenticate": _CHALLENGE},
@@ -96,7 +106,7 @@ async def _guard(request: web.Request, handler: _Handler) -> web.StreamResponse:
         try:
             response = await handler(request)
         except web.HTTPException as exc:
-            response = web.json_response(
+            response = _json(
                 {"error": {"code": exc.reason.lower().replace(" ", "_"), "message": exc.text}},
                 status=exc.status,
             )
@@ -121,7 +131,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return _json({"status": "ok"})
 
 
 def _asset_response(asset: Asset) -> web.Response:
@@ -143,7 +153,7 @@ async def _console_file(request: web.Request) -> web.Response:
 
 
 async def _debug_summary(request: web.Request) -> web.Response:
-    return web.json_response(summary(request.app[STATE], started=request.app[_STARTED]))
+    return _json(summary(request.app[STATE], started=request.app[_STARTED]))
 
 
 def _int_query(request: web.Request, name: str, default: int, maximum: int) -> int:
@@ -159,16 +169,14 @@ async def _debug_sessions(request: web.Request) -> web.Response:
     offset = _int_query(request, "offset", 0, 1 << 31)
     limit = _int_query(request, "limit", MAX_PAGE_SESSIONS, MAX_PAGE_SESSIONS)
     query = request.query.get("q", "")[:200]
-    return web.json_response(
-        sessions_page(request.app[STATE], offset=offset, limit=limit, query=query)
-    )
+    return _json(await sessions_page(request.app[STATE], offset=offset, limit=limit, query=query))
 
 
 async def _debug_session(request: web.Request) -> web.Response:
     detail = session_detail(request.app[STATE], request.match_info["id"])
     if detail is None:
         raise web.HTTPNotFound(text="no live or recently ended session with this id")
-    return web.json_response(detail)
+    return _json(detail)
 
 
 def build_admin_app(state: ProxyState) -> web.Application:

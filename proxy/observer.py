@@ -156,18 +156,24 @@ class SessionRegistry:
         now = time.monotonic()
         return [self._view(key, relay, now) for key, relay in self.relays.items()]
 
-    def page(self, offset: int, limit: int, query: str = "") -> tuple[int, list[dict[str, Any]]]:
-        """(matching sessions, views of ``limit`` of them from ``offset``), oldest first.
+    def select(self, offset: int, limit: int, query: str = "") -> tuple[int, list[str]]:
+        """(sessions matching ``query``, the ids of ``limit`` of them from ``offset``).
 
-        ``query`` filters by substring of our id, the engine's session id or the
-        client address before paging, so only the page is rendered.
+        Oldest first. ``query`` filters by substring of our id, the engine's
+        session id or the client address before paging, so only the page is
+        then rendered (with :meth:`view`).
         """
         keys = list(self.relays)
         if query:
             keys = [key for key in keys if query in self._search_text(key)]
-        now = time.monotonic()
-        chosen = keys[offset : offset + limit]
-        return len(keys), [self._view(key, self.relays[key], now) for key in chosen]
+        return len(keys), keys[offset : offset + limit]
+
+    def view(self, key: str, *, max_ids: int | None = None) -> dict[str, Any] | None:
+        """One live session's JSON (None once it ended); id lists cut to the newest ``max_ids``."""
+        relay = self.relays.get(key)
+        if relay is None:
+            return None
+        return self._view(key, relay, time.monotonic(), max_ids=max_ids)
 
     def detail(self, key: str) -> dict[str, Any] | None:
         """One live session's view and its lifecycle events; None when not live."""
@@ -185,8 +191,13 @@ class SessionRegistry:
         address = observer.client_address if observer is not None else ""
         return f"{key} {relay.core.session_id or ''} {address}"
 
-    def _view(self, key: str, relay: Relay, now: float) -> dict[str, Any]:
+    def _view(
+        self, key: str, relay: Relay, now: float, *, max_ids: int | None = None
+    ) -> dict[str, Any]:
         stats = relay.core.statistics()
+        cancelled = relay.core.ledger.tombstoned()
+        if max_ids is not None:
+            cancelled = cancelled[-max_ids:] if max_ids else []
         buffer = stats.buffer
         observer = self._observers.get(key)
         return {
@@ -205,7 +216,7 @@ class SessionRegistry:
             "peak_pending_bytes": buffer.peak_pending_bytes,
             "active_response": stats.active_response,
             "open_responses": list(stats.open_responses),
-            "cancelled_responses": relay.core.ledger.tombstoned(),
+            "cancelled_responses": cancelled,
             "tombstones": stats.ledger.tombstones,
             "tombstone_evictions": stats.ledger.evictions,
             "late_audio_after_eviction": stats.ledger.late_after_eviction,
