@@ -228,6 +228,7 @@ class SessionRegistry:
             },
             "bytes_client_to_upstream": relay.bytes_client_to_upstream,
             "bytes_upstream_to_client": relay.bytes_upstream_to_client,
+            "playback": relay.core.playback.view(now),
         }
 
 

@@ -402,6 +402,29 @@ class PlaybackLedger:
             body["truncate"] = True
         return orjson.dumps(body).decode()
 
+    def view(self, now: float) -> dict[str, Any]:
+        """The ledger as JSON for ``/debug/sessions`` (bounded by ``MAX_ITEMS``)."""
+        return {
+            "pacing": self.settings.pacing,
+            "acking": self.acking,
+            "client_acks": self.client_acks,
+            "acks_sent": self.acks_sent,
+            "truncations": {"client": self.truncations_client, "sidecar": self.truncations_sidecar},
+            "items": [
+                {
+                    "response_id": item.response_id,
+                    "item_id": item.item_id,
+                    "delivered_ms": round(item.sent * 1000),
+                    "played_ms": round(item.played(now) * 1000),
+                    "lead_ms": round(item.lead(now) * 1000),
+                    "acked_ms": max(item.acked_ms, 0),
+                    "done": item.done,
+                    "finished": item.finished,
+                }
+                for item in self.items.values()
+            ],
+        }
+
     def take_lead_observations(self) -> list[float]:
         out, self.lead_at_cancel = self.lead_at_cancel, []
         return out

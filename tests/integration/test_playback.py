@@ -151,6 +151,14 @@ async def test_an_engine_that_can_truncate_is_sent_conversation_item_truncate(
         started = time.monotonic()
         await asyncio.sleep(0.3 * TIMEOUT_FACTOR)  # let the user hear some of it
         heard = (time.monotonic() - started) * 1000
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{proxy.admin_url}/debug/sessions") as response:
+                sessions = (await response.json())["sessions"]
+        ledger = sessions[0]["playback"]
+        assert ledger["acking"] and not ledger["client_acks"]
+        (item,) = ledger["items"]
+        assert item["response_id"] == delta["response_id"] and item["delivered_ms"] > 0
+        assert 0 < item["played_ms"] <= item["delivered_ms"]
         await client.send({"type": "response.cancel"})
         await client.recv_until("response.done")
     item = await _assistant_item(truncate_sim, delta["response_id"])
