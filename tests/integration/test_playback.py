@@ -151,9 +151,9 @@ async def test_an_engine_that_can_truncate_is_sent_conversation_item_truncate(
         started = time.monotonic()
         await asyncio.sleep(0.3 * TIMEOUT_FACTOR)  # let the user hear some of it
         heard = (time.monotonic() - started) * 1000
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{proxy.admin_url}/debug/sessions") as response:
-                sessions = (await response.json())["sessions"]
+        url = f"{proxy.admin_url}/debug/sessions"
+        async with aiohttp.ClientSession() as http, http.get(url) as response:
+            sessions = (await response.json())["sessions"]
         ledger = sessions[0]["playback"]
         assert ledger["acking"] and not ledger["client_acks"]
         (item,) = ledger["items"]
