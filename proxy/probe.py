@@ -14,6 +14,15 @@ decoded size of each delta in its format (the delta's own ``format`` and
 would mislead: stale audio usually arrives in one burst right after the
 cancel, so a few milliseconds of wall time can carry seconds of old answer.
 
+What a listener hears is a third figure. :class:`PlayoutBuffer` models a client
+that plays every received delta at 1x from the moment it arrives (queued behind
+what it still has to play) and does not clear its buffer on a cancel, like a
+telephony bridge. "Old answer heard after barge-in" is then the audio of the
+cancelled response played after the cancel moment: what was buffered and not
+yet played when the cancel was sent, plus that response's audio that still
+arrived afterwards. Engines generate faster than real time, so an unpaced path
+leaves seconds in the buffer even when no late delta arrives at all.
+
 It is built like the rest of the package: :class:`_Recorder` is a sans-I/O core
 that takes events and timestamps and says what to send back (acks, the cancel);
 :func:`run_probe` is the thin asyncio/aiohttp shell around it. The shell reads
@@ -38,6 +47,7 @@ import sys
 import time
 import wave
 from array import array
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +62,7 @@ from proxy.errors import ConfigError, ProxyError
 
 __all__ = [
     "DEFAULT_URL",
+    "PlayoutBuffer",
     "ProbeConnectError",
     "ProbeError",
     "ProbeOptions",
@@ -183,6 +194,10 @@ class ProbeResult:
             its cancel was sent, over all cancelled responses.
         stale_audio_seconds: The audio length of those deltas (decoded size in
             the delta's or the session's format), not a wall-clock time.
+        old_answer_heard_after_barge_in_ms: Milliseconds of cancelled-response
+            audio a 1x playout client that does not clear its buffer plays
+            after the cancel (:class:`PlayoutBuffer`), over all cancelled
+            responses; None when no cancel was sent. In ms, as printed.
         response_statuses: ``response.done`` statuses in order.
         event_types: Types of all received events in order.
         errors: Codes of all ``error`` events in order.
@@ -200,12 +215,91 @@ class ProbeResult:
     cancels_sent: int = 0
     stale_audio_frames: int = 0
     stale_audio_seconds: float = 0.0
+    old_answer_heard_after_barge_in_ms: float | None = None
     response_statuses: list[str] = field(default_factory=list)
     event_types: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     close_code: int | None = None
     session_closed_reason: str | None = None
     completed: bool = False
+
+
+@dataclass(slots=True)
+class _Track:
+    """One response's audio in a :class:`PlayoutBuffer`, seconds and monotonic times."""
+
+    received: float = 0.0
+    #: (start, end) play times of its deltas not yet fully played at the last add.
+    unplayed: deque[tuple[float, float]] = field(default_factory=deque)
+    cancelled_at: float | None = None
+    unplayed_at_cancel: float = 0.0
+    after_cancel: float = 0.0
+
+
+class PlayoutBuffer:
+    """A client that plays received audio at 1x and never clears its buffer.
+
+    Sans-I/O: times are passed in (monotonic seconds). Each delta starts to
+    play when it arrives or when the audio queued before it has played,
+    whichever is later, so playback of a response starts at its first delta and
+    runs at real time; audio arriving faster than that accumulates. On a cancel
+    nothing is dropped: that is the client without a "clear" the figure is
+    about (a phone bridge, a naive browser player). Responses are keyed by the
+    caller (the probe uses ``response_id``).
+
+    Times must not go backwards. Memory is bounded by the audio still queued:
+    a response keeps only the deltas not yet fully played, and nothing per
+    delta once it is cancelled.
+    """
+
+    def __init__(self) -> None:
+        self._free_at = -math.inf  # when everything queued so far has played
+        self._tracks: dict[str, _Track] = {}
+
+    def add(self, key: str, seconds: float, now: float) -> None:
+        """Queue one received delta of response ``key`` that plays ``seconds``."""
+        start = max(now, self._free_at)
+        end = start + seconds
+        self._free_at = end
+        track = self._tracks.setdefault(key, _Track())
+        track.received += seconds
+        if track.cancelled_at is not None:
+            track.after_cancel += seconds  # played in full, after the cancel
+            return
+        while track.unplayed and track.unplayed[0][1] <= now:
+            track.unplayed.popleft()
+        track.unplayed.append((start, end))
+
+    def cancel(self, key: str, now: float) -> None:
+        """Record the barge-in on ``key`` at ``now``; only the first one counts."""
+        track = self._tracks.setdefault(key, _Track())
+        if track.cancelled_at is not None:
+            return
+        track.cancelled_at = now
+        track.unplayed_at_cancel = sum(
+            end - max(start, now) for start, end in track.unplayed if end > now
+        )
+        track.unplayed.clear()
+
+    def played_at_cancel(self, key: str) -> float | None:
+        """Seconds of ``key`` played when it was cancelled (the listener's position)."""
+        track = self._tracks.get(key)
+        if track is None or track.cancelled_at is None:
+            return None
+        return max(0.0, track.received - track.after_cancel - track.unplayed_at_cancel)
+
+    def heard_after_cancel(self, key: str) -> float | None:
+        """Seconds of ``key`` played after its cancel: buffered then + arrived since."""
+        track = self._tracks.get(key)
+        if track is None or track.cancelled_at is None:
+            return None
+        return track.unplayed_at_cancel + track.after_cancel
+
+    def total_heard_after_cancel(self) -> float | None:
+        """:meth:`heard_after_cancel` summed over cancelled responses; None if none was."""
+        heard = [self.heard_after_cancel(key) for key in self._tracks]
+        values = [value for value in heard if value is not None]
+        return sum(values) if values else None
 
 
 def base64_decoded_length(text: str) -> int:
@@ -296,6 +390,7 @@ class _Recorder:
         self._finished: set[str] = set()
         self._output_format = DEFAULT_OUTPUT_FORMAT
         self._output_rate = DEFAULT_OUTPUT_SAMPLE_RATE_HZ
+        self._playout = PlayoutBuffer()
 
     def begin_response(self, create_event_id: str, now: float) -> None:
         """Start waiting for a new response; call just before ``response.create``."""
@@ -310,6 +405,7 @@ class _Recorder:
     def cancel_sent(self, response_id: str | None, now: float) -> None:
         """Record that the ``response.cancel`` built by :meth:`receive_event` went out."""
         self._cancelled_at[response_id or ""] = now
+        self._playout.cancel(response_id or "", now)
         self.result.cancels_sent += 1
 
     def receive_malformed(self) -> None:
@@ -393,6 +489,7 @@ class _Recorder:
         self.result.audio_seconds += seconds
         response_id = _response_id(event)
         key = response_id if response_id is not None else (self._current_id or "")
+        self._playout.add(key, seconds, now)  # a client plays whatever it receives
         if key in self._cancelled_at:
             # Audio queued before the cancel is still delivered by the released
             # engines (docs/engine-protocol.md, Late audio after a cancel).
@@ -453,6 +550,8 @@ class _Recorder:
         self.result.completed = (
             self.session_created and self.responses_done >= self._options.responses
         )
+        heard = self._playout.total_heard_after_cancel()
+        self.result.old_answer_heard_after_barge_in_ms = None if heard is None else heard * 1000.0
         return self.result
 
 
@@ -683,6 +782,14 @@ def _stale_audio_line(result: ProbeResult) -> str:
     )
 
 
+def _heard_after_barge_in_line(result: ProbeResult) -> str:
+    prefix = "old answer heard after barge-in"
+    heard = result.old_answer_heard_after_barge_in_ms
+    if heard is None:
+        return f"{prefix}: n/a (no cancel sent)"
+    return f"{prefix}: {heard:.1f} ms"
+
+
 def format_result(result: ProbeResult, *, as_json: bool) -> str:
     """Render a result for a person (one line per figure) or as JSON.
 
@@ -706,6 +813,7 @@ def format_result(result: ProbeResult, *, as_json: bool) -> str:
         f"audio received: {result.audio_seconds:.3f} s in {result.audio_frames} frames",
         f"response.done statuses: {', '.join(result.response_statuses) or 'none'}",
         _stale_audio_line(result),
+        _heard_after_barge_in_line(result),
         f"errors: {', '.join(result.errors) or 'none'}",
         f"session.closed reason: {result.session_closed_reason or 'n/a'}",
         f"close code: {result.close_code if result.close_code is not None else 'n/a'}",

@@ -32,6 +32,7 @@ from aiohttp.test_utils import TestServer, unused_port
 
 from proxy.errors import ConfigError
 from proxy.probe import (
+    PlayoutBuffer,
     ProbeConnectError,
     ProbeError,
     ProbeOptions,
@@ -719,3 +720,150 @@ class TestRecorder:
         assert recorder.result.first_audio_seconds is None
         assert recorder.result.audio_frames == 1
         assert recorder.result.response_statuses == ["unknown"]
+
+
+def pcm16_delta(response_id: str, ms: int) -> dict[str, Any]:
+    """An audio delta of ``ms`` milliseconds of PCM16 at 24 kHz (48 bytes per ms)."""
+    return {
+        "type": "response.output_audio.delta",
+        "response_id": response_id,
+        "delta": base64.b64encode(bytes(48 * ms)).decode(),
+    }
+
+
+class TestPlayout:
+    """The 1x playout model of a client that does not clear its buffer, on injected times."""
+
+    def test_fast_generation_leaves_the_unplayed_rest_and_late_audio_to_be_heard(self) -> None:
+        # Four 200 ms deltas generated at 4x arrive every 50 ms; the cancel at
+        # 300 ms finds 300 ms played and 500 ms queued; two late deltas add 400 ms.
+        playout = PlayoutBuffer()
+        for n in range(4):
+            playout.add("r1", 0.2, 10.0 + 0.05 * n)
+        playout.cancel("r1", 10.3)
+        playout.add("r1", 0.2, 10.35)
+        playout.add("r1", 0.2, 10.36)
+
+        assert playout.played_at_cancel("r1") == pytest.approx(0.3, abs=1e-9)
+        assert playout.heard_after_cancel("r1") == pytest.approx(0.5 + 0.4, abs=1e-9)
+        assert playout.total_heard_after_cancel() == pytest.approx(0.9, abs=1e-9)
+
+    def test_real_time_delivery_leaves_only_the_rest_of_the_playing_delta(self) -> None:
+        playout = PlayoutBuffer()
+        for n in range(3):  # each 200 ms delta arrives as the previous one ends
+            playout.add("r1", 0.2, 5.0 + 0.2 * n)
+        playout.cancel("r1", 5.45)  # 50 ms into the third delta
+        for n in range(3, 5):  # the engine's late deltas, still at real time
+            playout.add("r1", 0.2, 5.0 + 0.2 * n)
+
+        assert playout.played_at_cancel("r1") == pytest.approx(0.45, abs=1e-9)
+        assert playout.heard_after_cancel("r1") == pytest.approx(0.15 + 0.4, abs=1e-9)
+
+    def test_an_underrun_pauses_playback_until_audio_arrives(self) -> None:
+        playout = PlayoutBuffer()
+        playout.add("r1", 0.1, 0.0)  # plays 0.0-0.1
+        playout.add("r1", 0.1, 0.5)  # silence, then plays 0.5-0.6
+        playout.cancel("r1", 0.55)
+
+        assert playout.played_at_cancel("r1") == pytest.approx(0.15, abs=1e-9)
+        assert playout.heard_after_cancel("r1") == pytest.approx(0.05, abs=1e-9)
+
+    def test_a_cancel_after_everything_played_hears_nothing_more(self) -> None:
+        playout = PlayoutBuffer()
+        playout.add("r1", 0.2, 1.0)
+        playout.cancel("r1", 2.0)
+        playout.cancel("r1", 3.0)  # a second cancel does not move the moment
+
+        assert playout.heard_after_cancel("r1") == 0.0
+        assert playout.played_at_cancel("r1") == pytest.approx(0.2, abs=1e-9)
+
+    def test_queued_audio_of_an_earlier_response_delays_the_next_one(self) -> None:
+        # r1's 1 s arrives at once and plays 0-1; r2's delta arriving at 0.5
+        # plays 1.0-1.2. A cancel of r2 at 1.1 leaves 100 ms of r2 (r1 is not counted).
+        playout = PlayoutBuffer()
+        playout.add("r1", 1.0, 0.0)
+        playout.add("r2", 0.2, 0.5)
+        playout.cancel("r2", 1.1)
+
+        assert playout.heard_after_cancel("r2") == pytest.approx(0.1, abs=1e-9)
+        assert playout.heard_after_cancel("r1") is None
+        assert playout.played_at_cancel("r2") == pytest.approx(0.1, abs=1e-9)
+
+    def test_nothing_cancelled(self) -> None:
+        playout = PlayoutBuffer()
+        playout.add("r1", 0.2, 0.0)
+
+        assert playout.total_heard_after_cancel() is None
+        assert playout.played_at_cancel("r1") is None
+        assert playout.heard_after_cancel("unknown") is None
+
+    def test_recorder_reports_the_buffered_rest_without_any_late_delta(self) -> None:
+        # The probe cancels after 1000 ms received; at 4x that is 250 ms after the
+        # first delta: 750 ms are still queued although no delta comes late.
+        recorder = _Recorder(options("ws://unused/", cancel_after_ms=1000.0), started_at=0.0)
+        recorder.receive_event({"type": "session.created"}, 0.0)
+        recorder.begin_response("create-1", 1.0)
+        recorder.receive_event({"type": "response.created", "response_id": "r1"}, 1.0)
+        replies: list[dict[str, Any]] = []
+        for n in range(5):
+            replies = recorder.receive_event(pcm16_delta("r1", 200), 2.0 + 0.05 * n)
+        assert replies == [{"type": "response.cancel", "response_id": "r1"}]
+        recorder.cancel_sent("r1", 2.25)
+        recorder.receive_event(
+            {"type": "response.done", "response_id": "r1", "response": {"status": "cancelled"}}, 2.3
+        )
+        result = recorder.finish()
+
+        assert result.stale_audio_seconds == 0.0
+        assert result.old_answer_heard_after_barge_in_ms == pytest.approx(750.0, abs=1e-6)
+        assert (
+            "old answer heard after barge-in: 750.0 ms"
+            in format_result(result, as_json=False).splitlines()
+        )
+        data = json.loads(format_result(result, as_json=True))
+        assert data["old_answer_heard_after_barge_in_ms"] == pytest.approx(750.0, abs=1e-6)
+
+    def test_recorder_adds_late_audio_and_sums_cancelled_responses(self) -> None:
+        recorder = _Recorder(options("ws://unused/", cancel_after_ms=200.0), started_at=0.0)
+        for index, (rid, t0) in enumerate((("r1", 1.0), ("r2", 5.0)), start=1):
+            recorder.begin_response(f"create-{index}", t0)
+            recorder.receive_event({"type": "response.created", "response_id": rid}, t0)
+            assert recorder.receive_event(pcm16_delta(rid, 200), t0 + 0.1) != []
+            recorder.cancel_sent(rid, t0 + 0.15)  # 50 ms played, 150 ms queued
+            recorder.receive_event(pcm16_delta(rid, 100), t0 + 0.16)  # late: 100 ms more
+            recorder.receive_event({"type": "response.done", "response_id": rid}, t0 + 0.2)
+
+        result = recorder.finish()
+        assert result.stale_audio_seconds == pytest.approx(0.2, abs=1e-9)
+        assert result.old_answer_heard_after_barge_in_ms == pytest.approx(500.0, abs=1e-6)
+
+    def test_no_cancel_prints_not_applicable(self) -> None:
+        recorder = _Recorder(options("ws://unused/"), started_at=0.0)
+        recorder.receive_event(pcm16_delta("r1", 200), 1.0)
+        result = recorder.finish()
+
+        assert result.old_answer_heard_after_barge_in_ms is None
+        assert (
+            "old answer heard after barge-in: n/a (no cancel sent)"
+            in format_result(result, as_json=False).splitlines()
+        )
+        assert (
+            json.loads(format_result(result, as_json=True))["old_answer_heard_after_barge_in_ms"]
+            is None
+        )
+
+    async def test_over_a_socket_late_audio_is_heard_after_the_cancel(
+        self, aiohttp_server: ServerFactory
+    ) -> None:
+        engine = FakeEngine(hold_for_cancel=True)
+        url = await start(aiohttp_server, engine)
+        result = await run_probe(options(url, cancel_after_ms=20.0))
+
+        # The two late deltas (131.25 ms) play in full after the cancel, plus
+        # whatever of the 20 ms first delta had not played when the cancel went out.
+        late_ms = seconds_of(DELTAS[1:3]) * 1000.0
+        heard = result.old_answer_heard_after_barge_in_ms
+        assert heard is not None
+        assert late_ms <= heard <= late_ms + 20.0 + 1e-6
+        lines = format_result(result, as_json=False).splitlines()
+        assert lines[5] == f"old answer heard after barge-in: {heard:.1f} ms"
