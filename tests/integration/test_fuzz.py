@@ -345,8 +345,15 @@ async def fuzz_proxy(simulator, sidecar) -> AsyncIterator[tuple[Any, RoutingEngi
         "--chunk-ms", "200", "--realtime-factor", "0.05", "--response-seconds", "0.6"
     )
     engine = await RoutingEngine(sim.ws_url).start()
+    # The fuzzer sends far more than 200 frames/s on purpose, and the healthy
+    # session checks gapless server_event_seq, which acks on its behalf would
+    # break (the engine's answers are hidden): both limits are off here.
     proxy = await sidecar(
-        upstream=engine.ws_url, max_client_message_bytes=LIMIT, max_input_audio_rate=0.0
+        upstream=engine.ws_url,
+        max_client_message_bytes=LIMIT,
+        max_input_audio_rate=0.0,
+        max_client_frame_rate=0.0,
+        playback_ack="off",
     )
     yield proxy, engine
     await engine.aclose()
