@@ -306,9 +306,8 @@ def on_item_truncate(s: DuplexSession, event: Payload) -> None:
             event,
         )
         return
-    previous_cap = record.hard_cap_ms
-    record.hard_cap_ms = audio_end_ms if previous_cap is None else min(previous_cap, audio_end_ms)
-    truncated = s.commit_history(record, audio_end_ms)
+    record.cap(audio_end_ms)
+    truncated = record.truncate(audio_end_ms)
     internal = {
         "type": "conversation.item.truncated",
         "session_id": s.session_id,
@@ -382,7 +381,7 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
             )
             return
         record = s.records.get(response_id)
-        if record is None:
+        if record is None or (record.released and not record.in_history):
             s.error(
                 "playback_item_not_found",
                 f"No assistant response item is registered for {response_id}.",
@@ -411,9 +410,8 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
     if record is not None:
         if hard:
             cursor.truncate(committed)
-            cap = record.hard_cap_ms
-            record.hard_cap_ms = committed if cap is None else min(cap, committed)
-        history_committed = s.commit_history(record, committed)
+            record.cap(committed)
+        history_committed = record.truncate(committed)
     # Wheel 0.30 ``PlaybackAcknowledged`` renders only ``event`` (the internal event).
     s.emit(
         {
@@ -432,7 +430,7 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
         }
     )
     if record is not None and history_committed and committed >= cursor.total_ms:
-        record.released = True
+        record.release()
 
 
 # ----------------------------------------------------------------- responses

@@ -157,30 +157,39 @@ class AssistantRecord:
         turn_id: the user turn it answers; an ack for it after a later user
             commit is ``playback_ack_too_late`` unless it already holds a
             history position.
-        cursor: its playback ledger.
+        cursor: its playback ledger. Once its audio is fully acknowledged
+            after the end, the engine forgets it: a later ack starts from an
+            empty ledger.
+        generated_ms: all audio it produced (kept when the ledger is dropped).
         full_text: everything the model said (the transcript of all deltas).
         marks: one :class:`TextMark` per delta.
         text: what history holds for it (``None``: not in history, waiting
             for an ack or cut to nothing).
-        audio_ms: the audio position ``text`` corresponds to.
+        audio_ms: the audio position ``text`` was cut at (``generated_ms`` when whole).
         reserved: an ack has claimed its history position.
         hard_cap_ms: a truncation (``truncate: true`` or
             ``conversation.item.truncate``) that later acks cannot exceed.
+        pending_ms: the last cut asked for while it could not apply (the
+            response was running, or the cut was empty); applied when the
+            response ends.
         ended: the response has ended (completed or cancelled).
         released: its audio was acknowledged in full after it ended; from
-            then on acks can only shorten its history text.
+            then on cuts can only shorten its history text, and the cap and
+            the full text no longer count.
     """
 
     response_id: str
     item_id: str
     turn_id: int
     cursor: PlaybackCursor = field(default_factory=PlaybackCursor)
+    generated_ms: int = 0
     full_text: str = ""
     marks: list[TextMark] = field(default_factory=list)
     text: str | None = None
     audio_ms: int = 0
     reserved: bool = False
     hard_cap_ms: int | None = None
+    pending_ms: int | None = None
     ended: bool = False
     released: bool = False
 
@@ -194,43 +203,90 @@ class AssistantRecord:
         self.full_text += text
         total = self.cursor.sent_ms + chunk_ms
         self.cursor.mark_sent(total)
+        self.generated_ms = max(self.generated_ms, total)
         self.marks.append(TextMark(text_chars=len(self.full_text), audio_end_ms=total))
         return total
 
-    def text_at(self, audio_end_ms: int) -> str:
-        """The reply cut at ``audio_end_ms`` (after any hard cap), whitespace-trimmed."""
-        if self.hard_cap_ms is not None:
-            audio_end_ms = min(audio_end_ms, self.hard_cap_ms)
-        text = self.full_text.strip()
-        keep = chars_for_audio_ms(audio_end_ms, len(text), self.marks, self.cursor.total_ms)
+    def _cut(self, text: str, audio_end_ms: int) -> str:
+        keep = chars_for_audio_ms(audio_end_ms, len(text), self.marks, self.generated_ms)
         return text[:keep].rstrip()
 
-    def commit_at(self, audio_end_ms: int) -> bool:
-        """Put the reply cut at ``audio_end_ms`` into history; ``False`` if that cut is empty.
+    def cap(self, audio_end_ms: int) -> None:
+        """A truncation: later cuts never reach beyond ``audio_end_ms``."""
+        if self.hard_cap_ms is None or audio_end_ms < self.hard_cap_ms:
+            self.hard_cap_ms = max(0, audio_end_ms)
 
-        An empty cut removes the reply from history (the model "said nothing").
+    def truncate(self, audio_end_ms: int) -> bool:
+        """Cut the reply's history at ``audio_end_ms``; return whether history changed.
+
+        While the response runs nothing is in history yet: the cut is kept
+        and applied at the end. Until released, the cut is taken from the
+        full text (so a later ack may lengthen it again); an empty cut changes
+        nothing. After release, cuts only shorten what history holds, down to
+        removing it.
         """
+        audio_end_ms = max(0, audio_end_ms)
         if self.hard_cap_ms is not None:
             audio_end_ms = min(audio_end_ms, self.hard_cap_ms)
-        text = self.text_at(audio_end_ms)
-        if not text:
-            self.text = None
-            self.audio_ms = 0
+        if not self.ended:
+            self.pending_ms = audio_end_ms
             return False
-        self.text = text
-        self.audio_ms = max(0, min(audio_end_ms, self.cursor.total_ms))
+        if not self.released:
+            text = self._cut(self.full_text.strip(), audio_end_ms)
+            if not text:
+                self.pending_ms = audio_end_ms
+                return False
+            self.text = text
+            self.audio_ms = min(audio_end_ms, self.generated_ms)
+            self.pending_ms = None
+            return True
+        if self.text is None:
+            return False
+        self.text = self._cut(self.text, audio_end_ms) or None
+        self.audio_ms = min(self.audio_ms, audio_end_ms) if self.text else 0
         return True
 
-    def commit_on_end(self, policy: str) -> bool:
-        """Apply the commit policy when the response ends; return whether it entered history."""
-        cursor = self.cursor
-        total = cursor.total_ms
-        committed = cursor.committed_ms
-        if total <= 0 or (committed >= total and self.hard_cap_ms is None):
-            return self.commit_at(total)
-        if committed <= 0 and self.hard_cap_ms is None:
-            if policy == COMMIT_ALL_ON_DONE:
-                return self.commit_at(total)
-            self.text = None
-            return False
-        return self.commit_at(committed)
+    def release(self) -> None:
+        """Fully acknowledged after its end: the engine drops its ledger, full text and cap."""
+        self.released = True
+        self.cursor = PlaybackCursor()
+        self.hard_cap_ms = None
+
+    def end(self, policy: str, *, late: bool, cancelled: bool) -> bool:
+        """Apply the commit policy as the response ends; return whether history got text.
+
+        Args:
+            policy: the session's policy (``ack_only`` for a cancel, whatever
+                the session's).
+            late: a user turn was committed while it ran: the policy puts
+                nothing in history (a kept cut or a later ack still may).
+            cancelled: the response was cancelled: if the policy put nothing
+                in history, the acknowledged position is cut once more.
+        """
+        self.ended = True
+        text = "" if late else self._committed_text(policy)
+        if text:
+            self.text = text
+            committed = self.cursor.committed_ms
+            self.audio_ms = committed if 0 < committed < self.generated_ms else self.generated_ms
+        if self.pending_ms is not None:
+            self.truncate(self.pending_ms)
+        committed = self.cursor.committed_ms
+        if (
+            cancelled
+            and not text
+            and committed > 0
+            and (not late or self.reserved or self.in_history)
+        ):
+            self.truncate(committed)
+        return bool(text)
+
+    def _committed_text(self, policy: str) -> str:
+        full = self.full_text.strip()
+        total = self.cursor.total_ms
+        committed = self.cursor.committed_ms
+        if total <= 0 or committed >= total:
+            return full
+        if committed <= 0:
+            return full if policy == COMMIT_ALL_ON_DONE else ""
+        return self._cut(full, committed)

@@ -187,26 +187,6 @@ class DuplexSession:
         record = self.records.get(item_id.removeprefix("item_"))
         return record if record is not None and record.item_id == item_id else None
 
-    def commit_history(self, record: AssistantRecord, audio_end_ms: int) -> bool:
-        """Cut ``record``'s history text at ``audio_end_ms``; return whether history changed.
-
-        While the response runs nothing is in history yet (its end applies the
-        ledger). Until its audio is fully acknowledged an ended reply is cut
-        from the full text (a later ack can lengthen it again); after that only
-        shorter cuts apply.
-        """
-        if not record.ended:
-            return False
-        if not record.released:
-            return record.commit_at(audio_end_ms)
-        if record.text is None:
-            return False
-        cut = record.text_at(audio_end_ms)
-        if len(cut) < len(record.text):
-            record.text = cut or None
-            record.audio_ms = min(record.audio_ms, audio_end_ms) if cut else 0
-        return True
-
     def release_playback_wait(self) -> bool:
         """An idle cancel trigger while ``ack_only`` audio is unacknowledged.
 
@@ -219,7 +199,7 @@ class DuplexSession:
             return False
         record = self.records.get(self.last_response_id or "")
         if record is not None:
-            self.commit_history(record, self.current.committed_ms)
+            record.truncate(self.current.committed_ms)
         self.epoch += 1
         self.current = PlaybackCursor()
         self.emit({"type": "output_audio_buffer.cleared", "response_id": self.last_response_id})
@@ -247,7 +227,7 @@ class DuplexSession:
                 "text": record.text or "",
                 "audio_ms": record.audio_ms,
                 "full_text": record.full_text.strip(),
-                "playback": record.cursor.as_dict(),
+                "generated_ms": record.generated_ms,
             }
             (items if record.in_history else pending).append(entry)
         return {
@@ -440,8 +420,11 @@ class DuplexSession:
         for payload in self._builder.chunk(resp, self.session_id, record):
             self.emit(payload)
         if resp.remaining <= 0:
-            record.ended = True
-            committed = record.commit_on_end(self.settings.playback_commit_policy)
+            committed = record.end(
+                self.settings.playback_commit_policy,
+                late=self.turn_id > record.turn_id,
+                cancelled=False,
+            )
             for payload in self._builder.completed(resp, record, committed=committed):
                 self.emit(payload)
             self.history.add({"id": resp.item_id, "role": "assistant"})
@@ -507,8 +490,7 @@ class DuplexSession:
         self._stats.late_audio_events += late
         # The engine ends a cancelled response as if the policy were ack_only:
         # history keeps only what the client acknowledged, whatever the policy.
-        record.ended = True
-        record.commit_on_end(ACK_ONLY)
+        record.end(ACK_ONLY, late=self.turn_id > record.turn_id, cancelled=True)
         for payload in self._builder.cancelled(
             resp, record, reason=reason, new_epoch=self.epoch, output_cleared=output_cleared
         ):

@@ -28,6 +28,7 @@ import ast
 import asyncio
 import base64
 import dataclasses
+import random
 import types
 import typing
 import zipfile
@@ -45,7 +46,7 @@ from tests.integration.helpers import Client, SimChild, connect, module_simulato
 pytest_plugins = ["tests.integration.vllm_omni_wheel"]
 
 if TYPE_CHECKING:
-    from tests.integration.vllm_omni_wheel import VllmOmni
+    from tests.integration.vllm_omni_wheel import EngineSession, VllmOmni
 
 Event = dict[str, Any]
 
@@ -751,3 +752,244 @@ def test_audio_delta_metadata_is_what_the_engine_projection_renders(
         ]
         wire = next(e for e in rendered if e["type"] == AUDIO_DELTA)
         assert wire["metadata"] == meta
+
+
+# ------------------------------------- history and ledger against the engine's own session
+
+
+@pytest.fixture(scope="module")
+def engine_session(vllm_omni: VllmOmni) -> EngineSession:
+    # Imported here: the plugin module must be imported by pytest first (assert rewriting).
+    from tests.integration.vllm_omni_wheel import WheelUnavailable, load_engine_session
+
+    try:
+        return load_engine_session(vllm_omni)
+    except WheelUnavailable as exc:
+        pytest.skip(f"the engine's session modules are unavailable: {exc}")
+
+
+DIFF_CHUNK_MS: Final = 200
+DIFF_CHUNKS: Final = 5
+
+
+class WheelSide:
+    """The wheel's ``DuplexEngineSession`` + ``apply_playback_ack``, driven the way its
+    session runner does on begin, audio, completion, cancel and an idle clear (the
+    runner itself needs torch; this glue paraphrases its calls)."""
+
+    def __init__(self, es: EngineSession, policy: str) -> None:
+        config = es.config.DuplexSessionConfig(playback_commit_policy=policy)
+        self.s = es.engine_session.DuplexEngineSession(session_id="duplex-w", config=config)
+        self.apply_ack = es.playback_ledger.apply_playback_ack
+        self.rids: list[str] = []
+
+    def commit(self) -> None:
+        self.s.commit_audio_input(transcript="user")
+
+    def begin(self) -> None:
+        self.rids.append(self.s.begin_response())
+
+    def chunk(self, text: str) -> None:
+        before = self.s.playback.sent_ms
+        self.s.append_assistant_text(text)
+        self.s.mark_audio_sent(
+            before + DIFF_CHUNK_MS, text_chars=len(self.s.assistant_transcript())
+        )
+
+    def complete(self) -> bool:
+        rid = self.s.active_response_id
+        message = self.s.end_response(commit_text=True)
+        self.s.register_history_item(f"item_{rid}", message)
+        return message is not None
+
+    def cancel(self) -> None:
+        s = self.s
+        rid, committed = s.active_response_id, s.playback.committed_ms
+        message = s.end_response(commit_text=True, playback_commit_policy="ack_only")
+        item = f"item_{rid}"
+        if message is not None:
+            s.register_history_item(item, message)
+        elif committed > 0 and not s.playback_ack_is_too_late(rid, item):
+            s.truncate_history_item(item, audio_end_ms=committed)
+        s.barge_in()
+        s.clear_playback_cursor()
+
+    def waiting(self) -> bool:
+        playback = self.s.playback
+        return bool(
+            self.s.config.playback_commit_policy == "ack_only"
+            and playback.sent_ms > playback.committed_ms
+        )
+
+    def clear_idle(self) -> None:
+        s = self.s
+        if self.waiting():
+            last = s.last_response_id
+            s.truncate_history_item(
+                f"item_{last}",
+                audio_end_ms=s.playback.committed_ms,
+                playback=s.playback_for_response(last),
+            )
+            s.barge_in()
+        s.clear_playback_cursor()
+
+    def ack(self, k: int, **fields: Any) -> Event:
+        rid = self.rids[k]
+        (event,) = self.apply_ack(
+            self.s, {"type": "playback.ack", "response_id": rid, "item_id": f"item_{rid}", **fields}
+        )
+        details = getattr(event, "details", None)
+        return dict(details) if details is not None else {"code": event.code}
+
+    def text(self, k: int) -> str | None:
+        message = self.s.history_item_ids.get(f"item_{self.rids[k]}")
+        return (message.get("content") or None) if message is not None else None
+
+
+class SimSide:
+    """The simulator's session core, fed the same client events (socket-free)."""
+
+    def __init__(self, policy: str) -> None:
+        from engine_launcher.simulator import DuplexSession, SimulatorConfig, SimulatorStats
+        from engine_launcher.simulator.audio import make_audio_bank
+        from engine_launcher.simulator.handlers import HANDLERS
+
+        config = SimulatorConfig(
+            chunk_ms=DIFF_CHUNK_MS, response_seconds=DIFF_CHUNKS * DIFF_CHUNK_MS / 1000,
+            realtime_factor=0, late_audio_chunks=0, deterministic=True,
+            playback_commit_policy=policy,
+        )  # fmt: skip
+        bank = make_audio_bank(DIFF_CHUNK_MS, 8000)
+        self.s = DuplexSession(config, bank, SimulatorStats(), handlers=HANDLERS)
+        self.rids: list[str] = []
+        self.send({"type": "session.update", "session": {}})
+
+    def send(self, event: Event) -> list[Event]:
+        self.s.receive_text(orjson.dumps(event).decode())
+        return [orjson.loads(f) for f in self.s.events_to_send() if isinstance(f, str)]
+
+    def commit(self) -> None:
+        self.send({"type": "input_audio_buffer.append", "audio": SILENCE})
+        self.send({"type": "input_audio_buffer.commit"})
+
+    def begin(self) -> None:
+        assert self.send({"type": "response.create"})[0]["type"] == "response.created"
+        self.rids += self.s.responses_to_start()
+
+    def chunk(self) -> tuple[str, list[Event]]:
+        self.s.produce_chunk(self.rids[-1])
+        events = [orjson.loads(f) for f in self.s.events_to_send() if isinstance(f, str)]
+        text = next(e["delta"] for e in events if e["type"] == TEXT_DELTA)
+        return text, events
+
+    def ack(self, k: int, **fields: Any) -> Event:
+        rid = self.rids[k]
+        last = self.send(
+            {"type": "playback.ack", "response_id": rid, "item_id": f"item_{rid}", **fields}
+        )[-1]
+        return {"code": last["error"]["code"]} if last["type"] == "error" else dict(last["event"])
+
+    def text(self, k: int) -> str | None:
+        # What the model believes it said, as conversation.item.retrieve reports it.
+        rid = self.rids[k]
+        if self.s.history.get(f"item_{rid}") is None:
+            return self.s.records[rid].text  # still running: not retrievable yet
+        (retrieved,) = self.send({"type": "conversation.item.retrieve", "item_id": f"item_{rid}"})
+        return retrieved["item"]["content"][0]["transcript"] or None
+
+
+TEXT_DELTA: Final = "response.output_audio_transcript.delta"
+
+
+def _same_ack(wheel: Event, sim: Event, w: WheelSide, s: SimSide) -> tuple[Event, Event]:
+    """Both answers with ids made comparable (response ids differ by construction)."""
+    out = []
+    for answer, rids in ((wheel, w.rids), (sim, s.rids)):
+        answer = {k: v for k, v in answer.items() if k != "session_id"}
+        if isinstance(answer.get("item_id"), str):
+            answer["item_id"] = rids.index(answer["item_id"].removeprefix("item_"))
+        out.append(answer)
+    return out[0], out[1]
+
+
+def _differential_run(es: EngineSession, seed: int) -> None:
+    rng = random.Random(seed)
+    policy = rng.choice(["commit_all_on_done", "ack_only"])
+    w, s = WheelSide(es, policy), SimSide(policy)
+    log: list[object] = [seed, policy]
+
+    def check(step: str) -> None:
+        for k in range(len(s.rids)):
+            assert w.text(k) == s.text(k), (step, k, log)
+        assert w.waiting() == s.s.playback_wait, (step, log)
+
+    def ack(k: int, fields: dict[str, Any]) -> None:
+        log.append(("ack", k, fields))
+        theirs, ours = _same_ack(w.ack(k, **fields), s.ack(k, **fields), w, s)
+        assert ours == theirs, log
+
+    for _ in range(rng.randint(1, 2)):
+        if s.s.playback_wait:
+            log.append("clear")
+            w.clear_idle()
+            s.send({"type": "output_audio_buffer.clear"})
+            check("clear")
+        w.commit()
+        s.commit()
+        w.begin()
+        s.begin()
+        k = len(s.rids) - 1
+        chunks = rng.randint(1, DIFF_CHUNKS)
+        done: Event | None = None
+        for i in range(chunks):
+            text, events = s.chunk()
+            w.chunk(text)
+            done = next((e for e in events if e["type"] == "response.done"), None)
+            if done is not None:
+                log.append("complete")
+                assert done["response"]["metadata"]["committed"] == w.complete(), log
+                break
+            if rng.random() < 0.1:
+                log.append("user commit while speaking")
+                w.commit()
+                s.commit()
+            if rng.random() < 0.3:
+                fields: dict[str, Any] = {"played_ms": rng.randint(0, (i + 1) * DIFF_CHUNK_MS)}
+                if rng.random() < 0.2:
+                    fields["truncate"] = True
+                ack(k, fields)
+        if done is None:
+            log.append("cancel")
+            w.cancel()
+            s.send({"type": "response.cancel"})
+        check("end")
+        for _ in range(rng.randint(0, 3)):
+            roll = rng.random()
+            if roll < 0.15:
+                log.append("user commit")
+                w.commit()
+                s.commit()
+            elif roll < 0.25:
+                log.append("clear")
+                w.clear_idle()
+                s.send({"type": "output_audio_buffer.clear"})
+            else:
+                fields = {"played_ms": rng.choice([0, 100, 200, 300, 500, 800, 1000, 1200])}
+                if rng.random() < 0.4:
+                    fields["committed_ms"] = rng.choice([0, 150, 400, 1000])
+                if rng.random() < 0.3:
+                    fields["truncate"] = True
+                ack(rng.randrange(len(s.rids)), fields)
+            check("after")
+
+
+def test_history_and_acks_match_the_engines_own_session_bookkeeping(
+    engine_session: EngineSession,
+) -> None:
+    """Random sessions (policy, acks while speaking and after, truncating acks, user
+    turns committed in between, cancels, idle clears) run on the simulator and on the
+    wheel's ``DuplexEngineSession``: every ``playback.acknowledged`` (or its error),
+    the assistant text history holds, ``response.done``'s ``committed`` and whether
+    the next response would be refused agree step by step."""
+    for seed in range(200):
+        _differential_run(engine_session, seed)

@@ -53,7 +53,9 @@ __all__ = [
     "VLLM_OMNI_VERSION",
     "WHEEL_SHA256",
     "DuplexRun",
+    "EngineSession",
     "VllmOmni",
+    "load_engine_session",
     "load_vllm_omni",
     "run_duplex_session",
     "vllm_omni",
@@ -252,6 +254,98 @@ def load_vllm_omni() -> VllmOmni:
         raise WheelUnavailable(_FAILED) from exc
     _LOADED = VllmOmni(wheel=wheel, root=root, **modules)
     return _LOADED
+
+
+# ---------------------------------------------- the engine's session bookkeeping (history)
+
+#: The engine's per-session history and playback ledger (``DuplexEngineSession``)
+#: and its ``playback.ack`` rules (``apply_playback_ack``). Pure Python, but the
+#: real ``vllm_omni/engine/duplex/session/__init__.py`` imports the runner (torch)
+#: and ``engine_session`` imports vLLM-Omni's metrics (vLLM): those are replaced
+#: by the stand-ins below, which only provide the names.
+_SESSION_MODULES: Final = (
+    "vllm_omni/engine/duplex/config.py",
+    "vllm_omni/engine/duplex/contracts.py",
+    "vllm_omni/engine/duplex/session/engine_session.py",
+    "vllm_omni/engine/duplex/session/lease.py",
+    "vllm_omni/engine/duplex/session/playback_ledger.py",
+)
+_SESSION_STUBS: Final = {
+    "vllm_omni/engine/duplex/session/__init__.py": "",
+    "vllm_omni/metrics/__init__.py": "",
+    # Per-response stage statistics: the ledger never reads them.
+    "vllm_omni/metrics/stats.py": (
+        "DUPLEX_STAGE_TABLE_EXCLUDE = frozenset()\n"
+        "class OrchestratorAggregator:\n"
+        "    def __init__(self, *args, **kwargs): pass\n"
+        "    def __getattr__(self, name): return lambda *args, **kwargs: None\n"
+        "class StageRequestStats: pass\n"
+        "def _one_row_per_stage(*args, **kwargs): return []\n"
+        "def _tpot_interval_weight(*args, **kwargs): return 0\n"
+    ),
+    "vllm_omni/metrics/utils.py": (
+        "def _as_int(value, default=0):\n"
+        "    try: return int(value)\n"
+        "    except (TypeError, ValueError): return default\n"
+        "def _as_optional_int(value):\n"
+        "    try: return int(value)\n"
+        "    except (TypeError, ValueError): return None\n"
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSession:
+    """The wheel's session bookkeeping modules.
+
+    Attributes:
+        engine_session: ``vllm_omni.engine.duplex.session.engine_session``
+            (``DuplexEngineSession``: history, playback cursors, truncation).
+        playback_ledger: ``vllm_omni.engine.duplex.session.playback_ledger``
+            (``apply_playback_ack``).
+        config: ``vllm_omni.engine.duplex.config`` (``DuplexSessionConfig``).
+    """
+
+    engine_session: ModuleType
+    playback_ledger: ModuleType
+    config: ModuleType
+
+
+def load_engine_session(vo: VllmOmni) -> EngineSession:
+    """Extract and import the engine's session bookkeeping next to ``vo``'s namespace.
+
+    Raises:
+        WheelUnavailable: a module is missing from the wheel or does not import.
+    """
+    with zipfile.ZipFile(vo.wheel) as archive:
+        names = set(archive.namelist())
+        for name in _SESSION_MODULES:
+            if name not in names:
+                raise WheelUnavailable(f"{vo.wheel.name} has no {name}")
+            archive.extract(name, vo.root)
+    for name, text in _SESSION_STUBS.items():
+        path = vo.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    try:
+        importlib.import_module("regex")
+    except ImportError:
+        # contracts.py uses the third-party regex module only as a drop-in for re.
+        import re
+
+        sys.modules["regex"] = re
+    try:
+        return EngineSession(
+            engine_session=importlib.import_module(
+                "vllm_omni.engine.duplex.session.engine_session"
+            ),
+            playback_ledger=importlib.import_module(
+                "vllm_omni.engine.duplex.session.playback_ledger"
+            ),
+            config=importlib.import_module("vllm_omni.engine.duplex.config"),
+        )
+    except ImportError as exc:
+        raise WheelUnavailable(f"the engine's session modules do not import: {exc!r}") from exc
 
 
 @pytest.fixture(scope="session")
