@@ -321,7 +321,10 @@ class Relay:
                 kind = msg.type
                 if kind is aiohttp.WSMsgType.PING:
                     writer.pong(msg.data)
-                    if writer.unanswered_pings + len(core.buffer) > budget_events:
+                    if (
+                        writer.unanswered_pings + len(core.buffer) > budget_events
+                        and core.state is SessionState.OPEN
+                    ):
                         # Each unanswered ping counts as one event of the output budget.
                         self.log.warning("client keeps pinging without reading; overflow")
                         core.control_overflow(now)
