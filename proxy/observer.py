@@ -124,6 +124,22 @@ class SessionRegistry:
         for observer in self._observers.values():
             observer.flush()
 
+    def unflushed(self) -> tuple[int, int, int, int]:
+        """Events and bytes (client→upstream, then upstream→client) not in the counters yet.
+
+        Counters plus these are the exact totals now, without a flush: the
+        console asks every second, and flushing 500 sessions (thousands of
+        labelled-counter increments) would hold the relay up for milliseconds.
+        """
+        c2u_events = c2u_bytes = u2c_events = u2c_bytes = 0
+        for observer in self._observers.values():
+            a, b, c, d = observer.unflushed()
+            c2u_events += a
+            c2u_bytes += b
+            u2c_events += c
+            u2c_bytes += d
+        return c2u_events, c2u_bytes, u2c_events, u2c_bytes
+
     def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
         """Record a session's current buffer size; shed the largest if over the cap."""
         if key not in self._pending_bytes:
@@ -349,6 +365,18 @@ class SessionObserver:
             if value:
                 counter.inc(value)
         self._flushed = now
+
+    def unflushed(self) -> tuple[int, int, int, int]:
+        """(events, bytes) client→upstream, then upstream→client, counted since the last flush."""
+        f = self._flushed
+        c2u = self.c2u_control + self.c2u_audio + self.c2u_invalid
+        u2c = self.u2c_audio + self.u2c_control + self.u2c_error + self.u2c_invalid
+        return (
+            c2u - f[0] - f[1] - f[2],
+            self.c2u_bytes - f[3],
+            u2c - f[4] - f[5] - f[6] - f[7],
+            self.u2c_bytes - f[8],
+        )
 
     @property
     def events_client_to_upstream(self) -> int:

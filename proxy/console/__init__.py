@@ -183,9 +183,15 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
     ``monotonic`` difference give them without the sidecar keeping history.
     """
     registry = state.registry
-    registry.flush_metrics()
     m = state.metrics
     dropped = _by_label(m.dropped_events, "reason", DROP_REASONS)
+    events = _by_label(m.events, "direction", DIRECTIONS)
+    sizes = _by_label(m.bytes, "direction", DIRECTIONS)
+    c2u_events, c2u_bytes, u2c_events, u2c_bytes = registry.unflushed()
+    events[DIRECTIONS[0]] += c2u_events
+    events[DIRECTIONS[1]] += u2c_events
+    sizes[DIRECTIONS[0]] += c2u_bytes
+    sizes[DIRECTIONS[1]] += u2c_bytes
     admission = state.admission
     refusal = admission.refusal()
     return {
@@ -209,8 +215,8 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         },
         "budget": _budget(state),
         "totals": {
-            "events": _by_label(m.events, "direction", DIRECTIONS),
-            "bytes": _by_label(m.bytes, "direction", DIRECTIONS),
+            "events": events,
+            "bytes": sizes,
             "dropped_events": dropped,
             "overflows": _by_label(m.overflows, "policy", OVERFLOW_POLICIES),
             "cancels": registry.total_cancels,
