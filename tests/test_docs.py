@@ -1,0 +1,186 @@
+"""A clone stands alone: every document the repository points to is in it.
+
+A reader who follows a citation in a comment, a help text, a config file or the
+README must land on a file of this checkout. Three checks, over the files git
+tracks (so a stray local file cannot make them pass):
+
+* no file cites a design input that lives outside the repository (the round-one
+  design and style notes, the engine protocol notes, anything under a sibling
+  ``shared`` directory), nor any other ``*.md`` path that does not exist;
+* every relative Markdown link in ``README.md``, ``docs/*.md`` and the other
+  tracked Markdown files resolves to a file of the repository (and, when it names an anchor in a Markdown file, to a
+  heading of that file);
+* every citation of the form "docs/design.md, Section" (or of
+  docs/engine-protocol.md) names a real heading of that document, so that
+  section titles can be cited from code and renaming one is caught.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+#: Files whose text is checked for references: code, docs, configs, deploy files.
+SUFFIXES = frozenset({".py", ".md", ".toml", ".yaml", ".yml", ".service", ".json", ".mk", ".sh"})
+NAMES = frozenset({"Makefile", "run"})
+
+#: Documents that were never part of the repository. Spelled in pieces so that this
+#: file does not cite them itself.
+FORBIDDEN = (
+    re.compile(r"\b" + "DESIGN" + r"\.md"),
+    re.compile(r"\b" + "STYLE" + r"\.md"),
+    re.compile(r"vllm_omni_" + r"realtime\.md"),
+    re.compile(r"\.\./" + r"shared\b"),
+    re.compile(r"\b" + "shared" + r"/reference\b"),
+    # "reference §3.5": a section of the engine protocol notes kept outside the repo.
+    re.compile(r"\breference " + "§"),
+    # The benchmark and design anchor notes that sat beside the design input.
+    re.compile(r"\b(?:perf_)?" + "anchors" + r"\.md"),
+)
+
+#: Markdown files that bench writes at run time into bench/results/ (NAME and
+#: SCENARIO are placeholders for a scenario's name); citing them is not a dangling link.
+GENERATED = frozenset({"summary.md", "soak.md", "NAME.md", "SCENARIO.md"})
+
+#: A path-like token ending in .md (not part of a URL).
+MD_PATH = re.compile(r"(?<![\w/.:-])((?:\.{1,2}/)?[\w.-]+(?:/[\w.-]+)*\.md)\b")
+#: [text](target) or [text](target "title"); images included.
+MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+#: "docs/design.md, Output buffer" or "docs/engine-protocol.md, Routes": a document of
+#: docs/ cited by section heading (a comment may wrap and repeat its marker).
+SECTION_CITATION = re.compile(r"\b(docs/(?:design|engine-protocol)\.md), +")
+
+
+@cache
+def tracked_files() -> tuple[Path, ...]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the tracked file list is unknown")
+    listing = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
+    ).stdout.decode()
+    paths = []
+    for name in listing.split("\0"):
+        if not name or name.startswith(".venv"):
+            continue
+        path = ROOT / name
+        if (path.suffix in SUFFIXES or path.name in NAMES) and path.is_file():
+            paths.append(path)
+    return tuple(paths)
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _unwrapped(text: str) -> str:
+    """Join wrapped comment lines so a citation split over two lines reads as one."""
+    return re.sub(r"\s*\n\s*(?:#+:?|//|\*)?\s*", " ", text)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _headings(path: Path) -> list[str]:
+    return [m.group(2).strip() for m in re.finditer(r"^(#{1,6}) +(.+)$", _text(path), re.MULTILINE)]
+
+
+def _where(path: Path, text: str, offset: int) -> str:
+    line = text.count("\n", 0, offset) + 1
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+def _exists_in_repo(target: Path) -> bool:
+    try:
+        target.resolve().relative_to(ROOT)
+    except ValueError:
+        return False
+    return target.exists()
+
+
+def test_the_files_checked_include_code_docs_and_configs() -> None:
+    names = {str(p.relative_to(ROOT)) for p in tracked_files()}
+    for expected in ("README.md", "docs/design.md", "Makefile", "pyproject.toml"):
+        assert expected in names
+
+
+def test_no_reference_to_documents_outside_the_repository() -> None:
+    found = []
+    for path in tracked_files():
+        text = _text(path)
+        for pattern in FORBIDDEN:
+            found += [
+                f"{_where(path, text, m.start())}: {m.group(0)!r}" for m in pattern.finditer(text)
+            ]
+    assert not found, "references to documents that are not in the repository:\n" + "\n".join(found)
+
+
+def test_every_cited_markdown_path_exists() -> None:
+    missing = []
+    for path in tracked_files():
+        text = _text(path)
+        for match in MD_PATH.finditer(text):
+            cited = match.group(1)
+            if Path(cited).name in GENERATED:
+                continue
+            candidates = (path.parent / cited, ROOT / cited)
+            if not any(_exists_in_repo(c) for c in candidates):
+                missing.append(f"{_where(path, text, match.start())}: {cited}")
+    assert not missing, "cited .md files that do not exist:\n" + "\n".join(missing)
+
+
+def _markdown_docs() -> list[Path]:
+    """README.md and docs/*.md, plus every other tracked Markdown file (bench, deploy)."""
+    first = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return first + [p for p in tracked_files() if p.suffix == ".md" and p not in first]
+
+
+def test_relative_markdown_links_resolve() -> None:
+    broken = []
+    for path in _markdown_docs():
+        text = _text(path)
+        for match in MD_LINK.finditer(text):
+            target = match.group(1)
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            resolved = path if not file_part else path.parent / file_part
+            where = _where(path, text, match.start())
+            if not _exists_in_repo(resolved):
+                broken.append(f"{where}: {target} (no such file in the repository)")
+            elif (
+                anchor
+                and resolved.suffix == ".md"
+                and anchor not in {_slug(h) for h in _headings(resolved)}
+            ):
+                broken.append(f"{where}: {target} (no heading with that anchor)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_section_citations_name_a_heading() -> None:
+    headings = {
+        doc: [h for h in _headings(ROOT / doc) if h]
+        for doc in ("docs/design.md", "docs/engine-protocol.md")
+    }
+    wrong = []
+    for path in tracked_files():
+        text = _unwrapped(_text(path))
+        for match in SECTION_CITATION.finditer(text):
+            doc = match.group(1)
+            cited = text[match.end() : match.end() + 80]
+            if not any(cited.lower().startswith(h.lower()) for h in headings[doc]):
+                wrong.append(f"{path.relative_to(ROOT)}: {doc}, {cited[:40]}...")
+    assert not wrong, (
+        "citations that name no section of the cited document (its headings are listed"
+        " under ## in the file):\n" + "\n".join(wrong)
+    )
