@@ -598,7 +598,12 @@ async def test_stopped_engine_is_declared_within_the_documented_bound_then_kille
     assert ready_after_stop >= 1
     messages = [r.getMessage() for r in caplog.records if r.name == "engine_launcher"]
     assert any(f"-> restarting (unhealthy) {failures} failed health checks" in m for m in messages)
-    await wait_until(lambda: gone(pid), timeout=grace + DEADLINE, what="stopped engine killed")
+    try:
+        await wait_until(lambda: gone(pid), timeout=grace + DEADLINE, what="stopped engine killed")
+    finally:
+        if not gone(pid):  # our own child: do not leave the teardown waiting on it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert f"engine ignored SIGTERM for {grace:.1f} s; sending SIGKILL" in warnings
     await wait_until(
