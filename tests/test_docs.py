@@ -24,6 +24,9 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
+
+from metrics import SidecarMetrics, definitions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,8 +71,8 @@ def tracked_files() -> tuple[Path, ...]:
     ).stdout.decode()
     paths = []
     for name in listing.split("\0"):
-        if not name or name.startswith(".venv"):
-            continue
+        if not name or name.startswith(".venv") or name == "tests/test_docs.py":
+            continue  # this file spells out the patterns it looks for
         path = ROOT / name
         if (path.suffix in SUFFIXES or path.name in NAMES) and path.is_file():
             paths.append(path)
@@ -184,3 +187,41 @@ def test_section_citations_name_a_heading() -> None:
         "citations that name no section of the cited document (its headings are listed"
         " under ## in the file):\n" + "\n".join(wrong)
     )
+
+
+def _label_enums() -> dict[str, tuple[str, ...]]:
+    return {
+        name: value
+        for name, value in vars(definitions).items()
+        if name.isupper()
+        and name != "STANDARD_PREFIXES"
+        and isinstance(value, tuple)
+        and value
+        and all(isinstance(item, str) for item in value)
+    }
+
+
+def _exposed_metric_names() -> list[str]:
+    registry = CollectorRegistry()
+    SidecarMetrics(registry)
+    names = []
+    for family in registry.collect():
+        if not family.name.startswith("omni_sidecar_"):
+            continue  # the standard process_* / python_* families
+        suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+        names.append(family.name + suffix)
+    return names
+
+
+@pytest.mark.parametrize("doc", ["README.md", "deploy/README.md"])
+def test_metric_tables_list_every_metric_and_label_value(doc: str) -> None:
+    """The metric tables operators read match what /metrics exposes."""
+    text = _text(ROOT / doc)
+    missing = [name for name in _exposed_metric_names() if f"`{name}`" not in text]
+    missing += [
+        f"{enum}: {value}"
+        for enum, values in _label_enums().items()
+        for value in values
+        if f"`{value}`" not in text
+    ]
+    assert not missing, f"{doc} does not list:\n" + "\n".join(missing)
