@@ -24,10 +24,11 @@ gpu_memory    the deploy YAML's ``gpu_memory_utilization`` per device fits  (tor
 anything is spawned). For ``kind = "vllm-omni"`` a missing ``vllm_omni``,
 ``vllm`` or ``torch``, no CUDA device, or an uncached model on an offline
 host is FAIL: that engine cannot start here. SKIP is only for checks that do
-not apply (another engine kind, no fixed port, no deploy YAML set), or that
-cannot be made from this interpreter (the engine runs under another
-``engine.python``: run preflight with that one); WARN is for what will work
-but cost time (a model download). Package presence and
+not apply (another engine kind, no fixed port, no deploy YAML set); WARN is
+for what will work but cost time (a model download). When ``engine.python``
+names another interpreter, that one is run once to report its packages and
+GPUs (:class:`_Interpreter`), so its installation is checked, not ours.
+Package presence and
 versions come from ``importlib.util.find_spec`` and ``importlib.metadata``:
 vllm and vllm_omni are never imported (importing vllm_omni imports torch,
 vLLM and transformers). Only the GPU check imports torch.
@@ -45,10 +46,12 @@ import difflib
 import enum
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import tomllib
 from collections.abc import Callable, Mapping
@@ -175,7 +178,7 @@ def cheap_checks(
         One result per check, in the order above.
     """
     env = _environ(environ)
-    deploy, _ = _check_deploy_config(config)
+    deploy, _ = _check_deploy_config(config, _Interpreter(config, gpus=False))
     return [_check_port(config, port_check), deploy, _check_model(config, env)]
 
 
@@ -184,16 +187,18 @@ def run_checks(
 ) -> list[CheckResult]:
     """Every check: :func:`cheap_checks`, then vllm versions, GPUs and GPU memory.
 
-    Only the GPU checks import torch (and only for ``kind = "vllm-omni"``).
+    Only the GPU checks import torch (and only for ``kind = "vllm-omni"``); with
+    ``engine.python`` set to another interpreter, that one is asked instead.
     """
     env = _environ(environ)
-    deploy, deploy_path = _check_deploy_config(config)
-    gpus_result, gpus = _check_gpus(config, env)
+    interpreter = _Interpreter(config, gpus=config.kind == "vllm-omni")
+    deploy, deploy_path = _check_deploy_config(config, interpreter)
+    gpus_result, gpus = _check_gpus(config, env, interpreter)
     return [
         _check_port(config, port_check),
         deploy,
         _check_model(config, env),
-        _check_vllm(config),
+        _check_vllm(config, interpreter),
         gpus_result,
         _check_gpu_memory(config, env, deploy_path, gpus),
     ]
@@ -328,6 +333,137 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+#: What the engine's interpreter reports when it is not ours (``engine.python``):
+#: the same facts the local checks read, printed as one JSON object. Locating
+#: never imports vllm or vllm_omni; torch is imported only with ``--gpus``.
+_FACTS_SCRIPT: Final = """\
+import importlib.metadata, importlib.util, json, sys
+def locate(name):
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    return list(spec.submodule_search_locations or []) or [spec.origin or name]
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+facts = {
+    "executable": sys.executable,
+    "locate": {n: locate(n) for n in ("vllm_omni", "vllm", "torch")},
+    "version": {n: version(n) for n in ("vllm-omni", "vllm")},
+}
+if "--gpus" in sys.argv and facts["locate"]["torch"] is not None:
+    gpu = {"version": None, "devices": None, "error": None}
+    try:
+        import torch
+        gpu["version"] = getattr(torch, "__version__", "?")
+        if torch.cuda.is_available():
+            gpu["devices"] = [
+                [int(x) for x in torch.cuda.mem_get_info(i)]
+                for i in range(int(torch.cuda.device_count()))
+            ]
+    except Exception as exc:
+        stage = "import torch failed" if gpu["version"] is None else "CUDA query failed"
+        gpu["error"] = f"{stage}: {type(exc).__name__}: {exc}"
+    facts["gpu"] = gpu
+print(json.dumps(facts))
+"""
+#: How long the engine's interpreter may take to answer (importing torch is slow).
+_FACTS_TIMEOUT: Final = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class _GpuFacts:
+    """torch's view: ``devices`` None when CUDA is not available; ``error`` when it broke."""
+
+    version: str | None
+    devices: list[tuple[int, int]] | None
+    error: str | None
+
+
+class _Interpreter:
+    """The interpreter the engine runs under, as the package and GPU checks see it.
+
+    Ours (``engine.python`` unset or this interpreter) is asked in-process.
+    Another one is run once with :data:`_FACTS_SCRIPT`, so that its packages
+    and GPUs are checked rather than skipped; when it cannot be run, ``error``
+    says why and the checks FAIL or SKIP on it.
+    """
+
+    def __init__(self, config: EngineConfig, *, gpus: bool) -> None:
+        self.foreign = _foreign_python(config)
+        self.where = sys.executable if self.foreign is None else self.foreign
+        self.error: str | None = None
+        self._facts: dict[str, Any] = {}
+        if self.foreign is not None and config.kind == "vllm-omni":
+            self._ask(self.foreign, gpus=gpus)
+
+    def _ask(self, python: str, *, gpus: bool) -> None:
+        argv = [python, "-c", _FACTS_SCRIPT] + (["--gpus"] if gpus else [])
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=_FACTS_TIMEOUT, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self.error = f"engine.python {python} cannot be run: {exc}"
+            return
+        try:
+            facts = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout else None
+        except (ValueError, IndexError):
+            facts = None
+        if done.returncode != 0 or not isinstance(facts, dict):
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            self.error = f"engine.python {python} exited {done.returncode}: {last}"
+            return
+        self._facts = facts
+        self.where = str(facts.get("executable") or python)
+
+    def locate(self, name: str) -> list[str] | None:
+        """Where a top-level package is (its folders), or None when it is not installed."""
+        if self.foreign is not None:
+            found = self._facts.get("locate", {}).get(name)
+            return [str(p) for p in found] if found else None
+        spec = _find_spec(name)
+        if spec is None:
+            return None
+        return [str(p) for p in (spec.submodule_search_locations or [])] or [str(spec.origin)]
+
+    def version(self, dist: str) -> str | None:
+        if self.foreign is not None:
+            found = self._facts.get("version", {}).get(dist)
+            return None if found is None else str(found)
+        return _dist_version(dist)
+
+    def gpu(self) -> _GpuFacts:
+        if self.foreign is not None:
+            raw = self._facts.get("gpu") or {}
+            devices = raw.get("devices")
+            return _GpuFacts(
+                raw.get("version"),
+                None if devices is None else [(int(f), int(t)) for f, t in devices],
+                raw.get("error"),
+            )
+        try:
+            torch = importlib.import_module("torch")  # the one heavy import, and only here
+        except Exception as exc:  # noqa: BLE001 - a broken CUDA install surfaces here
+            return _GpuFacts(None, None, f"import torch failed: {type(exc).__name__}: {exc}")
+        version = str(getattr(torch, "__version__", "?"))
+        try:
+            if not torch.cuda.is_available():
+                return _GpuFacts(version, None, None)
+            devices = []
+            for index in range(int(torch.cuda.device_count())):
+                free, total = torch.cuda.mem_get_info(index)
+                devices.append((int(free), int(total)))
+        except Exception as exc:  # noqa: BLE001 - any CUDA error is a FAIL line, not a crash
+            return _GpuFacts(version, None, f"CUDA query failed: {type(exc).__name__}: {exc}")
+        return _GpuFacts(version, devices, None)
+
+
 def _check_port(config: EngineConfig, port_check: bool) -> CheckResult:
     name = "port"
     if config.kind == "external":
@@ -350,18 +486,20 @@ def _check_port(config: EngineConfig, port_check: bool) -> CheckResult:
     return _pass(name, f"{shown} is free")
 
 
-def _deploy_dir() -> Path | None:
-    spec = _find_spec("vllm_omni")
-    if spec is None or not spec.submodule_search_locations:
+def _deploy_dir(interpreter: _Interpreter) -> Path | None:
+    found = interpreter.locate("vllm_omni")
+    if not found:
         return None
-    return Path(next(iter(spec.submodule_search_locations))) / "deploy"
+    return Path(found[0]) / "deploy"
 
 
 def _is_bare_name(value: str) -> bool:
     return os.sep not in value and "/" not in value and not value.startswith("~")
 
 
-def _check_deploy_config(config: EngineConfig) -> tuple[CheckResult, Path | None]:
+def _check_deploy_config(
+    config: EngineConfig, interpreter: _Interpreter
+) -> tuple[CheckResult, Path | None]:
     """The check, and the YAML's path when it was found."""
     name = "deploy_config"
     skipped = _not_vllm_omni(name, config)
@@ -371,15 +509,13 @@ def _check_deploy_config(config: EngineConfig) -> tuple[CheckResult, Path | None
     if value is None:
         return _skip(name, "not set: vLLM-Omni uses the model's default deploy config"), None
     if _is_bare_name(value):
-        foreign = _foreign_python(config)
-        if foreign is not None:
-            return _skip(
-                name, f"the engine runs under {foreign}: run preflight with it to find {value}"
-            ), None
-        folder = _deploy_dir()
+        if interpreter.error is not None:
+            return _skip(name, f"cannot look up {value}: {interpreter.error}"), None
+        folder = _deploy_dir(interpreter)
         if folder is None:
+            here = "here" if interpreter.foreign is None else f"in {interpreter.where}"
             return _skip(
-                name, f"vllm_omni is not installed here: cannot look up {value} in its deploy/"
+                name, f"vllm_omni is not installed {here}: cannot look up {value} in its deploy/"
             ), None
         path = folder / value
         if not path.is_file():
@@ -464,27 +600,28 @@ def _check_model(config: EngineConfig, environ: Mapping[str, str]) -> CheckResul
 _MAJOR_MINOR: Final = re.compile(r"^(\d+)\.(\d+)")
 
 
-def _check_vllm(config: EngineConfig) -> CheckResult:
+def _check_vllm(config: EngineConfig, interpreter: _Interpreter) -> CheckResult:
     name = "vllm"
     skipped = _not_vllm_omni(name, config)
     if skipped is not None:
         return skipped
-    foreign = _foreign_python(config)
-    if foreign is not None:
-        return _skip(name, f"the engine runs under {foreign}: run preflight with it")
-    if _find_spec("vllm_omni") is None:
+    if interpreter.error is not None:
+        return _fail(
+            name, f"{interpreter.error}: set engine.python to the interpreter that has vllm-omni"
+        )
+    if interpreter.locate("vllm_omni") is None:
         return _fail(
             name,
-            f"vllm_omni is not installed in {sys.executable}: pip install vllm-omni, or set "
+            f"vllm_omni is not installed in {interpreter.where}: pip install vllm-omni, or set "
             "engine.python to the interpreter that has it",
         )
-    if _find_spec("vllm") is None:
+    if interpreter.locate("vllm") is None:
         return _fail(
             name,
             "vllm_omni is installed but vllm is not: pip install the vllm release "
             "vllm-omni was built for (same major.minor)",
         )
-    omni, vllm = _dist_version("vllm-omni"), _dist_version("vllm")
+    omni, vllm = interpreter.version("vllm-omni"), interpreter.version("vllm")
     if omni is None or vllm is None:
         missing = "vllm-omni" if omni is None else "vllm"
         return _skip(name, f"no package metadata for {missing}: versions not compared")
@@ -501,41 +638,33 @@ def _gib(value: float) -> str:
 
 
 def _check_gpus(
-    config: EngineConfig, environ: Mapping[str, str]
+    config: EngineConfig, environ: Mapping[str, str], interpreter: _Interpreter
 ) -> tuple[CheckResult, list[GpuMemory] | None]:
     name = "gpus"
     skipped = _not_vllm_omni(name, config)
     if skipped is not None:
         return skipped, None
-    foreign = _foreign_python(config)
-    if foreign is not None:
-        return _skip(name, f"the engine runs under {foreign}: run preflight with it"), None
-    if _find_spec("torch") is None:
+    if interpreter.error is not None:
+        return _skip(name, f"GPUs not checked: {interpreter.error} (see vllm)"), None
+    if interpreter.locate("torch") is None:
         return _fail(
             name,
-            f"torch is not installed in {sys.executable}: pip install vllm-omni (it brings the "
-            "CUDA build of torch it needs)",
+            f"torch is not installed in {interpreter.where}: pip install vllm-omni (it brings "
+            "the CUDA build of torch it needs)",
         ), None
-    try:
-        torch = importlib.import_module("torch")  # the one heavy import, and only here
-    except Exception as exc:  # noqa: BLE001 - a broken CUDA install surfaces here
-        return _fail(name, f"import torch failed: {type(exc).__name__}: {exc}"), None
+    facts = interpreter.gpu()
     visible = environ.get(CUDA_VISIBLE_DEVICES)
     where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-    version = getattr(torch, "__version__", "?")
-    try:
-        if not torch.cuda.is_available():
-            return _fail(
-                name,
-                f"torch {version} sees no CUDA device{where}: vllm-omni needs an NVIDIA GPU "
-                "(check nvidia-smi, the driver, CUDA_VISIBLE_DEVICES)",
-            ), None
-        gpus = []
-        for index in range(int(torch.cuda.device_count())):
-            free, total = torch.cuda.mem_get_info(index)
-            gpus.append(GpuMemory(index, int(free), int(total)))
-    except Exception as exc:  # noqa: BLE001 - any CUDA error is a FAIL line, not a crash
-        return _fail(name, f"CUDA query failed: {type(exc).__name__}: {exc}"), None
+    version = facts.version or "?"
+    if facts.error is not None:
+        return _fail(name, facts.error), None
+    if facts.devices is None:
+        return _fail(
+            name,
+            f"torch {version} sees no CUDA device{where}: vllm-omni needs an NVIDIA GPU "
+            "(check nvidia-smi, the driver, CUDA_VISIBLE_DEVICES)",
+        ), None
+    gpus = [GpuMemory(i, free, total) for i, (free, total) in enumerate(facts.devices)]
     if not gpus:
         return _fail(name, f"torch {version} reports CUDA but no device{where}"), None
     listing = "; ".join(

@@ -378,14 +378,35 @@ def test_vllm_omni_without_vllm_fails(tmp_path: Path, monkeypatch: pytest.Monkey
     assert result.reason.startswith("vllm_omni is installed but vllm is not: pip install ")
 
 
-def test_engine_under_another_interpreter_is_not_judged_by_ours(installed: Any) -> None:
-    config = minicpmo(python="/opt/vllm/bin/python")
-    results = by_name(run_checks(config, environ={}))
-    for name in ("deploy_config", "vllm", "gpus"):
+def test_an_engine_python_that_cannot_run_fails(not_installed: None) -> None:
+    results = by_name(run_checks(minicpmo(python="/opt/vllm/bin/python"), environ={}))
+    assert results["vllm"].status is FAIL
+    assert results["vllm"].reason.startswith("engine.python /opt/vllm/bin/python cannot be run: ")
+    assert results["vllm"].reason.endswith(
+        ": set engine.python to the interpreter that has vllm-omni"
+    )
+    for name in ("deploy_config", "gpus"):
         assert results[name].status is SKIP
-        assert "/opt/vllm/bin/python" in results[name].reason
+        assert "engine.python /opt/vllm/bin/python cannot be run" in results[name].reason
+
+
+def test_another_engine_python_is_asked_not_ours(not_installed: None, tmp_path: Path) -> None:
+    """Ours has nothing installed; the engine's interpreter (a wrapper that puts the
+    stand-ins on its path) has everything: its packages and GPUs are what count."""
+    wrapper = tmp_path / "engine-python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{FAKES}" exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    config = minicpmo(python=str(wrapper))
+    env = hf_cache(tmp_path, "openbmb/MiniCPM-o-4_5")
+    results = by_name(run_checks(config, environ=env))
+    assert {r.status for r in results.values()} == {PASS}, results
+    assert results["deploy_config"].reason == str(DEPLOY / "minicpmo_4_5.yaml")
+    assert results["vllm"].reason == "vllm-omni 0.30.0 with vllm 0.30.2"
+    assert results["gpus"].reason == "1 visible: 0: 78.0 GiB free of 80.0 GiB"
+    assert "torch" not in sys.modules  # ours was never imported
+    # The same interpreter as ours is ours: nothing installed, so it fails.
     same = by_name(run_checks(minicpmo(python=sys.executable), environ={}))
-    assert same["vllm"].status is PASS
+    assert same["vllm"].status is FAIL
 
 
 # -- model ---------------------------------------------------------------------------------------
