@@ -3,7 +3,8 @@
 Scenarios: stale-audio, realtime-latency, throughput, slow-client, capacity
 (``all`` runs them in this order and writes bench/results/summary.md), plus
 ``profile`` (py-spy profile of the sidecar under real-time load) and
-``soak`` (``bench/soak.py``, when present). See bench/README.md.
+``soak`` (``bench/soak.py``, when present) and ``barge-in`` (old answer heard
+after an interruption, history vs. heard; not part of ``all``). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ SCENARIOS = ("stale-audio", "realtime-latency", "throughput", "slow-client", "ca
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("scenario", choices=(*SCENARIOS, "all", "profile", "soak"))
+    p.add_argument("scenario", choices=(*SCENARIOS, "all", "profile", "soak", "barge-in"))
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians)")
     p.add_argument("--nice", type=int, default=-10,
                    help="niceness of every benchmark process (the anchors used -10; 0 = leave)")
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cap-window", type=float, default=4.0)
     g.add_argument("--profile-seconds", type=float, default=12.0)
     g.add_argument("--profile-sessions", type=int, default=500)
+    g.add_argument("--bargein-sessions", type=int, default=100)
     return p
 
 
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     _check_deps()
     from bench import common
+    from bench.scen_bargein import barge_in
     from bench.scen_burst import throughput
     from bench.scen_cancel import stale_audio
     from bench.scen_realtime import capacity, realtime_latency
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": throughput,
         "slow-client": slow_client,
         "capacity": capacity,
+        "barge-in": barge_in,
     }
     if ns.scenario == "profile":
         from bench.profile import profile
