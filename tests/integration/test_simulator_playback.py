@@ -234,16 +234,19 @@ async def test_ack_only_history_waits_for_acks_and_the_next_response_waits_for_p
         assert await retrieve_text(c, f"item_{rid}") == spoken(c, rid, 3)
 
 
+@pytest.mark.parametrize("trigger", ["output_audio_buffer.clear", "barge_in", "response.cancel"])
 async def test_ack_only_clear_after_a_completed_reply_frees_the_turn(
-    truncating_sim: SimChild,
+    truncating_sim: SimChild, trigger: str
 ) -> None:
-    """0.30.0 forwards a clear for the latest completed reply to the session: its
-    history is cut at the acked position, the epoch advances, the wait ends."""
+    """0.30.0 forwards a clear for the latest completed reply to the session (and
+    counts still-playing audio as response work for barge_in and response.cancel):
+    history is cut at the acked position, the epoch advances, the wait ends, and
+    the client sees output_audio_buffer.cleared."""
     async with connect(truncating_sim.ws_url + "?autostart=0") as c:
         session = await open_session(c, playback_commit_policy="ack_only")
         rid, _ = await full_reply(c)
         await ack(c, rid, 2 * CHUNK_MS)
-        await c.send({"type": "output_audio_buffer.clear"})
+        await c.send({"type": trigger})
         cleared = await c.recv_until("output_audio_buffer.cleared")
         assert cleared["response_id"] == rid
         assert await retrieve_text(c, f"item_{rid}") == spoken(c, rid, 2)
