@@ -7,7 +7,8 @@ for tests. Run it with ``python -m engine_launcher.simulator --help``.
 
 Layout: ``config`` (flags), ``protocol`` (names, errors, ids), ``audio``
 (voice, RMS), ``settings`` (``session.update``), ``conversation`` (input and
-history), ``responses`` (response event builders), ``handlers`` (client event
+items), ``playback`` (playback ledger, commit policies, what history keeps of
+each reply), ``responses`` (response event builders), ``handlers`` (client event
 dispatch), ``session`` (sans-I/O core), ``connection`` (per-socket tasks),
 ``server`` (aiohttp app and process lifecycle).
 """
