@@ -216,6 +216,12 @@ class SessionRegistry:
             cancelled = cancelled[-max_ids:] if max_ids else []
         buffer = stats.buffer
         observer = self._observers.get(key)
+        playback = relay.core.playback.view(now)
+        # Audio the client holds unplayed (the largest over its items), when paced.
+        leads = [item["lead_ms"] for item in playback["items"] if not item["finished"]]
+        lead_ms = max(leads, default=0) if playback["pacing"] else None
+        if max_ids is not None:
+            playback["items"] = playback["items"][-max_ids:] if max_ids else []
         return {
             "id": key,
             "upstream_session_id": stats.session_id,
@@ -244,7 +250,8 @@ class SessionRegistry:
             },
             "bytes_client_to_upstream": relay.bytes_client_to_upstream,
             "bytes_upstream_to_client": relay.bytes_upstream_to_client,
-            "playback": relay.core.playback.view(now),
+            "playback": playback,
+            "playback_lead_ms": lead_ms,
         }
 
 

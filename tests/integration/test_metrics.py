@@ -779,3 +779,41 @@ async def test_admin_token_protects_the_whole_admin_listener(sidecar: Any) -> No
             assert orjson.loads(message.data)["type"] == "session.created"
     finally:
         await engine.aclose()
+
+
+async def test_playback_lead_is_shown_when_pacing_is_on(sidecar: Any) -> None:
+    engine = await ScriptedEngine().start()
+    try:
+        proxy = await sidecar(upstream=engine.ws_url, playback_pacing=True)
+        off = await sidecar(upstream=engine.ws_url)
+        http, ws, conn = await _open_session(proxy.url, engine, "paced")
+        one_second = base64.b64encode(bytes(48_000)).decode()  # pcm16 at 24 kHz
+        await conn.send({"type": "response.created", "response": {"id": "resp_1"}})
+        for _ in range(2):
+            await conn.send(
+                {
+                    "type": "response.output_audio.delta",
+                    "response_id": "resp_1",
+                    "item_id": "item_1",
+                    "delta": one_second,
+                }
+            )
+
+        async def leading() -> bool:
+            page = await admin_json(proxy, "/debug/sessions")
+            lead = page["sessions"][0]["playback_lead_ms"]
+            return lead is not None and lead > 0
+
+        await wait_until(leading, what="a playback lead above 0 with pacing on")
+        (session,) = (await admin_json(proxy, "/debug/sessions"))["sessions"]
+        assert 0 < session["playback_lead_ms"] <= 2000
+        assert session["playback"]["pacing"] is True
+
+        http2, ws2, _conn2 = await _open_session(off.url, engine, "unpaced")
+        (unpaced,) = (await admin_json(off, "/debug/sessions"))["sessions"]
+        assert unpaced["playback_lead_ms"] is None
+        for client, socket_ in ((http, ws), (http2, ws2)):
+            await socket_.close()
+            await client.close()
+    finally:
+        await engine.aclose()

@@ -192,6 +192,7 @@
   }
 
   function sortValue(s, key) {
+    if (key === "playback_lead_ms") return s.playback_lead_ms === null ? -1 : s.playback_lead_ms;
     if (key === "drops") return Object.values(s.dropped || {}).reduce((a, d) => a + d.events, 0);
     const v = s[key];
     return v === null || v === undefined ? "" : v;
@@ -226,6 +227,8 @@
       tr.appendChild(barCell(s.pending_bytes, budget.pending_bytes, bytes(s.pending_bytes)));
       tr.appendChild(barCell(s.pending_events, budget.pending_events, String(s.pending_events)));
       tr.appendChild(el("td", s.tombstones));
+      tr.appendChild(el("td", s.playback_lead_ms === null || s.playback_lead_ms === undefined
+        ? "–" : (s.playback_lead_ms / 1000).toFixed(2) + " s"));
       const drops = el("td", dropsText(s.dropped), "drops");
       tr.appendChild(drops);
       tr.addEventListener("click", () => openDetail(s.id));
@@ -271,6 +274,8 @@
       ["cancels", s.cancels],
       ["overflows", s.overflows],
       ["tombstones", s.tombstones],
+      ["playback lead", s.playback_lead_ms === null || s.playback_lead_ms === undefined
+        ? "– (pacing off)" : (s.playback_lead_ms / 1000).toFixed(2) + " s"],
       ["drops", dropsText(s.dropped)],
       ["bytes client → engine", bytes(s.bytes_client_to_upstream)],
       ["bytes engine → client", bytes(s.bytes_upstream_to_client)],
