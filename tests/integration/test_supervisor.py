@@ -613,6 +613,39 @@ async def test_stopped_engine_is_declared_within_the_documented_bound_then_kille
     )
 
 
+async def test_stopped_engine_is_continued_so_that_sigterm_stops_it(
+    sidecar: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGCONT goes with SIGTERM: a stopped engine that honours SIGTERM exits at
+    once instead of costing the whole ``stop_grace`` (and a SIGKILL)."""
+    caplog.set_level(logging.INFO)
+    grace = DEADLINE
+    proxy: RunningSidecar = await sidecar(
+        engine=engine(health_interval=200 * MS, health_failures=2, stop_grace=grace)
+    )
+    pid = proxy.sidecar.supervisor.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await wait_until(
+            lambda: (
+                proxy.sidecar.supervisor.state is not EngineState.READY
+                and proxy.sidecar.supervisor.state is not EngineState.UNHEALTHY
+            ),
+            what="declared unhealthy",
+        )
+        declared_at = time.monotonic()
+        await wait_until(lambda: gone(pid), timeout=grace + DEADLINE, what="engine gone")
+        took = time.monotonic() - declared_at
+    finally:
+        if not gone(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    assert took < grace / 2, took
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not any("ignored SIGTERM" in m for m in warnings), warnings
+
+
 ENGINE_OUTPUT = """\
 import sys
 print("plain progress on stdout", flush=True)
