@@ -49,6 +49,10 @@ POLICIES: Final = ("commit_all_on_done", "ack_only")
 SIM_ARGS: Final = ["--generation-speed", "4", "--chunk-ms", "200", "--response-seconds", "4"]
 UNPACED_ARGS: Final = ["--no-playback-pacing"]
 PACED_ARGS: Final = ["--playback-pacing", "--max-audio-lead", "0.5"]
+#: The bounds the issue states: a paced client holds at most max_audio_lead plus the
+#: delta in flight, and history ends within one chunk of the heard position.
+LEAD_MS: Final = 500.0
+CHUNK_MS: Final = 200.0
 #: The sidecar counters reported after each policy's runs (admin /metrics).
 _METRICS: Final = re.compile(
     r"^(omni_sidecar_(?:playback_acks_total|truncations_total\{source=\"\w+\"\}"
@@ -335,10 +339,41 @@ def _write(
         report.para(
             "Sidecar counters after each policy's runs (admin /metrics):\n\n* " + "\n* ".join(parts)
         )
+    checks = _checks(summary)
+    summary["checks"] = checks
+    report.para("Against the bounds of the playback ledger (docs/design.md, Playback):")
+    report.table(["figure", "measured", "bound", "verdict"], checks)
     fig = _plot(runs, summary)
     written = report.write(f"python -m bench barge-in --reps {reps} --bargein-sessions {n}", fig)
     log(f"wrote {written}")
     return summary
+
+
+def _checks(summary: dict[str, Any]) -> list[list[Any]]:
+    """Rows of (figure, measured, bound, verdict) for the paced lead and the history error."""
+    rows: list[list[Any]] = []
+    paced = summary["paced"]["heard_after_p99_ms"]
+    bound = LEAD_MS + CHUNK_MS
+    rows.append(
+        [
+            "paced: old answer heard after barge-in p99 (ms)",
+            paced,
+            f"≤ {bound:g} (max_audio_lead + one chunk)",
+            "met" if paced is not None and paced <= bound else "**not met**",
+        ]
+    )
+    for policy in POLICIES:
+        for path in ("unpaced", "paced"):
+            error = summary[policy][path]["history_error_p99_ms"]
+            rows.append(
+                [
+                    f"{policy}, {path}: history vs heard p99 (ms)",
+                    error,
+                    f"≤ {CHUNK_MS:g} (one chunk)",
+                    "met" if error is not None and error <= CHUNK_MS else "**not met**",
+                ]
+            )
+    return rows
 
 
 def _plot(runs: dict[str, dict[str, list[dict[str, Any]]]], summary: dict[str, Any]) -> Any:
