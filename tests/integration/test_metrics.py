@@ -817,3 +817,59 @@ async def test_playback_lead_is_shown_when_pacing_is_on(sidecar: Any) -> None:
             await client.close()
     finally:
         await engine.aclose()
+
+
+# -- bounds of the console's JSON, socket-free ----------------------------------------------------
+
+
+def _fake_registry(sessions: int) -> Any:
+    """A registry holding ``sessions`` idle sessions (real cores, fake relays)."""
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from metrics import SidecarMetrics
+    from proxy.core.session import SessionCore, SessionSettings
+    from proxy.observer import SessionRegistry
+
+    registry = SessionRegistry(
+        SidecarMetrics(CollectorRegistry(), process_metrics=False),
+        max_total_pending_output_bytes=0,
+    )
+    for i in range(sessions):
+        key = f"s{i:04d}"
+        relay = types.SimpleNamespace(
+            key=key,
+            core=SessionCore(SessionSettings(), new_event_id=lambda: "e"),
+            started_at=time.monotonic(),
+            bytes_client_to_upstream=0,
+            bytes_upstream_to_client=0,
+        )
+        registry.add(relay)
+        registry.observer(key, client_address=f"10.0.{i // 256}.{i % 256}")
+    return registry
+
+
+async def test_sessions_are_paged_above_500_and_lifecycles_are_bounded() -> None:
+    import types
+
+    from proxy.config import Settings
+    from proxy.console import MAX_PAGE_SESSIONS, sessions_page
+    from proxy.observer import LIFECYCLE_EVENTS
+
+    registry = _fake_registry(MAX_PAGE_SESSIONS + 1)
+    state: Any = types.SimpleNamespace(registry=registry, settings=Settings())
+    first = await sessions_page(state, offset=0, limit=MAX_PAGE_SESSIONS, query="")
+    rest = await sessions_page(state, offset=MAX_PAGE_SESSIONS, limit=MAX_PAGE_SESSIONS, query="")
+    assert (first["live"], first["total"], len(first["sessions"])) == (501, 501, 500)
+    assert [s["id"] for s in rest["sessions"]] == ["s0500"]
+    assert len(orjson.dumps(first)) < 1024 * 1024  # one page stays well under a MiB
+    found = await sessions_page(state, offset=0, limit=10, query="10.0.1.244")
+    assert [s["id"] for s in found["sessions"]] == ["s0500"] and found["total"] == 1
+
+    observer = registry._observers["s0000"]
+    for i in range(LIFECYCLE_EVENTS + 10):
+        observer.note("cancel", f"response r{i}")
+    events = registry.detail("s0000")["events"]
+    assert len(events) == LIFECYCLE_EVENTS == 50
+    assert events[-1]["detail"] == f"response r{LIFECYCLE_EVENTS + 9}"  # the newest are kept
