@@ -196,14 +196,14 @@ class PlaybackLedger:
     @property
     def awaiting_answers(self) -> bool:
         """Some of our acks or truncations have not been answered yet."""
-        return bool(self._own)
+        return bool(self._own) or self._own_acks_outstanding > 0
 
     def swallow(self, event: UpstreamEvent) -> bool:
         """An engine answer to one of the sidecar's own acks or truncations.
 
         The client never asked for it, so it is not shown to the client.
         """
-        if not self._own:
+        if not self.awaiting_answers:
             return False
         kind = event.type
         if kind == "playback.acknowledged" and self._own_acks_outstanding > 0:
@@ -220,13 +220,18 @@ class PlaybackLedger:
             error = body.get("error")
             echoed = error.get("event_id") if isinstance(error, dict) else None
             if isinstance(echoed, str) and echoed in self._own:
-                self._answered(self._own.pop(echoed))
+                kind = self._own.pop(echoed)
+                self._answered("truncate_error" if kind == "truncate" else kind)
                 return True
         return False
 
     def _answered(self, what: str) -> None:
-        if what == "ack":
+        # A truncate is answered twice on success (conversation.item.truncated,
+        # then playback.acknowledged); an error answers it once, so the
+        # acknowledgement it would have had is not awaited any more either.
+        if what in ("ack", "truncate_error"):
             self._own_acks_outstanding = max(0, self._own_acks_outstanding - 1)
+        what = "truncate" if what == "truncate_error" else what
         for event_id, kind in self._own.items():
             if kind == what:
                 del self._own[event_id]
@@ -354,6 +359,9 @@ class PlaybackLedger:
         played_ms = round(played * 1000)
         if self.supports_truncate and item.item_id is not None:
             self.truncations_sidecar += 1
+            # vLLM-Omni answers with conversation.item.truncated and then a
+            # playback.acknowledged {truncate: true}: both are ours to hide.
+            self._own_acks_outstanding += 1
             self._own_truncates[item.item_id] = None
             if len(self._own_truncates) > MAX_OUTSTANDING:
                 self._own_truncates.popitem(last=False)
