@@ -47,6 +47,19 @@ from tests.integration.helpers import (
 )
 from tests.integration.leakcheck import MIB, Slack, Snapshot, child_pids, wait_settled
 
+
+@pytest.fixture
+def sidecar(sidecar: Any) -> Any:
+    """The shared fixture with acks on the clients' behalf off: these sessions
+    check that every engine event arrives (gapless ``server_event_seq``), and
+    the engine's answers to the sidecar's own acks are hidden from clients."""
+
+    async def start(**overrides: Any) -> Any:
+        overrides.setdefault("playback_ack", "off")
+        return await sidecar(**overrides)
+
+    return start
+
 pytestmark = pytest.mark.timeout(90)
 
 Event = dict[str, Any]
@@ -524,6 +537,9 @@ class Served:
                     f"127.0.0.1:{self.port}",
                     "--admin-listen",
                     f"127.0.0.1:{self.admin_port}",
+                    # Gapless server_event_seq is checked: no acks on the clients' behalf.
+                    "--playback-ack",
+                    "off",
                     *flags,
                 ],
                 stdout=log,
