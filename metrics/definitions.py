@@ -56,6 +56,9 @@ DROP_REASONS: Final = (
     "session_closed",
     # client frames over max_client_frame_rate.
     "client_rate_limited",
+    # the engine's answers to the sidecar's own playback acks and truncations
+    # (docs/design.md, Playback): never the client's to see.
+    "playback_answer",
 )
 SESSION_OUTCOMES: Final = (
     "client_closed",

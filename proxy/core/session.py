@@ -119,6 +119,7 @@ class DropReason(enum.Enum):
     INPUT_BACKPRESSURE = "input_backpressure"  # client audio over max_input_audio_rate
     SESSION_CLOSED = "session_closed"  # engine output after the session began closing
     CLIENT_RATE_LIMITED = "client_rate_limited"  # client frames over max_client_frame_rate
+    PLAYBACK_ANSWER = "playback_answer"  # the engine's answers to the sidecar's own acks
 
 
 class Outcome(enum.Enum):
@@ -409,7 +410,9 @@ class SessionCore:
         rid = event.response_id
         playback = self.playback
         if playback.awaiting_answers and playback.swallow(event):
-            return event  # answers the sidecar's own ack: the client never asked
+            # It answers the sidecar's own ack: the client never asked for it.
+            self._count_drop(DropReason.PLAYBACK_ANSWER, event.size)
+            return event
         if kind is EventKind.SESSION_CREATED:
             self._note_session_id(event)
             if event.body is not None:
