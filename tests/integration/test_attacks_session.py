@@ -504,7 +504,9 @@ def flood_main(argv: Sequence[str] | None = None) -> int:
         head += sock.recv(1)  # byte by byte: leave every frame after the head in the socket
     assert b" 101 " in head.split(b"\r\n", 1)[0], head
     sock.settimeout(0.1)
-    out: dict[str, Any] = {"mode": mode, "events": [], "close_code": None, "close_at": None}
+    out: dict[str, Any] = {
+        "mode": mode, "events": [], "close_code": None, "close_at": None, "eof_at": None,
+    }  # fmt: skip
     started = time.monotonic()
     out["connected_at"] = started  # CLOCK_MONOTONIC: the same clock as the test's
     reader = None
@@ -644,12 +646,6 @@ async def test_event_flood_is_rate_limited_and_spares_other_sessions(tmp_path: P
             pooled: list[float] = []
             for mode in ("events", "invalid", "binary") * 2:
                 result = await run_flood(server.port, mode, 5.0)
-                flood_from = result["connected_at"]
-                # Until the sidecar dropped the attacker's TCP connection: the backlog it
-                # still reads after its close frame is part of the attack's cost.
-                flood_to = flood_from + max(result["flood_seconds"], result["eof_at"])
-                gaps = healthy.gaps(flood_from, flood_to)
-                pooled += gaps
                 limited = [e for e in result["events"] if e["code"] == "client_rate_limited"]
                 closed = [e for e in result["events"] if e["type"] == "session.closed"]
                 seen = (mode, result["close_code"], result["close_at"], result["events"][-3:])
@@ -658,6 +654,13 @@ async def test_event_flood_is_rate_limited_and_spares_other_sessions(tmp_path: P
                 assert [e["reason"] for e in closed] == ["client_rate_limited"], seen
                 assert result["close_code"] == 1008, seen
                 assert result["close_at"] < 3.0, seen
+                assert result["eof_at"] is not None, seen  # the sidecar closed TCP too
+                flood_from = result["connected_at"]
+                # Until the sidecar dropped the attacker's TCP connection: the backlog it
+                # still reads after its close frame is part of the attack's cost.
+                flood_to = flood_from + max(result["flood_seconds"], result["eof_at"])
+                gaps = healthy.gaps(flood_from, flood_to)
+                pooled += gaps
                 figures.append(
                     f"{mode}: {result['frames'] / result['flood_seconds']:,.0f} frames/s for "
                     f"{result['flood_seconds']:.2f} s, close {result['close_code']} after "
