@@ -26,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -275,8 +277,30 @@ def stderr_level(line: str, in_traceback: bool) -> tuple[int, bool]:
     return logging.WARNING, False
 
 
+def _popen(argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """fork+exec (brief; the child is not waited for): own session, parent-death signal."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        # Only prctl(2) runs between fork and exec; nothing that takes a lock.
+        preexec_fn=_set_parent_death_signal,  # noqa: PLW1509
+    )
+
+
 class EngineProcess:
     """One run of the engine child.
+
+    The child is spawned with :class:`subprocess.Popen` and reaped here, in the
+    event loop, when its pidfd turns readable: asyncio 3.11's default watcher
+    would reap it in a thread and hand the status over when that thread next
+    gets the GIL, milliseconds in which a client could be admitted to a dead
+    engine port (502 instead of 503). Its stdout and stderr are read through
+    the loop's pipe transports. Without pidfds (old kernels, other systems) a
+    worker thread waits for the exit instead.
 
     Args:
         argv: the command line.
@@ -286,27 +310,22 @@ class EngineProcess:
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None) -> None:
         self.argv = list(argv)
         self._env = env or {}
-        self._proc: asyncio.subprocess.Process | None = None
-        self._pumps: list[asyncio.Task[None]] = []
-        #: Resolved when the pidfd says the child exited: its status, or None when
-        #: asyncio reaped it first (then ``proc.wait()`` has the status).
-        self._exit: asyncio.Future[int | None] | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._returncode: int | None = None
+        self._waiters: list[asyncio.Future[int]] = []
         self._pidfd: int | None = None
+        self._reaper: asyncio.Future[int] | None = None  # the fallback's worker thread
+        self._pumps: list[asyncio.Task[None]] = []
+        self._pipes: list[asyncio.BaseTransport] = []
         self.started_at: float | None = None
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return None if self._popen is None else self._popen.pid
 
     @property
     def returncode(self) -> int | None:
-        """The exit status as soon as the child has exited (before it is reaped)."""
-        seen = self._exit
-        if seen is not None and seen.done() and not seen.cancelled():
-            status = seen.result()
-            if status is not None:
-                return status
-        return None if self._proc is None else self._proc.returncode
+        return self._returncode
 
     async def start(self) -> None:
         """Spawn the child in its own process group; its output goes to our log.
@@ -319,27 +338,69 @@ class EngineProcess:
         env.update(self._env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         log.info("starting engine: %s", " ".join(self.argv))
+        loop = asyncio.get_running_loop()
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_set_parent_death_signal,
-                limit=_MAX_LINE_BYTES,
-            )
+            popen = _popen(self.argv, env)
         except OSError as exc:
             raise EngineStartError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
+        self._popen = popen
         self.started_at = time.monotonic()
-        self._watch_exit(self._proc.pid)
-        # Owned here and awaited in ``stop``: they end at EOF, when the group is gone.
-        assert self._proc.stdout is not None and self._proc.stderr is not None
-        self._pumps = [
-            asyncio.create_task(self._pump(self._proc.stdout, stderr=False), name="engine-stdout"),
-            asyncio.create_task(self._pump(self._proc.stderr, stderr=True), name="engine-stderr"),
-        ]
+        self._watch_exit(loop, popen)
+        assert popen.stdout is not None and popen.stderr is not None
+        for pipe, name in ((popen.stdout, "stdout"), (popen.stderr, "stderr")):
+            reader = asyncio.StreamReader(limit=_MAX_LINE_BYTES)
+            transport, _ = await loop.connect_read_pipe(
+                functools.partial(asyncio.StreamReaderProtocol, reader), pipe
+            )
+            self._pipes.append(transport)
+            # Owned here and awaited in ``stop``: they end at EOF, when the group is gone.
+            self._pumps.append(
+                asyncio.create_task(
+                    self._pump(reader, stderr=name == "stderr"), name=f"engine-{name}"
+                )
+            )
+
+    def _watch_exit(self, loop: asyncio.AbstractEventLoop, popen: subprocess.Popen[bytes]) -> None:
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except (AttributeError, OSError):
+            self._reaper = loop.run_in_executor(None, popen.wait)
+            self._reaper.add_done_callback(
+                lambda done: self._exited(done.result()) if not done.cancelled() else None
+            )
+            return
+        self._pidfd = pidfd
+        loop.add_reader(pidfd, self._on_pidfd)
+
+    def _on_pidfd(self) -> None:
+        """The child exited: reap it here, so the status is known on this loop turn."""
+        assert self._popen is not None
+        try:
+            pid, status = os.waitpid(self._popen.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by someone else: no status to be had
+            pid, status = self._popen.pid, 255 << 8
+        if pid == 0:
+            return  # not yet (spurious wake-up)
+        self._close_pidfd()
+        code = os.waitstatus_to_exitcode(status)
+        self._popen.returncode = code  # so that Popen never waits for it again
+        self._exited(code)
+
+    def _exited(self, code: int) -> None:
+        if self._returncode is not None:
+            return
+        self._returncode = code
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(code)
+
+    def _close_pidfd(self) -> None:
+        pidfd, self._pidfd = self._pidfd, None
+        if pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
 
     @staticmethod
     async def _pump(stream: asyncio.StreamReader, *, stderr: bool) -> None:
@@ -357,56 +418,22 @@ class EngineProcess:
                 level, in_traceback = stderr_level(line, in_traceback)
             engine_log.log(level, "engine: %s", line)
 
-    def _watch_exit(self, pid: int) -> None:
-        """Learn of the exit from a pidfd in the event loop, not from a reaper thread.
-
-        asyncio's default child watcher (3.11) reaps in a thread and hands the
-        status over when that thread next gets the GIL, milliseconds later; a
-        client admitted meanwhile would be sent to a dead port (502). The pidfd
-        turns readable the moment the child exits; ``waitid(WNOWAIT)`` reads the
-        status and leaves the reaping to asyncio. Without pidfds (old kernels,
-        other systems) ``wait`` falls back to asyncio's own.
-        """
-        loop = asyncio.get_running_loop()
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            return
-        self._pidfd = pidfd
-        self._exit = loop.create_future()
-        loop.add_reader(pidfd, self._on_exit)
-
-    def _on_exit(self) -> None:
-        status: int | None = None
-        with contextlib.suppress(ChildProcessError, OSError):  # already reaped: asyncio has it
-            info = os.waitid(os.P_PIDFD, self._pidfd or -1, os.WEXITED | os.WNOWAIT)
-            if info is not None:
-                exited = info.si_code == os.CLD_EXITED
-                status = info.si_status if exited else -info.si_status
-        self._close_pidfd()
-        if status is None and self._proc is not None:
-            status = self._proc.returncode
-        if self._exit is not None and not self._exit.done():
-            self._exit.set_result(status)
-
-    def _close_pidfd(self) -> None:
-        pidfd, self._pidfd = self._pidfd, None
-        if pidfd is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(pidfd)
-            os.close(pidfd)
-
     async def wait(self) -> int:
-        """Wait for the child to exit; return its exit status."""
-        assert self._proc is not None
-        seen = self._exit
-        if seen is not None and not seen.cancelled():
-            # Awaited directly (no extra task): the caller hears of the exit on the
-            # next loop turn after the pidfd fired.
-            status = await seen
-            if status is not None:
-                return status
-        return await self._proc.wait()
+        """Return once the child has exited, with its exit status (-N: killed by signal N).
+
+        Each call waits on its own future, so cancelling one waiter leaves the
+        others (and the exit itself) alone.
+        """
+        assert self._popen is not None
+        if self._returncode is not None:
+            return self._returncode
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
 
     async def stop(self, grace: float) -> int | None:
         """SIGTERM (and SIGCONT) the process group, SIGKILL it after ``grace`` seconds.
@@ -414,21 +441,20 @@ class EngineProcess:
         SIGCONT goes with SIGTERM because a stopped (SIGSTOP) engine would
         otherwise hold the SIGTERM pending and always cost the full grace.
         """
-        proc = self._proc
-        if proc is None:
+        if self._popen is None:
             return None
-        if proc.returncode is None:
+        if self._returncode is None:
             self._signal_group(signal.SIGTERM)
             self._signal_group(signal.SIGCONT)
             try:
                 async with asyncio.timeout(grace):
-                    await proc.wait()
+                    await self.wait()
             except TimeoutError:
                 log.warning("engine ignored SIGTERM for %.1f s; sending SIGKILL", grace)
         # Always sweep the group: stage processes may outlive their parent.
         self._signal_group(signal.SIGKILL)
-        if proc.returncode is None:
-            await proc.wait()
+        if self._returncode is None:
+            await self.wait()
         self._close_pidfd()
         pumps, self._pumps = self._pumps, []
         if pumps:
@@ -437,11 +463,13 @@ class EngineProcess:
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-        return proc.returncode
+        pipes, self._pipes = self._pipes, []
+        for pipe in pipes:
+            pipe.close()
+        return self._returncode
 
     def _signal_group(self, signum: int) -> None:
-        proc = self._proc
-        if proc is None:
+        if self._popen is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signum)
+            os.killpg(self._popen.pid, signum)

@@ -123,7 +123,9 @@ class EngineChild(Protocol):
 
     async def start(self) -> None: ...
 
-    async def wait(self) -> int: ...
+    async def wait(self) -> int:
+        """Return once the child has exited, with its status."""
+        ...
 
     async def stop(self, grace: float) -> int | None: ...
 
@@ -398,11 +400,8 @@ class Supervisor:
                     self._move(Observation.STOP)
                     return Observation.STOP, "stop requested"
                 # Decided before the stop below, which makes every child "exited".
-                cause = (
-                    Observation.EXITED
-                    if process.returncode is not None
-                    else Observation.START_FAILED
-                )
+                gone = exited is not None and exited.done() and not exited.cancelled()
+                cause = Observation.EXITED if gone else Observation.START_FAILED
                 await self._stop_process()
                 self._move(cause, str(exc))
                 return cause, str(exc)
