@@ -296,6 +296,18 @@ class ClientFrameWriter:
             return
         transport.write(frame_header(opcode, len(payload)) + payload)
 
+    def pause_reading(self) -> None:
+        """Read nothing more from this client (it is being cut off)."""
+        transport = compat.client_transport(self._protocol)
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+
+    def close_transport(self) -> None:
+        """Close the connection once what was written has been sent."""
+        transport = compat.client_transport(self._protocol)
+        if transport is not None:
+            transport.close()
+
     def abort(self) -> None:
         """Drop the connection now (close deadline passed, keepalive lost)."""
         transport = compat.client_transport(self._protocol)

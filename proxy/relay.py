@@ -162,6 +162,8 @@ class Relay:
         self._upstream_session_closed = asyncio.Event()
         self._upstream_gone = asyncio.Event()
         self._client_gone = asyncio.Event()
+        #: The client was cut off for flooding: its reads are paused.
+        self._flooded = False
         self._intake: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bytes_client_to_upstream = 0
@@ -336,6 +338,13 @@ class Relay:
                 if kind in _DATA_FRAMES and not core.admit_client_frame(len(msg.data), now):
                     self._observer.client_event(len(msg.data), forwarded=False)
                     self._after_core_call()
+                    if core.state is not SessionState.OPEN:
+                        # Ending for flooding: read none of its backlog (parsing it
+                        # would cost every other session CPU until the socket closes);
+                        # the close frame goes out without waiting for a reply.
+                        self._flooded = True
+                        writer.pause_reading()
+                        await asyncio.Event().wait()  # until wind-down cancels us
                     continue
                 if kind is aiohttp.WSMsgType.TEXT:
                     text: str = msg.data
@@ -516,7 +525,11 @@ class Relay:
         code = core.close_code if core.close_code is not None else CLOSE_NORMAL
         writer = self.writer
         writer.flush(force=True)
-        if not self.client.closed and not writer.gone:
+        if self._flooded:
+            await self._stop_reader()
+            writer.close(code, self._close_message())
+            writer.close_transport()  # after the close frame; no reply awaited
+        elif not self.client.closed and not writer.gone:
             # Stop our own reader first: with a reader waiting, aiohttp's close()
             # drops the connection right after sending Close, and the client
             # would see 1006 instead of our code. Without it, close() waits

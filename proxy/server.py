@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -439,4 +440,8 @@ async def serve(settings: Settings, *, reload: Callable[[], LoadedSettings] | No
     sidecar = Sidecar(settings)
     sidecar.reloader = reload
     sidecar.install_signal_handlers()
+    # Everything built so far (modules, settings, metrics) lives as long as the
+    # process: keep it out of the cyclic collector's full passes, which a flood
+    # of short-lived frames otherwise triggers with 25-70 ms pauses.
+    gc.freeze()
     return await sidecar.run()

@@ -62,6 +62,7 @@ class FakeTransport:
         self.calls: list[bytes] = []
         self.closing = False
         self.aborted = False
+        self.reading_paused = False
         #: Called when the connection is lost (what asyncio's connection_lost does).
         self.on_lost: list[Callable[[], None]] = []
 
@@ -87,6 +88,9 @@ class FakeTransport:
 
     def get_write_buffer_size(self) -> int:
         return 0
+
+    def pause_reading(self) -> None:
+        self.reading_paused = True
 
     @property
     def data(self) -> bytes:

@@ -391,6 +391,9 @@ async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: An
     await s.finished()
     assert s.texts()[-1]["reason"] == "client_rate_limited"
     assert s.relay.close_code_sent == 1008
+    # Cut off: its backlog is not read any more, and no close reply is awaited.
+    assert s.transport.reading_paused and s.transport.closing and not s.transport.aborted
+    assert s.client.close_calls == []
 
 
 def _chunk(response_id: str, seq: int) -> str:
