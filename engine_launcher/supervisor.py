@@ -320,6 +320,7 @@ class Supervisor:
         state = self.machine.state
         if result.ok:
             if state is not EngineState.READY or self.target is None:
+                log.info("engine endpoint %s healthy again", self.config.upstream)
                 self.target = self.config.upstream
                 self.machine.state = EngineState.READY
                 self._on_state(EngineState.READY, Observation.HEALTH_OK, "endpoint healthy again")
