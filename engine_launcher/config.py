@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_STOP_GRACE",
     "DEFAULT_VLLM_OMNI_PORT",
     "ENGINE_KINDS",
+    "MAX_REPLICAS",
     "SETTING_METADATA",
     "EngineConfig",
     "EngineConfigError",
@@ -122,6 +123,8 @@ DEFAULT_HEALTH_FAILURES: Final = 3
 DEFAULT_MAX_RESTARTS: Final = 5
 DEFAULT_RESTART_WINDOW: Final = 600 * SECONDS
 DEFAULT_STOP_GRACE: Final = 30 * SECONDS
+#: Most engines one sidecar runs: bounds the ``engine`` metric label (0..MAX_REPLICAS-1).
+MAX_REPLICAS: Final = 64
 
 _WS_SCHEMES: Final = frozenset({"ws", "wss"})
 _HTTP_SCHEMES: Final = frozenset({"http", "https"})
@@ -184,6 +187,10 @@ class EngineConfig:
             launcher raises ``RestartBudgetExhausted``.
         restart_window: The window, in seconds, in which restarts are counted.
         stop_grace: Seconds between SIGTERM and SIGKILL when stopping the child.
+        replicas: Engines behind this sidecar (engine_launcher/pool.py).
+        gpus: ``"0,1"`` or ``"auto"``: one engine per GPU, pinned with
+            ``CUDA_VISIBLE_DEVICES``; overrides :attr:`replicas`.
+        upstreams: For ``external``: one engine per URL; overrides :attr:`replicas`.
 
     Raises:
         EngineConfigError: A field has an invalid value.
@@ -305,6 +312,29 @@ class EngineConfig:
         unit="seconds",
         minimum=0,
     )
+    replicas: int = setting(
+        1,
+        help="Engines run behind this sidecar, each its own supervised child with its own "
+        "port, health checks, backoff and restart budget (docs/design.md, Engine pool). "
+        "engine.gpus or engine.upstreams, when set, decide the count instead.",
+        unit="count",
+        minimum=1,
+        maximum=MAX_REPLICAS,
+    )
+    gpus: str | None = setting(
+        None,
+        help='GPUs, one engine each, as CUDA_VISIBLE_DEVICES of its child: "0,1,2,3", or '
+        '"auto" = every visible GPU (CUDA_VISIBLE_DEVICES, else nvidia-smi -L; none: one '
+        "engine). Unset: engine.replicas engines with the inherited environment.",
+        example='"auto"',
+        metavar="IDS",
+    )
+    upstreams: tuple[str, ...] = setting(
+        (),
+        help='ws:// URLs for kind "external", one replica each (instead of `upstream`).',
+        example='["ws://10.0.0.5:8091", "ws://10.0.0.6:8091"]',
+        metavar="URLS",
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -333,10 +363,33 @@ class EngineConfig:
         object.__setattr__(self, "stop_grace", _float("stop_grace", self.stop_grace))
         _check_int("health_failures", self.health_failures, minimum=1)
         _check_int("max_restarts", self.max_restarts, minimum=0)
+        _check_int("replicas", self.replicas, minimum=1)
+        if self.replicas > MAX_REPLICAS:
+            raise EngineConfigError("replicas", f"must be <= {MAX_REPLICAS}, got {self.replicas}")
+        _check_optional_text("gpus", self.gpus)
+        if self.gpus is not None and self.gpus.strip() != "auto":
+            ids = [part.strip() for part in self.gpus.split(",")]
+            if not all(ids) or len(ids) > MAX_REPLICAS or len(set(ids)) != len(ids):
+                raise EngineConfigError(
+                    "gpus",
+                    f'expected "auto" or up to {MAX_REPLICAS} distinct comma-separated GPU ids, '
+                    f"got {self.gpus!r}",
+                )
+        object.__setattr__(self, "upstreams", _str_tuple("upstreams", self.upstreams))
+        if len(self.upstreams) > MAX_REPLICAS:
+            raise EngineConfigError("upstreams", f"at most {MAX_REPLICAS} URLs")
+        for url in self.upstreams:
+            _check_url("upstreams", url, _WS_SCHEMES)
+        if self.upstreams and self.kind != "external":
+            raise EngineConfigError(
+                "upstreams", 'only for engine kind "external"', depends_on="kind"
+            )
 
         # Cross-field rules: each kind needs the field that says what to run.
         required = {"vllm-omni": "model", "command": "command", "external": "upstream"}
         needed = required.get(self.kind)
+        if needed == "upstream" and self.upstreams:
+            needed = None  # a list of upstreams stands for the one
         if needed is not None and not getattr(self, needed):
             raise EngineConfigError(
                 needed, f"required when engine kind is {self.kind!r}", depends_on="kind"

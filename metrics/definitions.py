@@ -20,6 +20,7 @@ __all__ = [
     "CONNECTION_REJECT_REASONS",
     "DIRECTIONS",
     "DROP_REASONS",
+    "ENGINE_REPLICAS",
     "ENGINE_RESTART_REASONS",
     "ENGINE_STATES",
     "EVENT_KINDS",
@@ -101,6 +102,9 @@ ENGINE_STATES: Final = (
     "failed",
 )
 ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
+#: The ``engine`` label: a replica's index, "0" .. "63" (engine.replicas <= 64,
+#: engine_launcher.config.MAX_REPLICAS), so the label stays bounded.
+ENGINE_REPLICAS: Final = tuple(str(index) for index in range(64))
 #: A SIGHUP reload either applied (its live part) or was rejected (old config kept).
 CONFIG_RELOAD_RESULTS: Final = ("applied", "rejected")
 
@@ -189,11 +193,20 @@ class SidecarMetrics:
         process_metrics: also register the standard process, GC and platform
             collectors (see ``STANDARD_PREFIXES``); they read ``/proc`` at scrape
             time only, never on the relay's path.
+        replicas: engine replicas whose ``engine``-labelled series start at 0.
     """
 
     def __init__(
-        self, registry: CollectorRegistry, *, version: str = "0", process_metrics: bool = True
+        self,
+        registry: CollectorRegistry,
+        *,
+        version: str = "0",
+        process_metrics: bool = True,
+        replicas: int = 1,
     ) -> None:
+        if not 1 <= replicas <= len(ENGINE_REPLICAS):
+            raise ValueError(f"replicas must be 1..{len(ENGINE_REPLICAS)}, got {replicas}")
+        self.replicas = replicas
         self.registry = registry
         if process_metrics:
             ProcessCollector(registry=registry)
@@ -345,6 +358,32 @@ class SidecarMetrics:
             "Duration of the last engine start until ready.",
             registry=registry,
         )
+        # Per replica of the engine pool (docs/design.md, Engine pool); the
+        # unlabelled engine_* families above describe the pool as a whole.
+        self.engine_replica_up = Gauge(
+            f"{p}_engine_replica_up",
+            "1 when this engine replica is ready and not draining.",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_replica_draining = Gauge(
+            f"{p}_engine_replica_draining",
+            "1 while this engine replica drains (admits nothing, then restarts).",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_replica_sessions = Gauge(
+            f"{p}_engine_replica_sessions",
+            "Client sessions placed on this engine replica (handshakes included).",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_replica_restarts = Counter(
+            f"{p}_engine_replica_restarts",
+            "Restarts of this engine replica (failures and drains).",
+            ["engine"],
+            registry=registry,
+        )
         self.config_reloads = Counter(
             f"{p}_config_reloads",
             "SIGHUP config reloads, by result (applied, rejected: old config kept).",
@@ -377,6 +416,14 @@ class SidecarMetrics:
             self.engine_restarts.labels(reason)
         for result in CONFIG_RELOAD_RESULTS:
             self.config_reloads.labels(result)
+        for engine in ENGINE_REPLICAS[: self.replicas]:
+            for family in (
+                self.engine_replica_up,
+                self.engine_replica_draining,
+                self.engine_replica_sessions,
+                self.engine_replica_restarts,
+            ):
+                family.labels(engine)
         for source in TRUNCATION_SOURCES:
             self.truncations.labels(source)
 

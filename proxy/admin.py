@@ -9,7 +9,11 @@ Routes (admin listener only; the client listener never serves any of them):
   the Content-Security-Policy needs no ``'unsafe-inline'`` and the page makes
   no request to any other origin (it works on an air-gapped host);
 - ``GET /debug/summary``, ``GET /debug/sessions`` (``offset``, ``limit`` up to
-  500, ``q``), ``GET /debug/sessions/{id}``: versioned JSON (docs/console.md).
+  500, ``q``), ``GET /debug/sessions/{id}``: versioned JSON (docs/console.md);
+- ``POST /engines/{k}/drain``: ``omni-sidecar drain --engine K`` (docs/design.md,
+  Engine pool): replica K admits nothing more, its sessions may finish, then it
+  restarts. 202 when the drain began, 409 when K already drains or failed for
+  good, 404 for no replica K.
 
 ``admin_token`` (optional) protects every route: ``Authorization: Bearer
 <token>`` for Prometheus and scripts, or HTTP Basic with the token as the
@@ -179,6 +183,19 @@ async def _debug_session(request: web.Request) -> web.Response:
     return _json(detail)
 
 
+async def _drain_engine(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    text = request.match_info["k"]
+    router = state.router
+    if state.drain_engine is None or router is None or not text.isdigit():
+        raise web.HTTPNotFound(text="no such engine replica")
+    index = int(text)
+    if index >= router.count:
+        raise web.HTTPNotFound(text=f"no engine replica {index} (there are {router.count})")
+    began = state.drain_engine(index)
+    return _json({"began": began, **router.views()[index]}, status=202 if began else 409)
+
+
 def build_admin_app(state: ProxyState) -> web.Application:
     """The operator-facing application; never expose it to clients."""
     app = web.Application(middlewares=[_guard])
@@ -192,4 +209,5 @@ def build_admin_app(state: ProxyState) -> web.Application:
     app.router.add_get("/debug/summary", _debug_summary)
     app.router.add_get("/debug/sessions", _debug_sessions)
     app.router.add_get("/debug/sessions/{id}", _debug_session)
+    app.router.add_post("/engines/{k}/drain", _drain_engine)
     return app

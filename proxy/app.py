@@ -10,7 +10,10 @@ lifecycle), after the handshake itself was found valid (proxy/handshake.py):
 draining or engine not ready → 503, ``max_sessions`` reached → 503 with ``Retry-After``
 (after waiting up to ``admission_timeout`` for a slot), upstream connect
 failure → 502. The upstream WebSocket is opened before the client's upgrade
-completes, so a client never gets a socket that leads nowhere.
+completes, so a client never gets a socket that leads nowhere. With an engine
+pool the session is first placed on a replica (proxy/placement.py;
+docs/design.md, Engine pool): none admits → 503 ``not_ready``, all full → 503
+``capacity`` with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from proxy.edge import EdgeGuard, EdgeLimits, client_address
 from proxy.frame_writer import AiohttpWriterAdapter
 from proxy.handshake import validate_upgrade, wants_websocket
 from proxy.observer import SessionObserver, SessionRegistry
+from proxy.placement import Router
 from proxy.relay import Relay, new_event_id
 from proxy.reverse_proxy import ProxyRequest, reverse_proxy
 from proxy.upstream_link import AiohttpUpstreamLink
@@ -49,6 +53,7 @@ __all__ = [
     "ProxyState",
     "UpstreamTarget",
     "build_client_app",
+    "max_per_engine",
     "session_settings",
 ]
 
@@ -181,6 +186,10 @@ class ProxyState:
     http: aiohttp.ClientSession | None = None
     #: The engines as JSON for the console (proxy.console.EngineView.snapshot).
     engines: Callable[[], list[dict[str, Any]]] = list
+    #: Replica states and per-replica slots (proxy/placement.py); None = one engine.
+    router: Router | None = None
+    #: ``omni-sidecar drain --engine K``: True when the drain began (proxy/server.py).
+    drain_engine: Callable[[int], bool] | None = None
     session_settings: SessionSettings = field(init=False)
     auth: AuthPolicy = field(init=False)
     #: The client listener's connection-level limits (proxy/edge.py).
@@ -217,6 +226,8 @@ class ProxyState:
         self.admission.max_sessions = settings.max_sessions
         self.admission.admission_timeout = settings.admission_timeout
         self.admission.max_sessions_per_ip = settings.max_sessions_per_ip
+        if self.router is not None:
+            self.router.max_per_engine = max_per_engine(settings)
         self.edge.update(EdgeLimits.from_settings(settings))
 
     def client_session(self) -> aiohttp.ClientSession:
@@ -227,6 +238,11 @@ class ProxyState:
                 connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
             )
         return self.http
+
+
+def max_per_engine(settings: Settings) -> int:
+    """``max_sessions_per_engine``, defaulting to ``max_sessions`` (0 = unlimited)."""
+    return settings.max_sessions_per_engine or settings.max_sessions
 
 
 def session_settings(settings: Settings) -> SessionSettings:
@@ -271,10 +287,21 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     refusal = state.admission.refusal()
-    body = {
+    body: dict[str, Any] = {
         "sessions": state.admission.active,
         "max_sessions": state.admission.max_sessions,
     }
+    router = state.router
+    if router is not None:
+        # Every replica's state; 200 while at least one admits (docs/design.md, Engine pool).
+        body["engines"] = router.views()
+        placed = router.refusal()
+        if refusal is None and placed is not None:
+            return web.json_response(
+                {"status": "not_ready", "reason": placed[0], "detail": placed[1], **body},
+                status=503,
+                headers={"Retry-After": "1" if placed[0] == "capacity" else "5"},
+            )
     if refusal is not None:
         return web.json_response(
             {"status": "not_ready", "reason": refusal[0], "detail": refusal[1], **body}, status=503
@@ -384,9 +411,30 @@ def _check_auth(request: web.Request, state: ProxyState) -> web.Response | None:
 
 
 async def _run_session(request: web.Request, state: ProxyState) -> web.StreamResponse:
+    router = state.router
+    if router is None:
+        return await _run_placed(request, state, None)
+    engine = router.choose(state.registry.pending_by_engine(router.count))
+    if engine is None:
+        reason, message = router.refusal() or ("capacity", "every engine replica is full")
+        state.metrics.sessions_rejected.labels(reason).inc()
+        _log_refused(client_address(request), 503, reason)
+        retry = "1" if reason == "capacity" else "5"
+        return _json_error(503, reason, message, **{"Retry-After": retry})
+    # The slot is held from here, across the upstream connect, until the session ends.
+    router.take(engine)
+    try:
+        return await _run_placed(request, state, engine)
+    finally:
+        router.release(engine)
+
+
+async def _run_placed(
+    request: web.Request, state: ProxyState, engine: int | None
+) -> web.StreamResponse:
     settings = state.settings
     metrics = state.metrics
-    target = state.target()
+    target = state.target() if engine is None or state.router is None else _replica(state, engine)
     if target is None:
         metrics.sessions_rejected.labels("not_ready").inc()
         return _json_error(503, "not_ready", "engine is not ready", **{"Retry-After": "5"})
@@ -430,7 +478,7 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
     key = uuid.uuid4().hex[:12]
     address = client_address(request)
-    observer = state.registry.observer(key, client_address=address)
+    observer = state.registry.observer(key, client_address=address, engine=engine)
     relay = Relay(
         session_key=key,
         client=client,
@@ -462,6 +510,12 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
         state.registry.remove(relay)
         _log_session_end(relay, observer)
     return client
+
+
+def _replica(state: ProxyState, engine: int) -> UpstreamTarget | None:
+    assert state.router is not None
+    url = state.router.targets[engine]
+    return None if url is None else UpstreamTarget.from_url(url)
 
 
 def _log_session_end(relay: Relay, observer: SessionObserver) -> None:

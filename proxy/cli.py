@@ -1,4 +1,4 @@
-"""The ``omni-sidecar`` command: ``serve``, ``probe`` and ``preflight``.
+"""The ``omni-sidecar`` command: ``serve``, ``probe``, ``preflight`` and ``drain``.
 
 Every way ``serve`` can fail has its own exit status and one line on stderr,
 never a traceback, so systemd (``RestartPreventExitStatus=2 3 4``) and
@@ -114,7 +114,53 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_preflight_arguments(preflight_parser)
     add_cli_arguments(preflight_parser)
+    drain = commands.add_parser(
+        "drain",
+        help="drain one engine replica: admit nothing more to it, let its sessions "
+        "finish, then restart it",
+        description="Ask a running sidecar's admin listener to drain one engine replica "
+        "(POST /engines/K/drain). The admin address and token come from the same config "
+        "file and environment as serve's unless given here.",
+    )
+    drain.add_argument("--engine", type=int, required=True, metavar="K", help="replica index")
+    drain.add_argument("--config", metavar="FILE", help="TOML config file")
+    drain.add_argument("--admin", metavar="URL", help="admin base URL, e.g. http://127.0.0.1:9100")
     return parser
+
+
+#: Seconds the drain request may take (it only starts the drain).
+DRAIN_REQUEST_TIMEOUT = 10.0
+
+
+def _drain(ns: argparse.Namespace) -> int:
+    """POST /engines/K/drain; 0 when the drain began, 1 otherwise (the answer on stderr)."""
+    import urllib.error
+    import urllib.request
+
+    from proxy.config import parse_listen
+
+    try:
+        settings = load({}, os.environ, _config_path(ns)).settings
+    except ConfigError as exc:
+        _config_error(exc)
+        return EXIT_CONFIG
+    base = ns.admin
+    if not base:
+        host, port = parse_listen(settings.admin_listen)
+        host = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    request = urllib.request.Request(f"{base.rstrip('/')}/engines/{ns.engine}/drain", method="POST")
+    if settings.admin_token:
+        request.add_header("Authorization", f"Bearer {settings.admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=DRAIN_REQUEST_TIMEOUT) as response:
+            print(response.read().decode())
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"omni-sidecar: drain refused ({exc.code}): {exc.read().decode()}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"omni-sidecar: cannot reach the admin listener at {base}: {exc}", file=sys.stderr)
+    return 1
 
 
 def _install_uvloop() -> None:
@@ -209,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "probe":
         _install_uvloop()
         return probe.main_probe(ns)
+    if ns.command == "drain":
+        return _drain(ns)
     parser.print_help()
     return EXIT_CONFIG
 

@@ -324,6 +324,15 @@ class Settings:
         live=True,
         section=_ADMISSION,
     )
+    max_sessions_per_engine: int = setting(
+        0,
+        help="Concurrent sessions one engine replica takes (docs/design.md, Engine pool); "
+        "when every ready replica is full, 503 + Retry-After. 0 = max_sessions.",
+        unit="count",
+        minimum=0,
+        live=True,
+        section=_ADMISSION,
+    )
     handshake_timeout: float = setting(
         10 * SECONDS,
         help="Seconds allowed for the client's WebSocket handshake.",

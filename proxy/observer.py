@@ -114,10 +114,28 @@ class SessionRegistry:
         if not self.relays and self._empty is not None:
             self._empty.set()
 
-    def observer(self, key: str, *, client_address: str = "") -> SessionObserver:
-        observer = SessionObserver(self, key, client_address=client_address)
+    def observer(
+        self, key: str, *, client_address: str = "", engine: int | None = None
+    ) -> SessionObserver:
+        observer = SessionObserver(self, key, client_address=client_address, engine=engine)
         self._observers[key] = observer
         return observer
+
+    def relays_on(self, engine: int) -> list[Relay]:
+        """Live sessions placed on one engine replica (its failure ends only these)."""
+        return [
+            relay
+            for key, relay in self.relays.items()
+            if (observer := self._observers.get(key)) is not None and observer.engine == engine
+        ]
+
+    def pending_by_engine(self, count: int) -> list[int]:
+        """Pending output bytes per engine replica: placement's tie-breaker."""
+        totals = [0] * count
+        for key, observer in self._observers.items():
+            if observer.engine is not None and 0 <= observer.engine < count:
+                totals[observer.engine] += self._pending_bytes.get(key, 0)
+        return totals
 
     def flush_metrics(self) -> None:
         """Move per-session event/byte counts into the counters (before a scrape)."""
@@ -226,6 +244,7 @@ class SessionRegistry:
             "id": key,
             "upstream_session_id": stats.session_id,
             "client_address": observer.client_address if observer is not None else "",
+            "engine": observer.engine if observer is not None else None,
             "started_at": observer.started_at if observer is not None else None,
             "age_seconds": round(now - relay.started_at, 3),
             "state": stats.state.value,
@@ -282,6 +301,7 @@ class SessionObserver:
         "c2u_control",
         "c2u_invalid",
         "client_address",
+        "engine",
         "events",
         "started_at",
         "u2c_audio",
@@ -291,15 +311,25 @@ class SessionObserver:
         "u2c_invalid",
     )
 
-    def __init__(self, registry: SessionRegistry, key: str, *, client_address: str = "") -> None:
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        key: str,
+        *,
+        client_address: str = "",
+        engine: int | None = None,
+    ) -> None:
         self._registry = registry
         self._key = key
         self.client_address = client_address
+        #: The engine replica this session was placed on (docs/design.md, Engine pool).
+        self.engine = engine
         #: Wall-clock seconds (Unix time): shown to people next to their logs.
         self.started_at = time.time()
         #: (wall-clock seconds, kind, detail), newest last; see LIFECYCLE_EVENTS.
         self.events: deque[tuple[float, str, str]] = deque(maxlen=LIFECYCLE_EVENTS)
-        self.events.append((self.started_at, "created", f"client {client_address or '?'}"))
+        on = "" if engine is None else f", engine {engine}"
+        self.events.append((self.started_at, "created", f"client {client_address or '?'}{on}"))
         self._cancels_seen = 0
         self._state_seen: object = None
         self._session_id_seen: str | None = None

@@ -56,11 +56,19 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_launcher.errors import LauncherError
 from engine_launcher.policy import EngineState, Observation
+from engine_launcher.pool import EnginePool
 from engine_launcher.supervisor import Supervisor
 from engine_launcher.systemd import Notifier, watchdog_interval
 from metrics import SidecarMetrics
 from proxy.admin import build_admin_app
-from proxy.app import Admission, ProxyState, UpstreamTarget, build_client_app, session_settings
+from proxy.app import (
+    Admission,
+    ProxyState,
+    UpstreamTarget,
+    build_client_app,
+    max_per_engine,
+    session_settings,
+)
 from proxy.auth import load_api_keys
 from proxy.config import (
     LIVE_KEYS,
@@ -76,6 +84,7 @@ from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
 from proxy.observer import SessionRegistry
+from proxy.placement import Router
 
 __all__ = ["EXIT_ENGINE_FAILED", "EXIT_LISTEN", "EXIT_OK", "Sidecar", "serve", "validate_runtime"]
 
@@ -93,6 +102,16 @@ class _BindError(Exception):
 
 _FAILING_CAUSES: Final = frozenset(
     {Observation.EXITED, Observation.UNHEALTHY, Observation.START_FAILED}
+)
+#: The pool's unlabelled engine_state is its most serving replica's, in this order.
+_STATE_RANK: Final = (
+    "ready",
+    "unhealthy",
+    "starting",
+    "restarting",
+    "stopping",
+    "failed",
+    "stopped",
 )
 
 
@@ -121,8 +140,29 @@ class Sidecar:
         self.environ = dict(os.environ if environ is None else environ)
         # *_created samples would become look-alike series (e.g. sessions_created).
         disable_created_metrics()  # type: ignore[no-untyped-call]
+        self.notifier = Notifier(self.environ)
+        # One supervised engine per replica (docs/design.md, Engine pool); one by default.
+        self.pool = EnginePool(
+            settings.engine,
+            on_state=self._engine_state,
+            sessions=lambda index: self.router.sessions[index],
+            on_drain=self._engine_draining,
+            on_drain_timeout=self._close_drained,
+            drain_timeout=settings.drain_timeout,
+            notifier=self.notifier,
+            environ=self.environ,
+        )
+        self.router = Router(
+            len(self.pool),
+            max_per_engine(settings),
+            on_release=self._session_released,
+        )
         self.registry = CollectorRegistry()
-        self.metrics = SidecarMetrics(self.registry, version=_version())
+        self.metrics = SidecarMetrics(self.registry, version=_version(), replicas=len(self.pool))
+        for index in range(len(self.pool)):
+            self.metrics.engine_replica_sessions.labels(str(index)).set_function(
+                lambda index=index: self.router.sessions[index]  # type: ignore[misc]
+            )
         self.admission = Admission(
             settings.max_sessions,
             settings.admission_timeout,
@@ -131,22 +171,24 @@ class Sidecar:
         self.sessions = SessionRegistry(
             self.metrics, max_total_pending_output_bytes=settings.max_total_pending_output_bytes
         )
-        self.notifier = Notifier(self.environ)
-        self.supervisor = Supervisor(
-            settings.engine, on_state=self._engine_state, notifier=self.notifier
-        )
-        self.engine_view = EngineView(
-            settings.engine.kind,
-            restarts=lambda: self.supervisor.restarts,
-            target=lambda: self.supervisor.target,
-        )
+        self.engine_views = [
+            EngineView(
+                settings.engine.kind,
+                restarts=lambda r=replica: r.supervisor.restarts + r.earlier_restarts,  # type: ignore[misc]
+                target=lambda r=replica: r.supervisor.target,  # type: ignore[misc]
+            )
+            for replica in self.pool.replicas
+        ]
+        self.engine_view = self.engine_views[0]
         self.state = ProxyState(
             settings=settings,
             metrics=self.metrics,
             admission=self.admission,
             registry=self.sessions,
             target=self._target,
-            engines=self.engine_view.snapshot,
+            engines=self._engines,
+            router=self.router,
+            drain_engine=self.drain_engine,
         )
         self.stop_requested = asyncio.Event()
         self.force_stop = asyncio.Event()
@@ -162,37 +204,104 @@ class Sidecar:
 
     # -- engine state → proxy ------------------------------------------------------------
 
-    def _target(self) -> UpstreamTarget | None:
-        target = self.supervisor.target
-        return None if target is None else UpstreamTarget.from_url(target)
+    @property
+    def supervisor(self) -> Supervisor:
+        """The first replica's supervisor (the only one unless ``engine.replicas`` > 1)."""
+        return self.pool.replicas[0].supervisor
 
-    def _engine_state(self, state: EngineState, cause: Observation, detail: str) -> None:
-        self.metrics.set_engine_state(state.value)
-        self.engine_view.observe(state.value, cause.value, detail)
-        serving = self.supervisor.serving
-        if serving and not self.admission.draining:
-            self.admission.set_ready(True)
+    def _target(self) -> UpstreamTarget | None:
+        """Where plain HTTP requests go: the first replica that admits."""
+        for index in range(self.router.count):
+            target = self.router.targets[index]
+            if target is not None and self.router.serving(index):
+                return UpstreamTarget.from_url(target)
+        return None
+
+    def _engines(self) -> list[dict[str, Any]]:
+        return [
+            {**view.snapshot()[0], "engine": index, "draining": self.router.draining[index]}
+            for index, view in enumerate(self.engine_views)
+        ]
+
+    def _engine_state(
+        self, index: int, state: EngineState, cause: Observation, detail: str
+    ) -> None:
+        """One replica's supervisor moved: placement, readiness, metrics, its sessions."""
+        replica = self.pool.replicas[index]
+        supervisor = replica.supervisor
+        self.router.update(index, state.value, supervisor.target, detail)
+        self.engine_views[index].observe(state.value, cause.value, detail)
+        label = str(index)
+        self.metrics.engine_replica_up.labels(label).set(
+            1.0 if state is EngineState.READY and not replica.draining else 0.0
+        )
+        # The unlabelled family describes the pool: its most serving replica.
+        self.metrics.set_engine_state(self._pool_state())
+        if any(self.router.serving(k) for k in range(self.router.count)):
+            if not self.admission.draining:
+                self.admission.set_ready(True)
         else:
+            prefix = "engine" if self.router.count == 1 else f"engine {index}"
             self.admission.set_ready(
-                False, f"engine is {state.value}" + (f": {detail}" if detail else "")
+                False, f"{prefix} is {state.value}" + (f": {detail}" if detail else "")
             )
         if state is EngineState.READY and cause is Observation.READY:
-            if self.supervisor.last_start_seconds is not None:
-                self.metrics.engine_start_seconds.set(self.supervisor.last_start_seconds)
+            if supervisor.last_start_seconds is not None:
+                self.metrics.engine_start_seconds.set(supervisor.last_start_seconds)
             self._announce()
         if state is EngineState.RESTARTING and cause in _FAILING_CAUSES:
             # Counted when the restart really happens (the supervisor may give up).
             self._restart_reason = _restart_reason(cause)
-            self._fail_sessions(detail)
+            self._fail_sessions(index, detail)
         if state is EngineState.STARTING and cause is Observation.RESTART:
             self.metrics.engine_restarts.labels(self._restart_reason).inc()
+            self.metrics.engine_replica_restarts.labels(label).inc()
 
-    def _fail_sessions(self, detail: str) -> None:
-        relays = list(self.sessions.relays.values())
+    def _pool_state(self) -> str:
+        states = set(self.router.states)
+        for state in _STATE_RANK:
+            if state in states:
+                return state
+        return self.router.states[0]
+
+    def _fail_sessions(self, index: int, detail: str) -> None:
+        """A replica failed: only its own sessions end (engine_unavailable, 1011)."""
+        relays = self.sessions.relays_on(index)
         if relays:
-            log.warning("engine unavailable (%s): failing %d live sessions", detail, len(relays))
+            name = "engine" if self.router.count == 1 else f"engine {index}"
+            log.warning("%s unavailable (%s): failing %d live sessions", name, detail, len(relays))
         for relay in relays:
             relay.engine_unavailable()
+
+    def _session_released(self, index: int) -> None:
+        self.pool.session_released(index)
+
+    def _engine_draining(self, index: int, draining: bool) -> None:
+        self.router.set_draining(index, draining)
+        self.metrics.engine_replica_draining.labels(str(index)).set(1.0 if draining else 0.0)
+        if draining:
+            self.metrics.engine_replica_up.labels(str(index)).set(0.0)
+        else:
+            self.metrics.engine_replica_restarts.labels(str(index)).inc()
+        if not any(self.router.serving(k) for k in range(self.router.count)):
+            self.admission.set_ready(False, f"engine {index} is draining")
+
+    def _close_drained(self, index: int) -> None:
+        """A drained replica's sessions outlived ``drain_timeout``: close them (1001)."""
+        for relay in self.sessions.relays_on(index):
+            relay.shutdown()
+
+    def drain_engine(self, index: int) -> bool:
+        """``omni-sidecar drain --engine K``: stop admitting to K, let it empty, restart it.
+
+        Returns False when K is already draining or failed for good.
+
+        Raises:
+            IndexError: no replica K.
+        """
+        if not 0 <= index < len(self.pool):
+            raise IndexError(index)
+        return self.pool.request_drain(index)
 
     def _announce(self) -> None:
         self.ready.set()
@@ -201,7 +310,7 @@ class Sidecar:
         self._announced = True
         listen = self.bound.get("listen")
         admin = self.bound.get("admin")
-        engine = self.supervisor.target or "?"
+        engine = ", ".join(t for t in self.router.targets if t is not None) or "?"
         kind = self.settings.engine.kind
         if listen is not None:
             log.info(
@@ -274,7 +383,7 @@ class Sidecar:
             self._runners.clear()
             return EXIT_LISTEN
         exit_code = EXIT_OK
-        supervisor_task = asyncio.ensure_future(self.supervisor.run())
+        supervisor_task = asyncio.ensure_future(self.pool.run())
         watchdog = asyncio.ensure_future(self._watchdog())
         stop_wait = asyncio.ensure_future(self.stop_requested.wait())
         reload_wait: asyncio.Future[Any] | None = None
@@ -364,7 +473,7 @@ class Sidecar:
             with contextlib.suppress(Exception):
                 await runner.cleanup()
         self._runners.clear()
-        self.supervisor.request_stop()
+        self.pool.request_stop()
         with contextlib.suppress(Exception):
             await supervisor_task
         log.info("stopped")

@@ -25,7 +25,18 @@ from metrics import definitions as d
 
 PREFIX = "omni_sidecar_"
 ALLOWED_LABELS = frozenset(
-    {"direction", "kind", "reason", "outcome", "policy", "state", "version", "result", "source"}
+    {
+        "direction",
+        "kind",
+        "reason",
+        "outcome",
+        "policy",
+        "state",
+        "version",
+        "result",
+        "source",
+        "engine",
+    }
 )
 
 #: The contract: family name (without ``_total``/``_info``) → (type, label → allowed values).
@@ -54,6 +65,11 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_engine_state": ("gauge", {"state": d.ENGINE_STATES}),
     "omni_sidecar_engine_restarts": ("counter", {"reason": d.ENGINE_RESTART_REASONS}),
     "omni_sidecar_engine_start_seconds": ("gauge", {}),
+    # A fresh registry has one replica: engine="0" (see test_engine_label_is_bounded).
+    "omni_sidecar_engine_replica_up": ("gauge", {"engine": ("0",)}),
+    "omni_sidecar_engine_replica_draining": ("gauge", {"engine": ("0",)}),
+    "omni_sidecar_engine_replica_sessions": ("gauge", {"engine": ("0",)}),
+    "omni_sidecar_engine_replica_restarts": ("counter", {"engine": ("0",)}),
     "omni_sidecar_config_reloads": ("counter", {"result": d.CONFIG_RELOAD_RESULTS}),
     "omni_sidecar_rejected_connections": ("counter", {"reason": d.CONNECTION_REJECT_REASONS}),
     "omni_sidecar_pending_handshakes": ("gauge", {}),
@@ -345,3 +361,21 @@ def test_two_registries_do_not_collide() -> None:
     SidecarMetrics(CollectorRegistry())
     added = {f.name for f in REGISTRY.collect()} - before
     assert not any(name.startswith(PREFIX) for name in added)
+
+
+def test_engine_label_is_bounded() -> None:
+    """``engine`` is a replica index below engine_launcher's MAX_REPLICAS, one series each."""
+    from engine_launcher.config import MAX_REPLICAS
+
+    assert d.ENGINE_REPLICAS == tuple(str(i) for i in range(MAX_REPLICAS))
+    registry = CollectorRegistry()
+    SidecarMetrics(registry, replicas=3, process_metrics=False)
+    values = {
+        s.labels["engine"]
+        for f in registry.collect()
+        for s in f.samples
+        if "engine" in s.labels and not s.name.endswith("_created")
+    }
+    assert values == {"0", "1", "2"}
+    with pytest.raises(ValueError, match="replicas"):
+        SidecarMetrics(CollectorRegistry(), replicas=MAX_REPLICAS + 1)
