@@ -28,7 +28,7 @@ import pytest
 
 from engine_launcher.config import EngineConfig
 from tests.conftest import DEADLINE, MS, RunningSidecar, wait_until
-from tests.integration.helpers import SILENCE_100MS, Client
+from tests.integration.helpers import SILENCE_100MS, Client, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -254,14 +254,17 @@ async def test_draining_a_replica_moves_new_sessions_elsewhere_and_lets_its_own_
         on_1 = next(s for s in live if placed[engine_id(s)] == 1)
         pid = proxy.sidecar.pool.replicas[1].supervisor.pid
 
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{proxy.admin_url}/engines/1/drain") as resp:
-                assert resp.status == 202
-                assert (await resp.json())["state"] == "draining"
-            async with http.post(f"{proxy.admin_url}/engines/1/drain") as resp:
-                assert resp.status == 409  # already draining
-            async with http.post(f"{proxy.admin_url}/engines/7/drain") as resp:
-                assert resp.status == 404
+        # The operator's command: a POST to the admin listener.
+        code, out, err = await run_cli("drain", "--engine", "1", "--admin", proxy.admin_url)
+        assert code == 0, err
+        assert orjson.loads(out)["state"] == "draining"
+        code, _out, err = await run_cli("drain", "--engine", "1", "--admin", proxy.admin_url)
+        assert (code, "drain refused (409)" in err) == (1, True), err  # already draining
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{proxy.admin_url}/engines/7/drain") as resp,
+        ):
+            assert resp.status == 404
         status, _headers, body = await get_json(f"{proxy.http_url}/readyz")
         assert status == 200
         assert body["engines"][1]["state"] == "draining"
