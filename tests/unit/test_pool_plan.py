@@ -155,10 +155,12 @@ async def test_one_replica_failing_for_good_leaves_the_others_serving_until_all_
             await task
 
 
-async def test_stop_ends_every_replica_without_an_error() -> None:
+async def test_stop_ends_every_replica_without_an_error_even_after_one_failed() -> None:
     pool, made = fake_pool(3)
     task = asyncio.ensure_future(pool.run())
     await wait_until(lambda: all(s.ran for s in made), what="all running")
+    made[2].fail.set()
+    await wait_until(lambda: pool.replicas[2].failure is not None, what="replica 2 failed")
     pool.request_stop()
     async with asyncio.timeout(DEADLINE):
         await task
@@ -177,7 +179,8 @@ async def test_a_drain_waits_for_the_sessions_then_restarts_with_a_fresh_supervi
     assert pool.request_drain(1)
     assert not pool.request_drain(1)  # already draining
     assert events == [(1, True)]
-    await asyncio.sleep(0)
+    for _ in range(20):
+        await asyncio.sleep(0)
     assert not made[1].stop.is_set()  # its sessions are still live
     live[1] = 0
     pool.session_released(1)
