@@ -498,8 +498,8 @@ class Relay:
                 await self._flush_upstream_commands()  # playback acks
             if core.state is SessionState.CLOSED and not writer.has_pending:
                 break
-            if writer.gone:
-                break
+            if writer.gone or writer.close_sent:
+                break  # nothing more can be written (a close frame went out)
             if core.state is SessionState.CLOSING:
                 self._arm_close_deadline()
             if writer.paused and (writer.has_pending or buffer.has_output()):

@@ -453,3 +453,16 @@ async def test_acks_go_upstream_on_the_playback_timer_and_answers_are_hidden(
     s.upstream.feed(transcript_delta("r1"))
     await wait_until(lambda: len(s.texts()) == 7, what="the transcript")
     assert "playback.acknowledged" not in s.types()
+
+
+async def test_a_client_close_while_output_is_queued_ends_delivery_without_spinning(
+    session_factory: Any,
+) -> None:
+    s = await session_factory()
+    s.protocol.pause()
+    s.upstream.feed(response_created("r1"))
+    await wait_until(lambda: len(s.core.buffer) == 1, what="output queued")
+    s.relay.writer.close(1000)  # aiohttp answering the client's own close frame
+    s.protocol.resume()
+    await s.finished()  # the delivery task stops: nothing can follow a close frame
+    assert [f.opcode for f in s.transport.frames()] == [Opcode.CLOSE]
