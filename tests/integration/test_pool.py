@@ -209,7 +209,13 @@ async def test_six_sessions_spread_2_2_2_the_7th_is_refused_and_a_killed_replica
             assert s.gaps() == []
 
         # While replica 1 restarts (backoff >= 0.9 s) a new session goes to a survivor,
-        # although replica 1 now has the fewest sessions.
+        # although replica 1 now has the fewest sessions; /readyz says so.
+        status, _headers, body = await get_json(f"{proxy.http_url}/readyz")
+        assert status == 200
+        assert body["engines"][1]["state"] in ("restarting", "starting")
+        assert not body["engines"][1]["admitting"]
+        assert proxy.metric("omni_sidecar_engine_replica_up", {"engine": "1"}) == 0
+        assert proxy.metric("omni_sidecar_engine_replica_up", {"engine": "0"}) == 1
         async with sessions(proxy.url, 1) as extra:
             assert proxy.sidecar.router.states[1] != "ready"
             await wait_until(lambda: extra[0].audio() >= 1, what="audio on the extra session")
@@ -321,3 +327,28 @@ async def test_sixty_sessions_spread_evenly_over_three_replicas(sidecar: Any) ->
         spread = Counter(row["engine"] for row in body["sessions"])
     print(f"\n60 sessions over 3 replicas: {dict(sorted(spread.items()))}")
     assert spread == {0: 20, 1: 20, 2: 20}
+
+
+async def test_external_upstreams_are_one_replica_each(simulator: Any, sidecar: Any) -> None:
+    """``engine.upstreams``: no children; each URL is probed and placed on like a replica."""
+    first, second = await simulator(*PACED), await simulator(*PACED)
+    engine = EngineConfig(kind="external", upstreams=(first.ws_url, second.ws_url), **SUPERVISION)
+    proxy: RunningSidecar = await sidecar(engine=engine, playback_ack="off")
+    await wait_until(
+        lambda: proxy.sidecar.router.states == ["ready", "ready"], what="both upstreams ready"
+    )
+    async with sessions(proxy.url, 4) as live:
+        await wait_until(lambda: all(s.audio() >= 1 for s in live), what="audio on all four")
+        placed = await sessions_by_engine(proxy)
+        assert Counter(placed.values()) == {0: 2, 1: 2}
+        # The second upstream goes away: it stops being served; the first streams on.
+        second.kill()
+        await wait_until(
+            lambda: proxy.sidecar.router.targets[1] is None, what="upstream 1 not served"
+        )
+        async with sessions(proxy.url, 1) as extra:
+            await wait_until(lambda: extra[0].audio() >= 1, what="audio on upstream 0")
+            assert (await sessions_by_engine(proxy))[engine_id(extra[0])] == 0
+        survivors = [s for s in live if placed[engine_id(s)] == 0]
+        assert not any(s.closed.is_set() for s in survivors)
+        assert all(s.gaps() == [] for s in survivors)
