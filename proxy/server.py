@@ -54,9 +54,10 @@ from typing import Any, Final
 from aiohttp import web
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
+from engine_launcher.config import EngineConfigError
 from engine_launcher.errors import LauncherError
 from engine_launcher.policy import EngineState, Observation
-from engine_launcher.pool import EnginePool
+from engine_launcher.pool import EnginePool, plan_replicas
 from engine_launcher.supervisor import Supervisor
 from engine_launcher.systemd import Notifier, watchdog_interval
 from metrics import SidecarMetrics
@@ -530,6 +531,12 @@ def validate_runtime(loaded: LoadedSettings) -> None:
         word = str(exc).split(" ", 1)[0]
         key = word if word in SETTING_KEYS else "settings"
         raise ConfigError(key, str(exc), loaded.sources.get(key, "default")) from None
+    try:
+        # The pool's per-replica settings (fixed ports counting up must stay below 65536).
+        plan_replicas(settings.engine, {}, smi=lambda: None)
+    except EngineConfigError as exc:
+        key = f"engine.{exc.field}"
+        raise ConfigError(key, exc.message, loaded.sources.get(key, "default")) from None
     try:
         load_api_keys(settings.api_keys, settings.api_keys_file)
     except ConfigError as exc:

@@ -208,3 +208,18 @@ async def test_sessions_that_outlive_the_drain_timeout_are_handed_back_to_close(
     pool.request_stop()
     async with asyncio.timeout(DEADLINE):
         await task
+
+
+def test_a_pool_whose_ports_run_out_is_a_config_error_before_anything_starts() -> None:
+    """``serve`` exits 2 naming engine.port and its source, not with a traceback."""
+    from proxy.config import load
+    from proxy.errors import ConfigError
+    from proxy.server import validate_runtime
+
+    loaded = load(
+        None, {"OMNI_SIDECAR_ENGINE_PORT": "65535", "OMNI_SIDECAR_ENGINE_REPLICAS": "2"}, None
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_runtime(loaded)
+    assert info.value.key == "engine.port"
+    assert "OMNI_SIDECAR_ENGINE_PORT" in str(info.value)
