@@ -129,13 +129,15 @@ class ClientFrameWriter:
     @property
     def gone(self) -> bool:
         """The connection is lost or closing: nothing more can be written."""
-        transport = compat.client_transport(self._protocol)
-        return transport is None or transport.is_closing()
+        # Per-event path: the hooks (checked by proxy.compat at start-up) are
+        # read directly here rather than through compat's one-line functions.
+        transport = self._protocol.transport
+        return transport is None or bool(transport.is_closing())
 
     @property
     def paused(self) -> bool:
         """The transport is above its high-water mark: write no more events now."""
-        return compat.writing_paused(self._protocol)
+        return bool(self._protocol.writing_paused)
 
     @property
     def has_pending(self) -> bool:
@@ -152,7 +154,7 @@ class ClientFrameWriter:
         Raises:
             ConnectionError: the connection was lost meanwhile.
         """
-        if compat.writing_paused(self._protocol):
+        if self._protocol.writing_paused:
             await compat.wait_writable(self._protocol)
 
     # -- events ---------------------------------------------------------------------------------
@@ -173,7 +175,8 @@ class ClientFrameWriter:
         core = self._core
         buffer = core.buffer
         bound = self._bound
-        while not self.close_sent and buffer.has_output() and not self.paused:
+        protocol = self._protocol
+        while not self.close_sent and buffer.has_output() and not protocol.writing_paused:
             entry = core.next_delivery(now)
             if entry is None:
                 break
@@ -210,13 +213,14 @@ class ClientFrameWriter:
         batch = self._batch
         if not batch:
             return
-        if not force and self.paused and not self.gone:
-            self._hooks.blocked()
-            return
+        transport = self._protocol.transport
+        if not force and self._protocol.writing_paused and transport is not None:
+            if not transport.is_closing():
+                self._hooks.blocked()
+                return
         self._batch = []
         self._batch_bytes = 0
         core = self._core
-        transport = compat.client_transport(self._protocol)
         gone = transport is None or transport.is_closing()
         parts: list[bytes] = []
         written: list[tuple[Entry, float]] = []

@@ -49,7 +49,7 @@ DEFECTS = [
     Defect(
         "writer: takes events while the transport is paused",
         "proxy/frame_writer.py",
-        "        while not self.close_sent and buffer.has_output() and not self.paused:",
+        "        while not self.close_sent and buffer.has_output() and not protocol.writing_paused:",
         "        while not self.close_sent and buffer.has_output():",
         "tests/unit/shell/test_frame_writer.py",
     ),
@@ -84,8 +84,8 @@ DEFECTS = [
     Defect(
         "writer: events taken and written after the close frame",
         "proxy/frame_writer.py",
-        "        while not self.close_sent and buffer.has_output() and not self.paused:",
-        "        while buffer.has_output() and not self.paused:",
+        "        while not self.close_sent and buffer.has_output() and not protocol.writing_paused:",
+        "        while buffer.has_output() and not protocol.writing_paused:",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
@@ -140,8 +140,8 @@ DEFECTS = [
     Defect(
         "relay: keepalive loss does not drop the client",
         "proxy/relay.py",
-        "        if side == \"client\":\n            self.writer.abort()",
-        "        if side == \"client\":\n            pass",
+        '        if side == "client":\n            self.writer.abort()',
+        '        if side == "client":\n            pass',
         "tests/unit/shell/test_relay_shell.py",
     ),
     Defect(
