@@ -214,10 +214,14 @@ class ClientFrameWriter:
         if not batch:
             return
         transport = self._protocol.transport
-        if not force and self._protocol.writing_paused and transport is not None:
-            if not transport.is_closing():
-                self._hooks.blocked()
-                return
+        if (
+            not force
+            and self._protocol.writing_paused
+            and transport is not None
+            and not transport.is_closing()
+        ):
+            self._hooks.blocked()
+            return
         self._batch = []
         self._batch_bytes = 0
         core = self._core

@@ -189,6 +189,7 @@ def run(defect: Defect) -> tuple[bool, str, float]:
         started = time.monotonic()
         result = subprocess.run(
             [sys.executable, "-m", "pytest", defect.test, "-x", "-q", "-p", "no:cacheprovider"],
+            check=False,
             cwd=tmp,
             capture_output=True,
             text=True,
