@@ -148,6 +148,11 @@ class CancellationLedger:
     def is_open(self, response_id: str) -> bool:
         return response_id in self._open
 
+    def is_producing(self, response_id: str) -> bool:
+        """Open, its terminal not received yet, and not cancelled: it can still be failed."""
+        record = self._open.get(response_id)
+        return record is not None and not record.done_received and response_id not in self._tombs
+
     # -- cancellation ----------------------------------------------------------------
 
     def cancel(self, response_id: str, now: float, *, failed: bool = False) -> bool:

@@ -600,7 +600,9 @@ class SessionCore:
             f"the engine sent a {event.size}-byte {event.type or 'frame'}{detail}, larger "
             f"than the session's whole output budget ({limit} bytes); it was dropped",
         )
-        if target is not None and self.ledger.is_open(target):
+        # A response whose terminal is already queued is not failed again:
+        # never a second response.done for one response.
+        if target is not None and self.ledger.is_producing(target):
             self._fail_response(
                 target,
                 DropReason.FAILED_RESPONSE,

@@ -119,3 +119,15 @@ def test_unread_control_frames_overflow_like_output() -> None:
     assert pair.core.close_code == CLOSE_POLICY_VIOLATION
     assert pair.core.overflow_count == 1
     assert json.loads(delivered[-2].text)["response"]["status"] == "failed"
+
+
+def test_an_oversized_frame_after_its_responses_terminal_gets_no_second_terminal() -> None:
+    pair = SessionPair(settings=make_settings(max_bytes=300))
+    pair.upstream(
+        response_created("ra"),
+        '{"type":"response.done","response_id":"ra","response":{"id":"ra","status":"completed"}}',
+    )
+    pair.upstream(audio("ra", 400, seq=1))
+    delivered = pair.deliver()
+    assert types(delivered) == ["response.created", "response.done", "error"]
+    assert delivered[-1].body["error"]["code"] == "upstream_frame_too_large"
