@@ -392,7 +392,8 @@ async def test_client_disconnects_while_its_buffer_is_full(simulator, sidecar, c
     before = Snapshot.take()
     async with connect(proxy.url) as healthy_client:
         healthy = Watched(healthy_client)
-        stuck_client_cm = connect(proxy.url)
+        # A small receive buffer: the kernel must not absorb what the sidecar holds.
+        stuck_client_cm = connect(proxy.url, receive_buffer_bytes=4096)
         stuck = Watched(await stuck_client_cm.__aenter__())
         try:
             await stuck.start_response()  # ...and never read again
