@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
-LINT_PATHS := proxy engine_launcher metrics tests bench
+LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 

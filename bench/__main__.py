@@ -23,8 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("scenario", choices=(*SCENARIOS, "all", "profile", "soak", "barge-in"))
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians)")
-    p.add_argument("--nice", type=int, default=-10,
-                   help="niceness of every benchmark process (the anchors used -10; 0 = leave)")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=-10,
+        help="niceness of every benchmark process (the anchors used -10; 0 = leave)",
+    )
     g = p.add_argument_group("scale")
     g.add_argument("--stale-sessions", type=int, default=100)
     g.add_argument("--latency-sessions", default="100,500")
@@ -56,7 +60,9 @@ def _check_deps() -> None:
         except ImportError:
             missing.append(mod)
     if missing:
-        sys.exit(f"bench needs {', '.join(missing)}: .venv/bin/pip install picows matplotlib py-spy")
+        sys.exit(
+            f"bench needs {', '.join(missing)}: .venv/bin/pip install picows matplotlib py-spy"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

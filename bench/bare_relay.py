@@ -22,7 +22,9 @@ from aiohttp import web
 __all__ = ["main"]
 
 
-async def _pump_client(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:
+async def _pump_client(
+    client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse
+) -> None:
     async for msg in client:
         if msg.type is aiohttp.WSMsgType.TEXT:
             await upstream.send_str(msg.data)
@@ -32,7 +34,9 @@ async def _pump_client(client: web.WebSocketResponse, upstream: aiohttp.ClientWe
             break
 
 
-async def _pump_upstream(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:
+async def _pump_upstream(
+    client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse
+) -> None:
     async for msg in upstream:
         if msg.type is aiohttp.WSMsgType.TEXT:
             await client.send_str(msg.data)

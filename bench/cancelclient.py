@@ -135,8 +135,10 @@ async def main_async(ns: argparse.Namespace) -> dict[str, Any]:
         async with sem:
             try:
                 _, s = await ws_connect(
-                    lambda: CancelSession(ns, random.Random(rng.random())), ns.url,
-                    websocket_handshake_timeout=30, max_frame_size=64 * 1024 * 1024,
+                    lambda: CancelSession(ns, random.Random(rng.random())),
+                    ns.url,
+                    websocket_handshake_timeout=30,
+                    max_frame_size=64 * 1024 * 1024,
                 )
             except Exception:  # noqa: BLE001 - counted as failed
                 return None
@@ -169,10 +171,12 @@ async def main_async(ns: argparse.Namespace) -> dict[str, Any]:
         "sessions_with_late": sum(1 for n in late if n > 0),
         "late_seconds_total": sum(s.late_seconds for s in cancelled),
         "late_seconds_mean": (sum(s.late_seconds for s in cancelled) / len(cancelled))
-        if cancelled else 0.0,
+        if cancelled
+        else 0.0,
         "cancel_to_silence_p50_ms": percentile(silence, 50) if silence else None,
         "cancel_to_silence_p99_ms": percentile(silence, 99) if silence else None,
-        "frames_before_cancel_mean": sum(s.frames_before for s in cancelled) / max(1, len(cancelled)),
+        "frames_before_cancel_mean": sum(s.frames_before for s in cancelled)
+        / max(1, len(cancelled)),
     }
 
 

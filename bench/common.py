@@ -107,7 +107,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_port(
+    port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Wait until 127.0.0.1:port accepts a TCP connection."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -182,7 +184,11 @@ def start(name: str, argv: Sequence[str], *, cpu: int, env: dict[str, str] | Non
         merged.update(env)
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
-            full, stdout=log, stderr=subprocess.STDOUT, env=merged, cwd=ROOT,
+            full,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=merged,
+            cwd=ROOT,
             start_new_session=True,
         )
     renice_autogroup(popen.pid)
@@ -193,8 +199,12 @@ def run_json(argv: Sequence[str], *, cpu: int, timeout: float) -> dict[str, Any]
     """Run a pinned child that prints one JSON object on its last stdout line."""
     full = [*_prefix(cpu), *argv]
     proc = subprocess.Popen(
-        full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
     )
     renice_autogroup(proc.pid)
     try:

@@ -167,8 +167,11 @@ class EngineSession(WSListener):  # type: ignore[misc]
         self.transport = transport
         STATS.sessions += 1
         self._send_json(
-            {"type": "session.created", "event_id": "b0",
-             "session": {"id": f"bench-{self.sid}", "object": "realtime.session"}}
+            {
+                "type": "session.created",
+                "event_id": "b0",
+                "session": {"id": f"bench-{self.sid}", "object": "realtime.session"},
+            }
         )
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
@@ -237,16 +240,26 @@ class EngineSession(WSListener):  # type: ignore[misc]
         self.nresp += 1
         self.rid = f"resp_{self.sid}_{self.nresp}".encode()
         self.tail = (
-            b'","response_id":"' + self.rid + b'","item_id":"item_' + self.rid
+            b'","response_id":"'
+            + self.rid
+            + b'","item_id":"item_'
+            + self.rid
             + b'","output_index":0,"content_index":0,"server_event_seq":'
         )
         self.sent_chunks = 0
         self.total_chunks = int(self.resp_s * 1000 / self.chunk_ms) if self.resp_s > 0 else 0
         self.active = True
         self._send_json(
-            {"type": "response.created", "event_id": "b0", "response_id": self.rid.decode(),
-             "response": {"id": self.rid.decode(), "object": "realtime.response",
-                          "status": "in_progress"}}
+            {
+                "type": "response.created",
+                "event_id": "b0",
+                "response_id": self.rid.decode(),
+                "response": {
+                    "id": self.rid.decode(),
+                    "object": "realtime.response",
+                    "status": "in_progress",
+                },
+            }
         )
         if self.mode == "burst":
             self.pump_scheduled = True
@@ -265,10 +278,17 @@ class EngineSession(WSListener):  # type: ignore[misc]
         STATS.down_events += 1
         transport.send(
             WSMsgType.TEXT,
-            b"".join((
-                _AUDIO_PREFIX, str(time.monotonic_ns()).encode(), self.tail,
-                str(self.seq).encode(), b',"delta":"', self.b64, b'"}',
-            )),
+            b"".join(
+                (
+                    _AUDIO_PREFIX,
+                    str(time.monotonic_ns()).encode(),
+                    self.tail,
+                    str(self.seq).encode(),
+                    b',"delta":"',
+                    self.b64,
+                    b'"}',
+                )
+            ),
         )
 
     def _finished(self) -> bool:
@@ -315,9 +335,16 @@ class EngineSession(WSListener):  # type: ignore[misc]
     def _done(self, status: str) -> None:
         self._stop_stream()
         self._send_json(
-            {"type": "response.done", "event_id": "b0", "response_id": self.rid.decode(),
-             "response": {"id": self.rid.decode(), "object": "realtime.response",
-                          "status": status}}
+            {
+                "type": "response.done",
+                "event_id": "b0",
+                "response_id": self.rid.decode(),
+                "response": {
+                    "id": self.rid.decode(),
+                    "object": "realtime.response",
+                    "status": status,
+                },
+            }
         )
 
 
@@ -345,8 +372,12 @@ def _route(request: WSUpgradeRequest) -> Any:
 
 async def _serve(port: int, lifetime: float) -> None:
     server = await ws_create_server(
-        _route, "127.0.0.1", port, max_frame_size=64 * 1024 * 1024,
-        websocket_handshake_timeout=30, backlog=4096,
+        _route,
+        "127.0.0.1",
+        port,
+        max_frame_size=64 * 1024 * 1024,
+        websocket_handshake_timeout=30,
+        backlog=4096,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

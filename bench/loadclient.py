@@ -70,7 +70,9 @@ class Run:
         self.loop = asyncio.get_running_loop()
         up_ms = ns.up_ms or 0
         if up_ms:
-            raw = bytes(random.Random(1).getrandbits(8) for _ in range(_IN_RATE * up_ms // 1000 * 2))
+            raw = bytes(
+                random.Random(1).getrandbits(8) for _ in range(_IN_RATE * up_ms // 1000 * 2)
+            )
             self.append_tail = b'","audio":"' + base64.b64encode(raw) + b'"}'
         else:
             self.append_tail = b""
@@ -124,7 +126,9 @@ class Session(WSListener):  # type: ignore[misc]
             else:
                 self._control(bytes(mv))
             ack_every = run.ns.ack_every
-            if run.ns.ack or (ack_every and head.startswith(_AUDIO) and self.events % ack_every == 0):
+            if run.ns.ack or (
+                ack_every and head.startswith(_AUDIO) and self.events % ack_every == 0
+            ):
                 seq = 0
                 i = head.find(b'"server_event_seq":')
                 if i >= 0:
@@ -195,8 +199,10 @@ async def _connect(run: Run, index: int, stalled: bool, sem: asyncio.Semaphore) 
     async with sem:
         try:
             _, session = await ws_connect(
-                lambda: Session(run, index, stalled), ns.url,
-                websocket_handshake_timeout=30, max_frame_size=64 * 1024 * 1024,
+                lambda: Session(run, index, stalled),
+                ns.url,
+                websocket_handshake_timeout=30,
+                max_frame_size=64 * 1024 * 1024,
                 socket_factory=_small_rcvbuf_factory(ns.stall_rcvbuf) if stalled else None,
             )
         except Exception:  # noqa: BLE001 - counted as a failed session
@@ -314,7 +320,9 @@ async def main_async(ns: argparse.Namespace) -> dict[str, Any]:
     for s in sessions:
         if s.transport is not None and not s.stalled:
             s.transport.send_close()
-    await asyncio.wait([s.closed for s in sessions], timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+    await asyncio.wait(
+        [s.closed for s in sessions], timeout=max(1.0, min(5.0, deadline - time.monotonic()))
+    )
     for s in sessions:
         if s.transport is not None:
             s.transport.disconnect(graceful=False)

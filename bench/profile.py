@@ -34,7 +34,7 @@ def _short(path: str) -> str:
     for marker in ("site-packages/", "/work/main/", "python3.11/"):
         i = path.find(marker)
         if i >= 0:
-            return path[i + len(marker):]
+            return path[i + len(marker) :]
     return path
 
 
@@ -60,8 +60,12 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
             files[_short(leaf["file"]) if leaf else "?"] += count
         for f in set(frames):
             incl[f] += count
-    return {"total": total, "own": own.most_common(top), "incl": incl.most_common(top),
-            "files": files.most_common(15)}
+    return {
+        "total": total,
+        "own": own.most_common(top),
+        "incl": incl.most_common(top),
+        "files": files.most_common(15),
+    }
 
 
 def profile(ns: argparse.Namespace) -> None:
@@ -71,10 +75,24 @@ def profile(ns: argparse.Namespace) -> None:
         sessions = ns.profile_sessions
         warmup = 4.0
         argv = [
-            python(), "-m", "bench.loadclient", "--url", st.url("sidecar", "mode=paced&chunk_ms=80"),
-            "-c", str(sessions), "--warmup", str(warmup), "--window", str(ns.profile_seconds + 2),
-            "--up-ms", "80", "--stats-url", st.stats_url(), *st.watch_args("sidecar"),
-            "--max-seconds", str(int(ns.profile_seconds + 60)),
+            python(),
+            "-m",
+            "bench.loadclient",
+            "--url",
+            st.url("sidecar", "mode=paced&chunk_ms=80"),
+            "-c",
+            str(sessions),
+            "--warmup",
+            str(warmup),
+            "--window",
+            str(ns.profile_seconds + 2),
+            "--up-ms",
+            "80",
+            "--stats-url",
+            st.stats_url(),
+            *st.watch_args("sidecar"),
+            "--max-seconds",
+            str(int(ns.profile_seconds + 60)),
         ]
         client = start("client", argv, cpu=LOAD_CPU)
         time.sleep(warmup + 1)
@@ -83,10 +101,28 @@ def profile(ns: argparse.Namespace) -> None:
         log(f"py-spy on sidecar pid {st.procs['sidecar'].pid} for {ns.profile_seconds:g} s")
         prefix = ["nice", "-n", str(common.NICE)] if common.NICE else []
         subprocess.run(
-            [*prefix, "taskset", "-c", str(LOAD_CPU), pyspy, "record", "--pid", str(st.procs["sidecar"].pid),
-             "--duration", str(int(ns.profile_seconds)), "--rate", "200", "--nonblocking",
-             "--format", "raw", "--output", str(out)],
-            check=True, timeout=ns.profile_seconds + 60, capture_output=True,
+            [
+                *prefix,
+                "taskset",
+                "-c",
+                str(LOAD_CPU),
+                pyspy,
+                "record",
+                "--pid",
+                str(st.procs["sidecar"].pid),
+                "--duration",
+                str(int(ns.profile_seconds)),
+                "--rate",
+                "200",
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--output",
+                str(out),
+            ],
+            check=True,
+            timeout=ns.profile_seconds + 60,
+            capture_output=True,
         )
         client.popen.wait(timeout=ns.profile_seconds + 90)
         result_line = client.log_path.read_text().strip().splitlines()[-1]
@@ -105,12 +141,18 @@ def profile(ns: argparse.Namespace) -> None:
         "Raw collapsed stacks: profile.txt."
     )
     report.para("## Own time (the function itself was running)")
-    report.table(["function (file)", "samples", "share %"],
-                 [[f, n, 100 * n / total] for f, n in summary["own"]])
+    report.table(
+        ["function (file)", "samples", "share %"],
+        [[f, n, 100 * n / total] for f, n in summary["own"]],
+    )
     report.para("## Own time by file")
-    report.table(["file", "samples", "share %"], [[f, n, 100 * n / total] for f, n in summary["files"]])
+    report.table(
+        ["file", "samples", "share %"], [[f, n, 100 * n / total] for f, n in summary["files"]]
+    )
     report.para("## Inclusive time (on the stack)")
-    report.table(["function (file)", "samples", "share %"],
-                 [[f, n, 100 * n / total] for f, n in summary["incl"]])
+    report.table(
+        ["function (file)", "samples", "share %"],
+        [[f, n, 100 * n / total] for f, n in summary["incl"]],
+    )
     path = report.write(f"python -m bench profile --profile-sessions {sessions}")
     log(f"wrote {path}")

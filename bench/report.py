@@ -88,8 +88,16 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 6.0, height: float = 3
     return fig, axes
 
 
-def bars(ax: Any, groups: Sequence[str], series: dict[str, Sequence[float]], *, ylabel: str,
-         title: str, log: bool = False, hline: float | None = None) -> None:
+def bars(
+    ax: Any,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float]],
+    *,
+    ylabel: str,
+    title: str,
+    log: bool = False,
+    hline: float | None = None,
+) -> None:
     """Grouped bar chart: one group per x label, one bar per series."""
     n = max(1, len(series))
     width = 0.8 / n

@@ -24,17 +24,40 @@ def rotated(configs: Sequence[str], rep: int) -> list[str]:
 
 
 def load(
-    st: Stack, config: str, query: str, sessions: int, *, warmup: float, window: float,
-    up_ms: int = 0, ack: bool = False, ack_every: int = 0, extra: Sequence[str] = (),
+    st: Stack,
+    config: str,
+    query: str,
+    sessions: int,
+    *,
+    warmup: float,
+    window: float,
+    up_ms: int = 0,
+    ack: bool = False,
+    ack_every: int = 0,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """One bounded load-client run; adds ``config`` and the proxy's µs of CPU per relayed event."""
     st.check_alive()
     argv = [
-        python(), "-m", "bench.loadclient", "--url", st.url(config, query),
-        "-c", str(sessions), "--warmup", str(warmup), "--window", str(window),
-        "--stats-url", st.stats_url(), "--connect-concurrency", "100",
-        "--max-seconds", str(int(warmup + window + 60 + sessions / 50)),
-        *st.watch_args(config), *extra,
+        python(),
+        "-m",
+        "bench.loadclient",
+        "--url",
+        st.url(config, query),
+        "-c",
+        str(sessions),
+        "--warmup",
+        str(warmup),
+        "--window",
+        str(window),
+        "--stats-url",
+        st.stats_url(),
+        "--connect-concurrency",
+        "100",
+        "--max-seconds",
+        str(int(warmup + window + 60 + sessions / 50)),
+        *st.watch_args(config),
+        *extra,
     ]
     if up_ms:
         argv += ["--up-ms", str(up_ms)]
@@ -46,9 +69,13 @@ def load(
     result["config"] = config
     proxy_cpu = result["cpu_s"].get("proxy")
     relayed = result.get("relayed_events") or 0
-    result["us_per_event"] = proxy_cpu * 1e6 / relayed if proxy_cpu is not None and relayed else None
+    result["us_per_event"] = (
+        proxy_cpu * 1e6 / relayed if proxy_cpu is not None and relayed else None
+    )
     result["proxy_cpu_pct"] = result["cpu_pct"].get("proxy")
-    result["proxy_rss_mb"] = result["rss_max"].get("proxy", 0) / 2**20 if proxy_cpu is not None else None
+    result["proxy_rss_mb"] = (
+        result["rss_max"].get("proxy", 0) / 2**20 if proxy_cpu is not None else None
+    )
     log(
         f"  {config:8s} c={sessions:<5d} {query:32s} down {result['down_ev_s']:9.0f} ev/s "
         f"p50 {result.get('down_p50_ms') or 0:7.2f} p99 {result.get('down_p99_ms') or 0:8.2f} ms  "
@@ -59,8 +86,9 @@ def load(
     return result
 
 
-def paired(runs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], key: str,
-           op: str = "sub") -> float:
+def paired(
+    runs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], key: str, op: str = "sub"
+) -> float:
     """Median over repetitions of (run[key] − base[key]) or of the ratio, paired by repetition."""
     values = []
     for a, b in zip(runs, base, strict=False):

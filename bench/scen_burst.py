@@ -39,10 +39,19 @@ def throughput(ns: argparse.Namespace) -> dict[str, Any]:
                 for count in counts:
                     log(f"throughput rep {rep + 1}/{ns.reps} {chunk} ms c={count} window={win}")
                     for config in rotated(CONFIGS, rep):
-                        r = load(st, config, f"mode=burst&chunk_ms={chunk}&window={win}", count,
-                                 warmup=ns.tp_warmup, window=ns.tp_window, ack_every=max(1, win // 4))
+                        r = load(
+                            st,
+                            config,
+                            f"mode=burst&chunk_ms={chunk}&window={win}",
+                            count,
+                            warmup=ns.tp_warmup,
+                            window=ns.tp_window,
+                            ack_every=max(1, win // 4),
+                        )
                         r["ev_per_cpu_s"] = (
-                            r["down_events"] / r["cpu_s"]["proxy"] if r["cpu_s"].get("proxy") else None
+                            r["down_events"] / r["cpu_s"]["proxy"]
+                            if r["cpu_s"].get("proxy")
+                            else None
                         )
                         runs.setdefault((chunk, count, config), []).append(r)
     report.raw["runs"] = {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in runs.items()}
@@ -64,28 +73,63 @@ def throughput(ns: argparse.Namespace) -> dict[str, Any]:
             for config in CONFIGS:
                 rs = runs[(chunk, count, config)]
                 row = {
-                    "ev_s": med(rs, "down_ev_s"), "mb_s": med(rs, "down_mb_s"),
-                    "cpu": med(rs, "proxy_cpu_pct"), "ev_cpu": med(rs, "ev_per_cpu_s"),
+                    "ev_s": med(rs, "down_ev_s"),
+                    "mb_s": med(rs, "down_mb_s"),
+                    "cpu": med(rs, "proxy_cpu_pct"),
+                    "ev_cpu": med(rs, "ev_per_cpu_s"),
                     "rss": med(rs, "proxy_rss_mb"),
-                    "ratio": None if config in ("direct", "nginx") else paired(rs, ng, "down_ev_s", "ratio"),
-                    "ratio_cpu": None if config in ("direct", "nginx") else paired(rs, ng, "ev_per_cpu_s", "ratio"),
-                    "us": med(rs, "us_per_event"), "foreign": med(rs, "foreign_cpu_pct"),
+                    "ratio": None
+                    if config in ("direct", "nginx")
+                    else paired(rs, ng, "down_ev_s", "ratio"),
+                    "ratio_cpu": None
+                    if config in ("direct", "nginx")
+                    else paired(rs, ng, "ev_per_cpu_s", "ratio"),
+                    "us": med(rs, "us_per_event"),
+                    "foreign": med(rs, "foreign_cpu_pct"),
                     "failed": max(r["failed"] for r in rs),
                 }
                 summary[f"{chunk}/{count}/{config}"] = row
                 series[config].append(row["ev_s"] / 1000)
-                rows.append([
-                    count, config, row["ev_s"] / 1000, row["mb_s"], row["cpu"],
-                    None if row["ev_cpu"] is None else row["ev_cpu"] / 1000, row["us"], row["rss"],
-                    row["ratio"], row["ratio_cpu"], row["failed"], row["foreign"],
-                ])
+                rows.append(
+                    [
+                        count,
+                        config,
+                        row["ev_s"] / 1000,
+                        row["mb_s"],
+                        row["cpu"],
+                        None if row["ev_cpu"] is None else row["ev_cpu"] / 1000,
+                        row["us"],
+                        row["rss"],
+                        row["ratio"],
+                        row["ratio_cpu"],
+                        row["failed"],
+                        row["foreign"],
+                    ]
+                )
         report.table(
-            ["sessions", "path", "k events/s", "MB/s", "proxy CPU %", "k events per proxy CPU-s",
-             "µs CPU / relayed event", "proxy RSS MB", "ratio vs nginx (ev/s)",
-             "ratio vs nginx (ev per CPU-s)", "failed", "foreign CPU %"],
+            [
+                "sessions",
+                "path",
+                "k events/s",
+                "MB/s",
+                "proxy CPU %",
+                "k events per proxy CPU-s",
+                "µs CPU / relayed event",
+                "proxy RSS MB",
+                "ratio vs nginx (ev/s)",
+                "ratio vs nginx (ev per CPU-s)",
+                "failed",
+                "foreign CPU %",
+            ],
             rows,
         )
-        bars(axes[0][i], [f"c{c}" for c in counts], series, ylabel="k events/s", title=f"{label} frames")
+        bars(
+            axes[0][i],
+            [f"c{c}" for c in counts],
+            series,
+            ylabel="k events/s",
+            title=f"{label} frames",
+        )
     report.raw["summary"] = summary
     path = report.write(f"python -m bench throughput --reps {ns.reps}", fig)
     log(f"wrote {path}")

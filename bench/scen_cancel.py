@@ -34,15 +34,21 @@ def _sidecar_drops(st: Stack) -> dict[str, float]:
     except OSError:
         return {}
     out = {}
-    for m in re.finditer(r'^omni_sidecar_dropped_events_total\{reason="(\w+)"\} (\S+)$', text, re.MULTILINE):
+    for m in re.finditer(
+        r'^omni_sidecar_dropped_events_total\{reason="(\w+)"\} (\S+)$', text, re.MULTILINE
+    ):
         out[m.group(1)] = float(m.group(2))
-    for m in re.finditer(r"^omni_sidecar_cancel_to_silence_seconds_(sum|count) (\S+)$", text, re.MULTILINE):
+    for m in re.finditer(
+        r"^omni_sidecar_cancel_to_silence_seconds_(sum|count) (\S+)$", text, re.MULTILINE
+    ):
         out["cancel_to_silence_" + m.group(1)] = float(m.group(2))
     return out
 
 
 def stale_audio(ns: argparse.Namespace) -> dict[str, Any]:
-    report = Report("stale-audio", "stale-audio: audio of a cancelled response delivered after the cancel")
+    report = Report(
+        "stale-audio", "stale-audio: audio of a cancelled response delivered after the cancel"
+    )
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     with Stack(engine="simulator", simulator_args=SIM_ARGS, configs=CONFIGS) as st:
         for rep in range(ns.reps):
@@ -50,14 +56,26 @@ def stale_audio(ns: argparse.Namespace) -> dict[str, Any]:
             for config in rotated(CONFIGS, rep):
                 st.check_alive()
                 r = run_json(
-                    [python(), "-m", "bench.cancelclient", "--url", st.url(config),
-                     "-c", str(ns.stale_sessions), "--seed", str(rep + 1)],
-                    cpu=LOAD_CPU, timeout=90,
+                    [
+                        python(),
+                        "-m",
+                        "bench.cancelclient",
+                        "--url",
+                        st.url(config),
+                        "-c",
+                        str(ns.stale_sessions),
+                        "--seed",
+                        str(rep + 1),
+                    ],
+                    cpu=LOAD_CPU,
+                    timeout=90,
                 )
                 runs[config].append(r)
-                log(f"  {config:8s} cancelled {r['cancelled']} late frames {r['late_frames_total']} "
+                log(
+                    f"  {config:8s} cancelled {r['cancelled']} late frames {r['late_frames_total']} "
                     f"(max {r['late_frames_max']}/session) {r['late_seconds_total']:.1f} s audio, "
-                    f"c2s p50 {r['cancel_to_silence_p50_ms']} p99 {r['cancel_to_silence_p99_ms']}")
+                    f"c2s p50 {r['cancel_to_silence_p50_ms']} p99 {r['cancel_to_silence_p99_ms']}"
+                )
         drops = _sidecar_drops(st)
     summary: dict[str, Any] = {"sidecar_metrics": drops}
     rows = []
@@ -72,13 +90,26 @@ def stale_audio(ns: argparse.Namespace) -> dict[str, Any]:
             "late_frames": sum(r["late_frames_total"] for r in rs),
             "late_max": max(r["late_frames_max"] for r in rs),
             "with_late": sum(r["sessions_with_late"] for r in rs),
-            "late_s_per_cancel": sum(r["late_seconds_total"] for r in rs) / max(1, sum(r["cancelled"] for r in rs)),
-            "c2s_p50": m("cancel_to_silence_p50_ms"), "c2s_p99": m("cancel_to_silence_p99_ms"),
+            "late_s_per_cancel": sum(r["late_seconds_total"] for r in rs)
+            / max(1, sum(r["cancelled"] for r in rs)),
+            "c2s_p50": m("cancel_to_silence_p50_ms"),
+            "c2s_p99": m("cancel_to_silence_p99_ms"),
             "done": sum(r["done_cancelled"] for r in rs),
         }
         summary[config] = row
-        rows.append([config, row["cancels"], row["late_frames"], row["with_late"], row["late_max"],
-                     row["late_s_per_cancel"], row["c2s_p50"], row["c2s_p99"], row["done"]])
+        rows.append(
+            [
+                config,
+                row["cancels"],
+                row["late_frames"],
+                row["with_late"],
+                row["late_max"],
+                row["late_s_per_cancel"],
+                row["c2s_p50"],
+                row["c2s_p99"],
+                row["done"],
+            ]
+        )
     report.raw["runs"] = runs
     report.raw["summary"] = summary
     report.para(
@@ -90,9 +121,17 @@ def stale_audio(ns: argparse.Namespace) -> dict[str, Any]:
         "(0 when none), measured at the client."
     )
     report.table(
-        ["path", "cancels", "late frames (total)", "cancels with late audio", "max late frames / cancel",
-         "late audio s / cancel", "cancel→silence p50 ms", "cancel→silence p99 ms",
-         "cancelled response.done received"],
+        [
+            "path",
+            "cancels",
+            "late frames (total)",
+            "cancels with late audio",
+            "max late frames / cancel",
+            "late audio s / cancel",
+            "cancel→silence p50 ms",
+            "cancel→silence p99 ms",
+            "cancelled response.done received",
+        ],
         rows,
     )
     if drops:
@@ -101,10 +140,22 @@ def stale_audio(ns: argparse.Namespace) -> dict[str, Any]:
             + ", ".join(f"`{k}` = {v:g}" for k, v in sorted(drops.items()))
         )
     fig, axes = figure(ncols=2, width=5.5)
-    bars(axes[0][0], ["late audio s / cancel"], {c: [summary[c]["late_s_per_cancel"]] for c in CONFIGS},
-         ylabel="seconds of audio", title="stale audio after a cancel")
-    bars(axes[0][1], ["p50", "p99"], {c: [summary[c]["c2s_p50"], summary[c]["c2s_p99"]] for c in CONFIGS},
-         ylabel="ms", title="cancel → silence (client)")
-    path = report.write(f"python -m bench stale-audio --reps {ns.reps} --stale-sessions {ns.stale_sessions}", fig)
+    bars(
+        axes[0][0],
+        ["late audio s / cancel"],
+        {c: [summary[c]["late_s_per_cancel"]] for c in CONFIGS},
+        ylabel="seconds of audio",
+        title="stale audio after a cancel",
+    )
+    bars(
+        axes[0][1],
+        ["p50", "p99"],
+        {c: [summary[c]["c2s_p50"], summary[c]["c2s_p99"]] for c in CONFIGS},
+        ylabel="ms",
+        title="cancel → silence (client)",
+    )
+    path = report.write(
+        f"python -m bench stale-audio --reps {ns.reps} --stale-sessions {ns.stale_sessions}", fig
+    )
     log(f"wrote {path}")
     return summary

@@ -29,26 +29,42 @@ __all__ = ["PROFILES", "capacity", "realtime_latency"]
 PROFILES: Final[dict[str, dict[str, Any]]] = {
     "minicpmo": {
         "label": "MiniCPM-o-like (1000 ms deltas, 200 ms appends, ack per server event)",
-        "query": "mode=paced&chunk_ms=1000", "up_ms": 200, "ack": True,
+        "query": "mode=paced&chunk_ms=1000",
+        "up_ms": 200,
+        "ack": True,
     },
     "nemotron": {
         "label": "Nemotron-like (80 ms deltas down, 80 ms appends up)",
-        "query": "mode=paced&chunk_ms=80", "up_ms": 80, "ack": False,
+        "query": "mode=paced&chunk_ms=80",
+        "up_ms": 80,
+        "ack": False,
     },
 }
 LAT_CONFIGS: Final = ("direct", "nginx", "bare", "sidecar")
 
 
-def _run(st: Stack, config: str, profile: str, sessions: int, warmup: float, window: float) -> dict[str, Any]:
+def _run(
+    st: Stack, config: str, profile: str, sessions: int, warmup: float, window: float
+) -> dict[str, Any]:
     p = PROFILES[profile]
-    return load(st, config, p["query"], sessions, warmup=warmup, window=window,
-                up_ms=p["up_ms"], ack=p["ack"])
+    return load(
+        st,
+        config,
+        p["query"],
+        sessions,
+        warmup=warmup,
+        window=window,
+        up_ms=p["up_ms"],
+        ack=p["ack"],
+    )
 
 
 def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
     counts = [int(c) for c in ns.latency_sessions.split(",")]
     rep_count = ns.reps
-    report = Report("realtime-latency", "realtime-latency: added latency per event at real-time pace")
+    report = Report(
+        "realtime-latency", "realtime-latency: added latency per event at real-time pace"
+    )
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     with Stack(configs=LAT_CONFIGS) as st:
         for rep in range(rep_count):
@@ -80,45 +96,84 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
             for config in LAT_CONFIGS:
                 rs = runs[(profile, count, config)]
                 row = {
-                    "down_p50": med(rs, "down_p50_ms"), "down_p99": med(rs, "down_p99_ms"),
+                    "down_p50": med(rs, "down_p50_ms"),
+                    "down_p99": med(rs, "down_p99_ms"),
                     "added_p50": paired(rs, base, "down_p50_ms"),
                     "added_p99": paired(rs, base, "down_p99_ms"),
                     "up_p99": med(rs, "up_p99_ms"),
                     "added_up_p99": paired(rs, base, "up_p99_ms"),
-                    "cpu": med(rs, "proxy_cpu_pct"), "us": med(rs, "us_per_event"),
-                    "rss": med(rs, "proxy_rss_mb"), "foreign": med(rs, "foreign_cpu_pct"),
+                    "cpu": med(rs, "proxy_cpu_pct"),
+                    "us": med(rs, "us_per_event"),
+                    "rss": med(rs, "proxy_rss_mb"),
+                    "foreign": med(rs, "foreign_cpu_pct"),
                     "ev_s": med(rs, "down_ev_s") + med(rs, "up_events") / ns.rt_window,
                     "failed": max(r["failed"] for r in rs),
                 }
                 summary[f"{profile}/{count}/{config}"] = row
-                rows.append([
-                    config, row["down_p50"], row["down_p99"],
-                    None if config == "direct" else row["added_p50"],
-                    None if config == "direct" else row["added_p99"],
-                    row["up_p99"], None if config == "direct" else row["added_up_p99"],
-                    row["cpu"], row["us"], row["rss"], row["ev_s"], row["failed"], row["foreign"],
-                ])
+                rows.append(
+                    [
+                        config,
+                        row["down_p50"],
+                        row["down_p99"],
+                        None if config == "direct" else row["added_p50"],
+                        None if config == "direct" else row["added_p99"],
+                        row["up_p99"],
+                        None if config == "direct" else row["added_up_p99"],
+                        row["cpu"],
+                        row["us"],
+                        row["rss"],
+                        row["ev_s"],
+                        row["failed"],
+                        row["foreign"],
+                    ]
+                )
                 if config != "direct":
                     added99[config].append(row["added_p99"])
                     us_ev[config].append(row["us"])
             groups.append(f"{profile}\n{count}")
             report.para(f"### {count} sessions")
             report.table(
-                ["path", "down p50", "down p99", "added p50", "added p99", "up p99",
-                 "added up p99", "proxy CPU %", "µs CPU / relayed event", "proxy RSS MB",
-                 "relayed ev/s", "failed", "foreign CPU %"],
+                [
+                    "path",
+                    "down p50",
+                    "down p99",
+                    "added p50",
+                    "added p99",
+                    "up p99",
+                    "added up p99",
+                    "proxy CPU %",
+                    "µs CPU / relayed event",
+                    "proxy RSS MB",
+                    "relayed ev/s",
+                    "failed",
+                    "foreign CPU %",
+                ],
                 rows,
             )
         # CPU per event ratios, paired per repetition (sidecar ÷ bare, sidecar ÷ nginx).
         for count in counts:
             sc = runs[(profile, count, "sidecar")]
-            summary[f"{profile}/{count}/ratio_bare"] = paired(sc, runs[(profile, count, "bare")], "us_per_event", "ratio")
-            summary[f"{profile}/{count}/ratio_nginx"] = paired(sc, runs[(profile, count, "nginx")], "us_per_event", "ratio")
+            summary[f"{profile}/{count}/ratio_bare"] = paired(
+                sc, runs[(profile, count, "bare")], "us_per_event", "ratio"
+            )
+            summary[f"{profile}/{count}/ratio_nginx"] = paired(
+                sc, runs[(profile, count, "nginx")], "us_per_event", "ratio"
+            )
         report.table(
             ["sessions", "sidecar ÷ bare aiohttp relay (CPU/event)", "sidecar ÷ nginx (CPU/event)"],
-            [[c, summary[f"{profile}/{c}/ratio_bare"], summary[f"{profile}/{c}/ratio_nginx"]] for c in counts],
+            [
+                [c, summary[f"{profile}/{c}/ratio_bare"], summary[f"{profile}/{c}/ratio_nginx"]]
+                for c in counts
+            ],
         )
-    bars(axes[0][0], groups, added99, ylabel="ms", title="added p99 latency vs direct (down)", hline=1.0)
+    bars(
+        axes[0][0],
+        groups,
+        added99,
+        ylabel="ms",
+        title="added p99 latency vs direct (down)",
+        hline=1.0,
+    )
     axes[0][0].set_yscale("symlog", linthresh=1.0)
     bars(axes[0][1], groups, us_ev, ylabel="µs", title="proxy CPU per relayed event")
     report.raw["summary"] = summary
@@ -140,7 +195,9 @@ def _passes(sc: dict[str, Any], direct: dict[str, Any], limit_ms: float) -> tupl
 
 
 def capacity(ns: argparse.Namespace) -> dict[str, Any]:
-    report = Report("capacity", "capacity: real-time sessions per sidecar core before added p99 > 5 ms")
+    report = Report(
+        "capacity", "capacity: real-time sessions per sidecar core before added p99 > 5 ms"
+    )
     targets = {"minicpmo": ns.capacity_start_minicpmo, "nemotron": ns.capacity_start_nemotron}
     limit = 5.0
     summary: dict[str, Any] = {}
@@ -156,8 +213,15 @@ def capacity(ns: argparse.Namespace) -> dict[str, Any]:
                 direct = _run(st, "direct", profile, count, ns.cap_warmup, ns.cap_window)
                 sc = _run(st, "sidecar", profile, count, ns.cap_warmup, ns.cap_window)
                 ok, added = _passes(sc, direct, limit)
-                steps.append({"sessions": count, "pass": ok, "added_p99_ms": added,
-                              "direct": direct, "sidecar": sc})
+                steps.append(
+                    {
+                        "sessions": count,
+                        "pass": ok,
+                        "added_p99_ms": added,
+                        "direct": direct,
+                        "sidecar": sc,
+                    }
+                )
                 if ok:
                     lo = max(lo, count)
                 else:
@@ -176,16 +240,22 @@ def capacity(ns: argparse.Namespace) -> dict[str, Any]:
             # CPU model, independent of how contested the box was: one core's
             # worth of the sidecar's measured µs per relayed event.
             us = [s["sidecar"]["us_per_event"] for s in steps if s["sidecar"]["us_per_event"]]
-            ev = [s["sidecar"]["relayed_events"] / s["sidecar"]["window_s"] / max(1, s["sessions"])
-                  for s in steps if s["sidecar"]["relayed_events"]]
+            ev = [
+                s["sidecar"]["relayed_events"] / s["sidecar"]["window_s"] / max(1, s["sessions"])
+                for s in steps
+                if s["sidecar"]["relayed_events"]
+            ]
             est = None
             if us and ev:
                 us_m = sorted(us)[len(us) // 2]
                 ev_m = sorted(ev)[len(ev) // 2]
                 est = 1e6 / (us_m * ev_m)
-            summary[profile] = {"capacity": lo, "first_failure": hi or None,
-                                "cpu_model_sessions_per_core": est,
-                                "us_per_event": sorted(us)[len(us) // 2] if us else None}
+            summary[profile] = {
+                "capacity": lo,
+                "first_failure": hi or None,
+                "cpu_model_sessions_per_core": est,
+                "us_per_event": sorted(us)[len(us) // 2] if us else None,
+            }
     report.raw["steps"] = steps_all
     report.raw["summary"] = summary
     report.para(
@@ -201,35 +271,72 @@ def capacity(ns: argparse.Namespace) -> dict[str, Any]:
         report.para(
             f"## {PROFILES[profile]['label']}: capacity ≥ **{sm['capacity']}** sessions"
             + (f" (failed at {sm['first_failure']})" if sm["first_failure"] else "")
-            + (f"; CPU model: {sm['us_per_event']:.0f} µs per relayed event → "
-               f"{sm['cpu_model_sessions_per_core']:.0f} sessions per fully busy core, "
-               f"{0.75 * sm['cpu_model_sessions_per_core']:.0f} at 75 %"
-               if sm["cpu_model_sessions_per_core"] else "")
+            + (
+                f"; CPU model: {sm['us_per_event']:.0f} µs per relayed event → "
+                f"{sm['cpu_model_sessions_per_core']:.0f} sessions per fully busy core, "
+                f"{0.75 * sm['cpu_model_sessions_per_core']:.0f} at 75 %"
+                if sm["cpu_model_sessions_per_core"]
+                else ""
+            )
         )
         rows = []
         for s in steps:
             d, c = s["direct"], s["sidecar"]
-            rows.append([
-                s["sessions"], "pass" if s["pass"] else "FAIL", s["added_p99_ms"],
-                d.get("down_p99_ms"), c.get("down_p99_ms"), d.get("up_p99_ms"), c.get("up_p99_ms"),
-                c["proxy_cpu_pct"], c["us_per_event"], c["proxy_rss_mb"],
-                c["relayed_events"] / c["window_s"], c["failed"], c["foreign_cpu_pct"],
-            ])
+            rows.append(
+                [
+                    s["sessions"],
+                    "pass" if s["pass"] else "FAIL",
+                    s["added_p99_ms"],
+                    d.get("down_p99_ms"),
+                    c.get("down_p99_ms"),
+                    d.get("up_p99_ms"),
+                    c.get("up_p99_ms"),
+                    c["proxy_cpu_pct"],
+                    c["us_per_event"],
+                    c["proxy_rss_mb"],
+                    c["relayed_events"] / c["window_s"],
+                    c["failed"],
+                    c["foreign_cpu_pct"],
+                ]
+            )
         report.table(
-            ["sessions", "result", "added p99 ms", "direct down p99", "sidecar down p99",
-             "direct up p99", "sidecar up p99", "sidecar CPU %", "µs / event", "RSS MB",
-             "relayed ev/s", "failed", "foreign CPU %"],
+            [
+                "sessions",
+                "result",
+                "added p99 ms",
+                "direct down p99",
+                "sidecar down p99",
+                "direct up p99",
+                "sidecar up p99",
+                "sidecar CPU %",
+                "µs / event",
+                "RSS MB",
+                "relayed ev/s",
+                "failed",
+                "foreign CPU %",
+            ],
             rows,
         )
         ordered = sorted(steps, key=lambda s: s["sessions"])
         ax = axes[0][i]
-        ax.plot([s["sessions"] for s in ordered], [s["added_p99_ms"] for s in ordered], "o-", label="added p99 ms")
+        ax.plot(
+            [s["sessions"] for s in ordered],
+            [s["added_p99_ms"] for s in ordered],
+            "o-",
+            label="added p99 ms",
+        )
         ax.axhline(limit, color="red", linestyle="--", linewidth=1)
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("sessions")
         ax.set_ylabel("added p99 (ms)")
         ax2 = ax.twinx()
-        ax2.plot([s["sessions"] for s in ordered], [s["sidecar"]["proxy_cpu_pct"] for s in ordered], "s--", color="gray", label="sidecar CPU %")
+        ax2.plot(
+            [s["sessions"] for s in ordered],
+            [s["sidecar"]["proxy_cpu_pct"] for s in ordered],
+            "s--",
+            color="gray",
+            label="sidecar CPU %",
+        )
         ax2.set_ylabel("sidecar CPU %")
         ax.set_title(profile, fontsize=10)
         ax.grid(alpha=0.3)

@@ -37,7 +37,11 @@ RESERVE: Final = 64 * 1024
 WRITE_BUFFER: Final = 64 * 1024
 PER_SESSION: Final = PENDING + RESERVE + WRITE_BUFFER
 SIDECAR_ARGS: Final = ["--max-pending-output-bytes", str(PENDING), "--close-timeout", "20"]
-SEQUENCE: Final = ["error:output_backpressure", "response.done:failed", "session.closed:output_backpressure"]
+SEQUENCE: Final = [
+    "error:output_backpressure",
+    "response.done:failed",
+    "session.closed:output_backpressure",
+]
 QUERY: Final = "mode=paced&chunk_ms=80"
 
 
@@ -60,27 +64,40 @@ def slow_client(ns: argparse.Namespace) -> dict[str, Any]:
             log(f"slow-client rep {rep + 1}/{ns.reps}: sidecar without / with {stalled} stalled")
             order = [False, True] if rep % 2 == 0 else [True, False]
             for with_stall in order:
-                r = load(st, "sidecar", QUERY, sessions, warmup=warmup, window=window,
-                         extra=stall_args(10.0) if with_stall else [])
+                r = load(
+                    st,
+                    "sidecar",
+                    QUERY,
+                    sessions,
+                    warmup=warmup,
+                    window=window,
+                    extra=stall_args(10.0) if with_stall else [],
+                )
                 runs.setdefault("sidecar/stall" if with_stall else "sidecar/base", []).append(r)
         for config in ("direct", "nginx"):
             log(f"slow-client {config} with {stalled} stalled")
-            r = load(st, config, QUERY, sessions, warmup=warmup, window=window, extra=stall_args(2.0))
+            r = load(
+                st, config, QUERY, sessions, warmup=warmup, window=window, extra=stall_args(2.0)
+            )
             runs[f"{config}/stall"] = [r]
     report.raw["runs"] = runs
     base, stall = runs["sidecar/base"], runs["sidecar/stall"]
     growth = [
-        (s["rss_max"]["proxy"] - b["rss_max"]["proxy"]) / 2**20 for s, b in zip(stall, base, strict=False)
+        (s["rss_max"]["proxy"] - b["rss_max"]["proxy"]) / 2**20
+        for s, b in zip(stall, base, strict=False)
     ]
     bound_mb = stalled * PER_SESSION / 2**20
     ended = [sum(_ended_with_overflow(x) for x in r["stalled"]) for r in stall]
     p99_ratio = [s["down_p99_ms"] / b["down_p99_ms"] for s, b in zip(stall, base, strict=False)]
     summary = {
-        "rss_growth_mb_max": max(growth), "rss_bound_mb": bound_mb,
-        "overflow_sequence": f"{min(ended)}/{stalled}", "overflow_all": min(ended) == stalled,
+        "rss_growth_mb_max": max(growth),
+        "rss_bound_mb": bound_mb,
+        "overflow_sequence": f"{min(ended)}/{stalled}",
+        "overflow_all": min(ended) == stalled,
         "p99_ratio_median": sorted(p99_ratio)[len(p99_ratio) // 2],
         "p99_ratio_max": max(p99_ratio),
-        "base_p99": med(base, "down_p99_ms"), "stall_p99": med(stall, "down_p99_ms"),
+        "base_p99": med(base, "down_p99_ms"),
+        "stall_p99": med(stall, "down_p99_ms"),
     }
     report.raw["summary"] = summary
     report.para(
@@ -98,42 +115,86 @@ def slow_client(ns: argparse.Namespace) -> dict[str, Any]:
         engine_growth = [(r["rss_max"]["engine"] - r["rss_start"]["engine"]) / 2**20 for r in rs]
         seq = (
             f"{min(sum(_ended_with_overflow(x) for x in r['stalled']) for r in rs)}/{stalled}"
-            if kind == "stall" else "–"
+            if kind == "stall"
+            else "–"
         )
         codes = sorted({str(x["close_code"]) for r in rs for x in r.get("stalled", [])})
-        rows.append([
-            config, "yes" if kind == "stall" else "no", med(rs, "down_p50_ms"), med(rs, "down_p99_ms"),
-            med(rs, "proxy_rss_mb"), max(engine_growth),
-            max((r["tcp_mem_max"] - r["tcp_mem_start"]) / 2**20 for r in rs), seq, ",".join(codes) or "–",
-            med(rs, "proxy_cpu_pct"), med(rs, "foreign_cpu_pct"),
-        ])
+        rows.append(
+            [
+                config,
+                "yes" if kind == "stall" else "no",
+                med(rs, "down_p50_ms"),
+                med(rs, "down_p99_ms"),
+                med(rs, "proxy_rss_mb"),
+                max(engine_growth),
+                max((r["tcp_mem_max"] - r["tcp_mem_start"]) / 2**20 for r in rs),
+                seq,
+                ",".join(codes) or "–",
+                med(rs, "proxy_cpu_pct"),
+                med(rs, "foreign_cpu_pct"),
+            ]
+        )
     report.table(
-        ["path", "20 stalled", "reading sessions p50 ms", "p99 ms", "proxy peak RSS MB",
-         "engine RSS growth MB", "kernel TCP memory growth MB", "stalled sessions ended with overflow sequence",
-         "stalled close codes", "proxy CPU %", "foreign CPU %"],
+        [
+            "path",
+            "20 stalled",
+            "reading sessions p50 ms",
+            "p99 ms",
+            "proxy peak RSS MB",
+            "engine RSS growth MB",
+            "kernel TCP memory growth MB",
+            "stalled sessions ended with overflow sequence",
+            "stalled close codes",
+            "proxy CPU %",
+            "foreign CPU %",
+        ],
         rows,
     )
     report.table(
         ["check", "measured", "target", "met"],
         [
-            ["sidecar RSS growth with 20 stalled (MB, worst pair)", summary["rss_growth_mb_max"],
-             f"≤ {bound_mb:.1f} (20 × {PER_SESSION // 1024} KiB)", summary["rss_growth_mb_max"] <= bound_mb],
-            ["stalled sessions ending error → failed done → session.closed, 1008",
-             summary["overflow_sequence"], f"{stalled}/{stalled}", summary["overflow_all"]],
-            ["reading sessions p99, stalled ÷ not stalled (median of pairs)",
-             summary["p99_ratio_median"], "≤ 1.10", summary["p99_ratio_median"] <= 1.10],
+            [
+                "sidecar RSS growth with 20 stalled (MB, worst pair)",
+                summary["rss_growth_mb_max"],
+                f"≤ {bound_mb:.1f} (20 × {PER_SESSION // 1024} KiB)",
+                summary["rss_growth_mb_max"] <= bound_mb,
+            ],
+            [
+                "stalled sessions ending error → failed done → session.closed, 1008",
+                summary["overflow_sequence"],
+                f"{stalled}/{stalled}",
+                summary["overflow_all"],
+            ],
+            [
+                "reading sessions p99, stalled ÷ not stalled (median of pairs)",
+                summary["p99_ratio_median"],
+                "≤ 1.10",
+                summary["p99_ratio_median"] <= 1.10,
+            ],
         ],
     )
     example = next((x for r in stall for x in r["stalled"]), None)
     if example:
-        report.para(f"Last events of a stalled sidecar session: `{' → '.join(example['tail'])}`, "
-                    f"close code {example['close_code']}.")
+        report.para(
+            f"Last events of a stalled sidecar session: `{' → '.join(example['tail'])}`, "
+            f"close code {example['close_code']}."
+        )
     fig, axes = figure(ncols=2, width=5.5)
     labels = list(runs)
-    bars(axes[0][0], ["peak RSS"], {k: [med(runs[k], "proxy_rss_mb") or 0] for k in labels},
-         ylabel="MB", title="proxy peak RSS")
-    bars(axes[0][1], ["p50", "p99"], {k: [med(runs[k], "down_p50_ms"), med(runs[k], "down_p99_ms")] for k in labels},
-         ylabel="ms", title="latency of the reading sessions")
+    bars(
+        axes[0][0],
+        ["peak RSS"],
+        {k: [med(runs[k], "proxy_rss_mb") or 0] for k in labels},
+        ylabel="MB",
+        title="proxy peak RSS",
+    )
+    bars(
+        axes[0][1],
+        ["p50", "p99"],
+        {k: [med(runs[k], "down_p50_ms"), med(runs[k], "down_p99_ms")] for k in labels},
+        ylabel="ms",
+        title="latency of the reading sessions",
+    )
     path = report.write(f"python -m bench slow-client --reps {ns.reps}", fig)
     log(f"wrote {path}")
     return summary

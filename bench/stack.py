@@ -62,7 +62,9 @@ http {{
 
 def ensure_nginx() -> str:
     """Path of nginx; installs Debian's package when missing (we run as root here)."""
-    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    found = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
     if found:
         return found
     print("nginx not found: apt-get install -y nginx-light", file=sys.stderr, flush=True)
@@ -110,7 +112,11 @@ class Stack:
             argv = [python(), "-m", "bench.engine", "--port", str(engine_port)]
         else:
             argv = [
-                python(), "-m", "engine_launcher.simulator", "--port", str(engine_port),
+                python(),
+                "-m",
+                "engine_launcher.simulator",
+                "--port",
+                str(engine_port),
                 *self.simulator_args,
             ]
         self.procs["engine"] = start("engine", argv, cpu=LOAD_CPU)
@@ -123,7 +129,9 @@ class Stack:
             (tmp / "proxy").mkdir()
             conf = tmp / "nginx.conf"
             conf.write_text(
-                _NGINX_CONF.format(tmp=tmp, port=port, upstream=engine_port, buffer=self.nginx_buffer)
+                _NGINX_CONF.format(
+                    tmp=tmp, port=port, upstream=engine_port, buffer=self.nginx_buffer
+                )
             )
             self.procs["nginx"] = start(
                 "nginx",
@@ -146,12 +154,18 @@ class Stack:
             admin = free_port()
             sidecar = str(Path(python()).with_name("omni-sidecar"))
             argv = [
-                sidecar if os.path.exists(sidecar) else "omni-sidecar", "serve",
-                "--upstream", upstream,
-                "--listen", f"127.0.0.1:{port}",
-                "--admin-listen", f"127.0.0.1:{admin}",
-                "--max-sessions", "0",
-                "--log-level", "warning",
+                sidecar if os.path.exists(sidecar) else "omni-sidecar",
+                "serve",
+                "--upstream",
+                upstream,
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--admin-listen",
+                f"127.0.0.1:{admin}",
+                "--max-sessions",
+                "0",
+                "--log-level",
+                "warning",
                 *self.sidecar_args,
             ]
             self.procs["sidecar"] = start("sidecar", argv, cpu=PROXY_CPU)

@@ -56,9 +56,9 @@ async def wait_until(
 
 async def http_ok(url: str) -> bool:
     try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                return resp.status == 200
+        timeout = aiohttp.ClientTimeout(total=1)
+        async with aiohttp.ClientSession() as session, session.get(url, timeout=timeout) as resp:
+            return resp.status == 200
     except (aiohttp.ClientError, OSError, TimeoutError):
         return False
 
@@ -92,9 +92,18 @@ async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorProcess]
 
     async def start(*args: str, wait_ready: bool = True) -> SimulatorProcess:
         port = free_port()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "engine_launcher.simulator", "--host", "127.0.0.1",
-             "--port", str(port), *args],
+        # Popen returns at once (the child runs on its own); readiness is awaited below.
+        process = subprocess.Popen(  # noqa: ASYNC220
+            [
+                sys.executable,
+                "-m",
+                "engine_launcher.simulator",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *args,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -102,9 +111,7 @@ async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorProcess]
         sim = SimulatorProcess(process, port)
         started.append(sim)
         if wait_ready:
-            await wait_until(
-                lambda: http_ok(f"{sim.http_url}/health"), what="simulator /health"
-            )
+            await wait_until(lambda: http_ok(f"{sim.http_url}/health"), what="simulator /health")
         return sim
 
     yield start

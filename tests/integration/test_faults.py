@@ -60,6 +60,7 @@ def sidecar(sidecar: Any) -> Any:
 
     return start
 
+
 pytestmark = pytest.mark.timeout(90)
 
 Event = dict[str, Any]

@@ -40,9 +40,9 @@ class Prometheus:
         self.log = log
 
     async def query(self, promql: str) -> list[dict[str, Any]]:
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{self.url}/api/v1/query", params={"query": promql}) as resp:
-                body = await resp.json()
+        url = f"{self.url}/api/v1/query"
+        async with aiohttp.ClientSession() as http, http.get(url, params={"query": promql}) as resp:
+            body = await resp.json()
         assert body["status"] == "success", body
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
@@ -77,18 +77,25 @@ async def prometheus(
         port = free_port()
         config = tmp_path / "prometheus.yml"
         # JSON is YAML: no YAML library needed.
-        config.write_text(json.dumps({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{
-                "job_name": "omni-sidecar",
-                "scrape_interval": "1s",
-                "scrape_timeout": "1s",
-                "static_configs": [{"targets": [target]}],
-            }],
-        }))
+        config.write_text(
+            json.dumps(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [
+                        {
+                            "job_name": "omni-sidecar",
+                            "scrape_interval": "1s",
+                            "scrape_timeout": "1s",
+                            "static_configs": [{"targets": [target]}],
+                        }
+                    ],
+                }
+            )
+        )
         log = tmp_path / "prometheus.log"
         with log.open("wb") as out:
-            process = subprocess.Popen(
+            # Popen returns at once; readiness is awaited below.
+            process = subprocess.Popen(  # noqa: ASYNC220
                 [
                     PROMETHEUS,
                     f"--config.file={config}",

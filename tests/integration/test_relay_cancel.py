@@ -316,8 +316,14 @@ async def test_cancel_racing_the_create_leaks_no_audio(simulator, sidecar) -> No
     (before the engine's ``response.created`` passed the proxy): the engine still
     creates, cancels and sends its late audio; none of it reaches the client."""
     sim = await simulator(
-        "--chunk-ms", "200", "--realtime-factor", "0", "--late-audio-chunks", "3",
-        "--response-seconds", "2",
+        "--chunk-ms",
+        "200",
+        "--realtime-factor",
+        "0",
+        "--late-audio-chunks",
+        "3",
+        "--response-seconds",
+        "2",
     )
 
     async def run(url: str) -> list[str]:

@@ -10,25 +10,24 @@ from tests.conftest import DEADLINE
 
 async def _session_frames(url: str) -> list[str]:
     frames: list[str] = []
-    async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(url, max_msg_size=0) as ws:
-            await ws.send_str('{"type":"session.update","session":{"modalities":["audio","text"]}}')
-            await ws.send_str('{"type":"input_audio_buffer.append","audio":"AAAAAAAAAAAAAAAA"}')
-            await ws.send_str('{"type":"input_audio_buffer.commit"}')
-            await ws.send_str('{"type":"response.create"}')
-            while True:
-                msg = await ws.receive(timeout=DEADLINE)
-                assert msg.type is aiohttp.WSMsgType.TEXT, msg
-                frames.append(msg.data)
-                if orjson.loads(msg.data)["type"] == "rate_limits.updated":
-                    break
-            await ws.send_str('{"type":"session.close"}')
-            while True:
-                msg = await ws.receive(timeout=DEADLINE)
-                if msg.type is not aiohttp.WSMsgType.TEXT:
-                    break
-                frames.append(msg.data)
-            assert ws.close_code == 1000
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, max_msg_size=0) as ws:
+        await ws.send_str('{"type":"session.update","session":{"modalities":["audio","text"]}}')
+        await ws.send_str('{"type":"input_audio_buffer.append","audio":"AAAAAAAAAAAAAAAA"}')
+        await ws.send_str('{"type":"input_audio_buffer.commit"}')
+        await ws.send_str('{"type":"response.create"}')
+        while True:
+            msg = await ws.receive(timeout=DEADLINE)
+            assert msg.type is aiohttp.WSMsgType.TEXT, msg
+            frames.append(msg.data)
+            if orjson.loads(msg.data)["type"] == "rate_limits.updated":
+                break
+        await ws.send_str('{"type":"session.close"}')
+        while True:
+            msg = await ws.receive(timeout=DEADLINE)
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                break
+            frames.append(msg.data)
+        assert ws.close_code == 1000
     return frames
 
 

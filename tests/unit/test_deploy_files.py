@@ -31,8 +31,13 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "omni-sidecar.json"
 #: A raw metric name: not part of a recorded name like ``instance:omni_sidecar_x:rate5m``.
 RAW_NAME = re.compile(r"(?<![\w:])omni_sidecar_[a-z_]+(?![\w:])")
 RECORDED_NAME = re.compile(r"(?<![\w:])[a-z_]+:omni_sidecar_[a-z_]+:[a-z0-9_]+(?![\w:])")
-_SUFFIX_TYPES = {"_bucket": "histogram", "_count": "histogram", "_sum": "histogram",
-                 "_total": "counter", "_info": "info"}
+_SUFFIX_TYPES = {
+    "_bucket": "histogram",
+    "_count": "histogram",
+    "_sum": "histogram",
+    "_total": "counter",
+    "_info": "info",
+}
 
 REQUIRED_ALERTS = (
     "OmniSidecarEngineDown",
@@ -239,7 +244,8 @@ def test_dashboard_queries_parse(dashboard: dict[str, Any], tmp_path: Path) -> N
     rules = []
     for i, expr in enumerate(_exprs(dashboard)):
         promql = (
-            expr.replace("$__rate_interval", "1m").replace("$__range", "1h")
+            expr.replace("$__rate_interval", "1m")
+            .replace("$__range", "1h")
             .replace("$instance", ".*")
         )
         rules.append({"record": f"dashboard:query_{i}:check", "expr": promql})
@@ -334,8 +340,10 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
             "input_series": [
                 _series("omni_sidecar_sessions_rejected_total", "0+60x20", reason="capacity"),
                 _series(
-                    "omni_sidecar_sessions_rejected_total", "0+600x20",
-                    reason="unauthorized", instance="b",
+                    "omni_sidecar_sessions_rejected_total",
+                    "0+600x20",
+                    reason="unauthorized",
+                    instance="b",
                 ),
             ],
             "alert_rule_test": [

@@ -328,8 +328,12 @@ class TestAudioScan:
         assert (ev.kind, ev.response_id) == (EventKind.AUDIO_DELTA, "r1")
 
     def test_repeated_payload_key_resolves_like_a_full_parse(self) -> None:
-        empty_last = '{"type":"input_audio_buffer.append","audio":"' + h.audio_payload(BIG) + '","audio":""}'
-        empty_first = '{"type":"input_audio_buffer.append","audio":"","audio":"' + h.audio_payload(BIG) + '"}'
+        empty_last = (
+            '{"type":"input_audio_buffer.append","audio":"' + h.audio_payload(BIG) + '","audio":""}'
+        )
+        empty_first = (
+            '{"type":"input_audio_buffer.append","audio":"","audio":"' + h.audio_payload(BIG) + '"}'
+        )
         assert classify_client(empty_last).audio_chars == 0
         assert classify_client(empty_first).audio_chars == len(h.audio_payload(BIG))
 
