@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -225,3 +226,41 @@ def test_metric_tables_list_every_metric_and_label_value(doc: str) -> None:
         if not value.isdigit() and f"`{value}`" not in text  # replica indices: a range
     ]
     assert not missing, f"{doc} does not list:\n" + "\n".join(missing)
+
+
+def _setting_names() -> set[str]:
+    """Every key ``serve --print-config`` knows, set or commented out as unset."""
+    code = "import sys; from proxy.cli import main; sys.exit(main(['serve', '--print-config']))"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return set(re.findall(r"^(?:# )?([a-z_][a-z0-9_.]*) = ", result.stdout, re.MULTILINE))
+
+
+def _readme_setting_keys() -> list[str]:
+    text = _text(ROOT / "README.md")
+    table = text[text.index("| key | default | meaning |") :]
+    table = table[: table.index("\n\n")]
+    keys: list[str] = []
+    for row in table.splitlines()[2:]:
+        previous = ""
+        for name in re.findall(r"`([a-z_][a-z0-9_.]*)`", row.split("|")[1]):
+            if name.startswith("_"):  # `max_pending_output_bytes` / `_events`
+                name = previous[: previous.rindex("_")] + name
+            keys.append(name)
+            previous = name
+    return keys
+
+
+def test_readme_settings_table_names_real_settings() -> None:
+    known = _setting_names()
+    keys = _readme_setting_keys()
+    assert len(keys) > 30
+    unknown = [key for key in keys if key not in known]
+    assert not unknown, f"README's settings table names keys serve does not know: {unknown}"
