@@ -156,6 +156,13 @@ def head_refused(protocol: Any) -> bool:
     return bool(messages) and isinstance(messages[-1][0], _web_protocol._ErrInfo)
 
 
+def upgraded(protocol: Any) -> bool:
+    """The upgrade was accepted (a WebSocket reader now parses the connection): no
+    more request heads can follow. A declined upgrade (aiohttp resets ``_upgraded``
+    and parses heads again) has no payload parser, so it is not upgraded here."""
+    return bool(protocol._upgraded) and protocol._payload_parser is not None
+
+
 def closing(protocol: Any) -> bool:
     """aiohttp will not read another request on this connection."""
     return bool(protocol._close or protocol._force_close)
@@ -242,6 +249,13 @@ HOOKS: Final[tuple[Hook, ...]] = (
     ),
     Hook("WebSocketDataQueue._buffer", lambda: _queue_has_buffer()),
     Hook("BaseSite._server", lambda: _assigns(web_runner.BaseSite.__init__, "_server")),
+    Hook(
+        "BaseProtocol._upgraded, RequestHandler._payload_parser",
+        lambda: (
+            _assigns(base_protocol.BaseProtocol.__init__, "_upgraded")
+            and _assigns(_web_protocol.RequestHandler.__init__, "_payload_parser")
+        ),
+    ),
     Hook(
         "RequestHandler._request_count/_close/_force_close/_handle_request/_messages",
         lambda: (

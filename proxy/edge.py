@@ -268,6 +268,10 @@ class EdgeRequestHandler(web.RequestHandler):
                 if compat.head_refused(self):  # aiohttp answers it 400 and closes
                     self.guard.reject("bad_request_head", 400, self.address)
             return
+        if compat.upgraded(self):
+            # An accepted WebSocket: no more heads to guard. Every further chunk
+            # goes straight to aiohttp's handler, without this method on the path.
+            self.data_received = super().data_received  # type: ignore[method-assign]
         super().data_received(data)
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:

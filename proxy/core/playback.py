@@ -101,6 +101,7 @@ class ItemPlayback:
     sent: float = 0.0  # audio seconds released to the client
     acked_ms: int = -1  # played_ms of the last ack the sidecar wrote
     last_ack_at: float = -math.inf
+    seconds_per_char: float = 0.0  # base64 character -> audio seconds, from the first delta
     done: bool = False  # its response.done was delivered: no more audio
     finished: bool = False  # final ack or truncation written; nothing more to say
 
@@ -127,6 +128,11 @@ class PlaybackLedger:
         self.items: OrderedDict[str, ItemPlayback] = OrderedDict()
         #: The client sent a playback.ack of its own.
         self.client_acks = False
+        #: The sidecar acks for this session now (``auto`` until the client acks).
+        self.acking = settings.ack is not AckMode.OFF
+        #: Some of our acks or truncations have not been answered yet (kept
+        #: current on every change: the engine reader checks it per event).
+        self.awaiting_answers = False
         self._client_truncated: OrderedDict[str, None] = OrderedDict()
         self.supports_truncate = False
         self.output_format: str | None = None
@@ -146,12 +152,6 @@ class PlaybackLedger:
         self.lead_at_cancel: list[float] = []
 
     # -- what the engine and the client say ---------------------------------------------
-
-    @property
-    def acking(self) -> bool:
-        """The sidecar acks for this session now."""
-        mode = self.settings.ack
-        return mode is AckMode.ALWAYS or (mode is AckMode.AUTO and not self.client_acks)
 
     def on_session(self, body: dict[str, Any]) -> None:
         """``session.created``/``session.updated``: output format, truncate support."""
@@ -182,6 +182,7 @@ class PlaybackLedger:
         if self.settings.ack is AckMode.ALWAYS:
             return False
         self.client_acks = True
+        self.acking = False
         return True
 
     def on_client_truncate(self, item_id: str | None) -> None:
@@ -192,11 +193,6 @@ class PlaybackLedger:
         self._client_truncated[item_id] = None
         if len(self._client_truncated) > MAX_CLIENT_TRUNCATED:
             self._client_truncated.popitem(last=False)
-
-    @property
-    def awaiting_answers(self) -> bool:
-        """Some of our acks or truncations have not been answered yet."""
-        return bool(self._own) or self._own_acks_outstanding > 0
 
     def swallow(self, event: UpstreamEvent) -> bool:
         """An engine answer to one of the sidecar's own acks or truncations.
@@ -222,8 +218,12 @@ class PlaybackLedger:
             if isinstance(echoed, str) and echoed in self._own:
                 kind = self._own.pop(echoed)
                 self._answered("truncate_error" if kind == "truncate" else kind)
+                self._note_outstanding()
                 return True
         return False
+
+    def _note_outstanding(self) -> None:
+        self.awaiting_answers = bool(self._own) or self._own_acks_outstanding > 0
 
     def _answered(self, what: str) -> None:
         # A truncate is answered twice on success (conversation.item.truncated,
@@ -236,18 +236,20 @@ class PlaybackLedger:
             if kind == what:
                 del self._own[event_id]
                 break
+        self._note_outstanding()
 
     # -- audio released to the client ---------------------------------------------------
 
-    def seconds_of(self, event: UpstreamEvent) -> float:
+    def seconds_of(self, event: UpstreamEvent, *, chars: int | None = None) -> float:
+        """Audio seconds of a delta (or of ``chars`` base64 characters of its format)."""
         meta = event.audio_meta or {}
         fmt = meta.get("format")
         rate = meta.get("sample_rate_hz")
-        return audio_seconds(
-            event.audio_chars,
-            fmt if isinstance(fmt, str) else self.output_format,
-            rate if isinstance(rate, int) else self.output_rate,
-        )
+        fmt = fmt if isinstance(fmt, str) else self.output_format
+        rate = rate if isinstance(rate, int) else self.output_rate
+        if chars is not None:
+            return audio_seconds(4, fmt, rate) * chars / 4
+        return audio_seconds(event.audio_chars, fmt, rate)
 
     def _item(self, event: UpstreamEvent) -> ItemPlayback:
         rid = event.response_id or ""
@@ -287,13 +289,18 @@ class PlaybackLedger:
         return when
 
     def released(self, event: UpstreamEvent, now: float) -> None:
-        """An audio delta was taken for writing to the client."""
-        if event.response_id is None:
+        """An audio delta was taken for writing to the client (per-event path)."""
+        rid = event.response_id
+        if rid is None:
             return
-        item = self._item(event)
+        item = self.items.get(rid)
+        if item is None:
+            item = self._item(event)
         if item.started_at is None:
             item.started_at = now
-        seconds = self.seconds_of(event)
+            # One format per response: seconds per base64 character, resolved once.
+            item.seconds_per_char = self.seconds_of(event, chars=1)
+        seconds = event.audio_chars * item.seconds_per_char
         item.sent += seconds
         self.audio_sent += seconds
 
@@ -390,6 +397,7 @@ class PlaybackLedger:
             _, dropped = self._own.popitem(last=False)
             if dropped == "ack":
                 self._own_acks_outstanding = max(0, self._own_acks_outstanding - 1)
+        self.awaiting_answers = True
         return event_id
 
     def _ack(self, item: ItemPlayback, played_ms: int, now: float, *, truncate: bool) -> str:

@@ -240,6 +240,8 @@ class SessionCore:
         self._limited_since: float | None = None
         self._last_limited = 0.0
         self.playback = PlaybackLedger(settings.playback)
+        #: An engine frame larger than this can never be queued (the whole budget).
+        self._max_frame_bytes = settings.buffer.max_pending_output_bytes
         #: While pacing holds the next audio delta back: when it may go.
         self.paced_until: float | None = None
 
@@ -443,7 +445,7 @@ class SessionCore:
         elif kind is EventKind.SESSION_CLOSED:
             self._close(event, CLOSE_NORMAL, self._closed_outcome(), now)
             return event
-        elif event.type == "session.updated" and event.body is not None:
+        elif kind is EventKind.OTHER and event.type == "session.updated" and event.body:
             playback.on_session(event.body)
 
         if rid is None and event.body is not None:
@@ -458,7 +460,7 @@ class SessionCore:
         if verdict is Verdict.EVICTED:
             self.news = True  # late_audio_after_eviction changed
 
-        if event.size > self.settings.buffer.max_pending_output_bytes:
+        if event.size > self._max_frame_bytes:
             self._refuse_oversized(event, now)
             return event
         offer = self.buffer.offer(event, now)

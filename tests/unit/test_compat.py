@@ -69,3 +69,16 @@ def test_serve_exits_2_with_one_line_when_a_hook_is_missing() -> None:
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert f"aiohttp {aiohttp.__version__}" in lines[0] and "_drain_helper" in lines[0]
+
+
+def test_only_an_accepted_upgrade_counts_as_upgraded() -> None:
+    """A declined upgrade (aiohttp parses heads again) must keep the edge's guard."""
+
+    class Protocol:
+        def __init__(self, upgraded: bool, parser: object) -> None:
+            self._upgraded = upgraded
+            self._payload_parser = parser
+
+    assert compat.upgraded(Protocol(True, object()))
+    assert not compat.upgraded(Protocol(True, None)), "upgrade requested, not accepted"
+    assert not compat.upgraded(Protocol(False, None))
