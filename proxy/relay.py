@@ -292,7 +292,7 @@ class Relay:
 
     def written(self) -> None:
         core = self.core
-        if core.playback.acking:
+        if core.playback.acking and not self.timers.playback_armed:
             when = core.playback.next_ack_at(self._clock())
             if when is not None:
                 self.timers.arm_playback(when)

@@ -194,6 +194,10 @@ class SessionTimers:
         self._pace_at = when
         self._pace = self._scheduler.call_at(when, self._pace_fired)
 
+    @property
+    def playback_armed(self) -> bool:
+        return self._playback is not None
+
     def arm_playback(self, when: float) -> None:
         """Wake the session at ``when`` for playback acks, unless already armed."""
         if self._playback is None:
