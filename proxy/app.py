@@ -267,6 +267,7 @@ def session_settings(settings: Settings) -> SessionSettings:
             max_audio_lead=settings.max_audio_lead,
             max_paced_audio_bytes=settings.max_paced_audio_bytes,
             ack=AckMode(settings.playback_ack),
+            ack_interval=settings.playback_ack_interval,
         ),
     )
 

@@ -484,6 +484,17 @@ class Settings:
         section=_PLAYBACK,
         metavar="MODE",
     )
+    playback_ack_interval: float = setting(
+        0.25 * SECONDS,
+        help="Seconds between the sidecar's playback.ack frames for one playing item "
+        "(plus one when its audio is done, and one at a cancel). Longer costs the "
+        "engine link fewer frames; shorter keeps the engine's ledger closer to what "
+        "was heard if the engine cancels on its own.",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_PLAYBACK,
+    )
     interrupt_on_speech_started: bool = setting(
         False,
         help="Treat input_audio_buffer.speech_started from the engine as a cancel trigger.",

@@ -800,3 +800,24 @@ class TestErrorTypes:
         assert EngineStartError("exited", returncode=3).returncode == 3
         budget = RestartBudgetExhausted("too many", restarts=6, window=600.0)
         assert (budget.restarts, budget.window) == (6, 600.0)
+
+
+def test_playback_settings_reach_the_core() -> None:
+    from proxy.app import session_settings
+    from proxy.core.playback import AckMode
+
+    playback = session_settings(
+        Settings(
+            playback_pacing=True,
+            max_audio_lead=0.3,
+            max_paced_audio_bytes=1000,
+            playback_ack="always",
+            playback_ack_interval=1.5,
+        )
+    ).playback
+    assert (playback.pacing, playback.max_audio_lead, playback.max_paced_audio_bytes) == (
+        True,
+        0.3,
+        1000,
+    )
+    assert (playback.ack, playback.ack_interval) == (AckMode.ALWAYS, 1.5)
