@@ -119,7 +119,7 @@ DEFECTS = [
     Defect(
         "relay: client pings never answered",
         "proxy/relay.py",
-        "                    self.writer.pong(msg.data)\n",
+        "                    writer.pong(msg.data)\n",
         "                    pass\n",
         "tests/unit/shell/test_relay_shell.py",
     ),
