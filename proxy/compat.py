@@ -157,10 +157,10 @@ def head_refused(protocol: Any) -> bool:
 
 
 def upgraded(protocol: Any) -> bool:
-    """The upgrade was accepted (a WebSocket reader now parses the connection): no
-    more request heads can follow. A declined upgrade (aiohttp resets ``_upgraded``
-    and parses heads again) has no payload parser, so it is not upgraded here."""
-    return bool(protocol._upgraded) and protocol._payload_parser is not None
+    """The upgrade was accepted: a WebSocket reader (``_payload_parser``, set only by
+    an accepted ``WebSocketResponse``) now parses the connection, so no more request
+    heads can follow. A declined upgrade has none: aiohttp parses heads again."""
+    return protocol._payload_parser is not None
 
 
 def closing(protocol: Any) -> bool:
@@ -250,11 +250,8 @@ HOOKS: Final[tuple[Hook, ...]] = (
     Hook("WebSocketDataQueue._buffer", lambda: _queue_has_buffer()),
     Hook("BaseSite._server", lambda: _assigns(web_runner.BaseSite.__init__, "_server")),
     Hook(
-        "BaseProtocol._upgraded, RequestHandler._payload_parser",
-        lambda: (
-            _assigns(base_protocol.BaseProtocol.__init__, "_upgraded")
-            and _assigns(_web_protocol.RequestHandler.__init__, "_payload_parser")
-        ),
+        "RequestHandler._payload_parser",
+        lambda: _assigns(_web_protocol.RequestHandler.__init__, "_payload_parser"),
     ),
     Hook(
         "RequestHandler._request_count/_close/_force_close/_handle_request/_messages",

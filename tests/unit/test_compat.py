@@ -75,10 +75,8 @@ def test_only_an_accepted_upgrade_counts_as_upgraded() -> None:
     """A declined upgrade (aiohttp parses heads again) must keep the edge's guard."""
 
     class Protocol:
-        def __init__(self, upgraded: bool, parser: object) -> None:
-            self._upgraded = upgraded
+        def __init__(self, parser: object) -> None:
             self._payload_parser = parser
 
-    assert compat.upgraded(Protocol(True, object()))
-    assert not compat.upgraded(Protocol(True, None)), "upgrade requested, not accepted"
-    assert not compat.upgraded(Protocol(False, None))
+    assert compat.upgraded(Protocol(object())), "a WebSocket reader parses the connection"
+    assert not compat.upgraded(Protocol(None)), "upgrade requested or declined, not accepted"
