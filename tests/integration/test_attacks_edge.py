@@ -18,8 +18,6 @@ import contextlib
 import itertools
 import os
 import shlex
-import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -30,17 +28,16 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import DEADLINE, MS, free_port, wait_until
+from tests.conftest import DEADLINE, MS, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
     SimChild,
-    clean_env,
-    cli_argv,
     connect,
     pcm16_b64,
 )
 from tests.integration.leakcheck import MIB, rss_bytes
+from tests.integration.served import Served, ready, serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,101 +52,16 @@ KEY = base64.b64encode(os.urandom(16)).decode()
 # -- the processes ----------------------------------------------------------------------------
 
 
-@dataclass
-class Served:
-    """``omni-sidecar serve --upstream <simulator>``, a child process with its own log."""
-
-    sim: SimChild
-    proc: subprocess.Popen[bytes]
-    port: int
-    admin_port: int
-    log_path: Path
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    async def metrics(self, http: aiohttp.ClientSession, base: str) -> dict[str, float]:
-        async with http.get(f"{base}/metrics") as resp:
-            text = await resp.text()
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
-
-    async def rejected(self, reason: str) -> float:
-        async with aiohttp.ClientSession() as http:
-            values = await self.metrics(http, f"http://127.0.0.1:{self.admin_port}")
-        return values[f'omni_sidecar_rejected_connections_total{{reason="{reason}"}}']
-
-    async def gauge(self, name: str) -> float:
-        async with aiohttp.ClientSession() as http:
-            values = await self.metrics(http, f"http://127.0.0.1:{self.admin_port}")
-        return values[name]
-
-    async def engine_sessions(self) -> float:
-        """Sessions the engine accepted: the simulator's own count."""
-        async with aiohttp.ClientSession() as http:
-            values = await self.metrics(http, self.sim.http_url)
-        return values["vllm_omni_sim_sessions_total"]
-
-    def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=DEADLINE)
-
-
 @contextlib.contextmanager
 def served(tmp_path: Path, *flags: str) -> Iterator[Served]:
     sim = SimChild(*STREAMING)
-    port, admin_port = free_port(), free_port()
-    log_path = tmp_path / f"serve-{port}.log"
     try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cli_argv(
-                    "serve", "--listen", f"127.0.0.1:{port}",
-                    "--admin-listen", f"127.0.0.1:{admin_port}",
-                    "--upstream", sim.ws_url, "--heartbeat-interval", "0",
-                    # The sidecar then answers no engine event itself: every one
-                    # reaches the client and server_event_seq has no gap.
-                    "--playback-ack", "off", *flags,
-                ),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=clean_env(), start_new_session=True,
-            )  # fmt: skip
-        server = Served(sim, proc, port, admin_port, log_path)
-        try:
+        # --playback-ack off: the sidecar then answers no engine event itself, so
+        # every one reaches the client and server_event_seq has no gap.
+        with serve(tmp_path, sim.ws_url, "--playback-ack", "off", *flags, sim=sim) as server:
             yield server
-        finally:
-            server.kill()
     finally:
         sim.kill()
-
-
-async def ready(server: Served) -> None:
-    async def check() -> bool:
-        if server.proc.poll() is not None:
-            pytest.fail(f"serve exited early:\n{server.log()}")
-        try:
-            async with (
-                aiohttp.ClientSession() as http,
-                http.get(f"http://127.0.0.1:{server.port}/readyz") as resp,
-            ):
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError):
-            return False
-
-    await wait_until(check, timeout=3 * DEADLINE, what="serve /readyz 200")
 
 
 # -- healthy sessions alongside ----------------------------------------------------------------

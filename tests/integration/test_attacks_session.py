@@ -22,9 +22,7 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,19 +35,18 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import DEADLINE, MS, free_port, wait_until
+from tests.conftest import DEADLINE, MS, wait_until
 from tests.fakes.scripted_engine import EngineConnection, ScriptedEngine
 from tests.integration.helpers import (
     AUDIO_DELTA,
     REPO_ROOT,
     Client,
     SimChild,
-    clean_env,
-    cli_argv,
     connect,
     request_response,
 )
-from tests.integration.leakcheck import MIB, rss_bytes
+from tests.integration.leakcheck import MIB
+from tests.integration.served import Served, ready, serve
 
 __all__ = ["flood_main"]
 
@@ -79,101 +76,14 @@ RATE_LIMIT_DROPS: Final = 'omni_sidecar_dropped_events_total{reason="client_rate
 # -- the sidecar process ----------------------------------------------------------------------
 
 
-@dataclass
-class Served:
-    """``omni-sidecar serve --upstream URL``, a child process with its own log."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    admin_port: int
-    log_path: Path
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    async def metrics(self) -> dict[str, float]:
-        async with (
-            aiohttp.ClientSession() as http,
-            http.get(f"http://127.0.0.1:{self.admin_port}/metrics") as resp,
-        ):
-            text = await resp.text()
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
-
-    async def metric(self, name: str) -> float:
-        return (await self.metrics()).get(name, 0.0)
-
-    async def live_sessions(self) -> int:
-        """Sessions the operator sees live on ``/debug/sessions``."""
-        async with (
-            aiohttp.ClientSession() as http,
-            http.get(f"http://127.0.0.1:{self.admin_port}/debug/sessions") as resp,
-        ):
-            return int((await resp.json())["live"])
-
-    def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=DEADLINE)
-
-
-@contextlib.contextmanager
-def serve(tmp_path: Path, upstream: str, *flags: str) -> Iterator[Served]:
-    port, admin_port = free_port(), free_port()
-    log_path = tmp_path / f"serve-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cli_argv(
-                "serve", "--listen", f"127.0.0.1:{port}",
-                "--admin-listen", f"127.0.0.1:{admin_port}",
-                "--upstream", upstream, "--heartbeat-interval", "0", *flags,
-            ),
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=clean_env(), start_new_session=True,
-        )  # fmt: skip
-    server = Served(proc, port, admin_port, log_path)
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
 @contextlib.contextmanager
 def serve_simulator(tmp_path: Path, *flags: str) -> Iterator[Served]:
     sim = SimChild(*SIM_ARGS)
     try:
-        with serve(tmp_path, sim.ws_url, *flags) as server:
+        with serve(tmp_path, sim.ws_url, *flags, sim=sim) as server:
             yield server
     finally:
         sim.kill()
-
-
-async def ready(server: Served) -> None:
-    async def check() -> bool:
-        if server.proc.poll() is not None:
-            pytest.fail(f"serve exited early:\n{server.log()}")
-        try:
-            async with (
-                aiohttp.ClientSession() as http,
-                http.get(f"http://127.0.0.1:{server.port}/readyz") as resp,
-            ):
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError):
-            return False
-
-    await wait_until(check, timeout=3 * DEADLINE, what="serve /readyz 200")
 
 
 # -- healthy sessions alongside ----------------------------------------------------------------

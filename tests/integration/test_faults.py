@@ -700,7 +700,11 @@ async def test_shutdown_with_a_stuck_client_is_bounded(simulator, sidecar) -> No
         close_timeout=close,
         upstream_close_timeout=0.3,
     )
-    async with connect(proxy.url) as stuck_client, connect(proxy.url) as reader_client:
+    # The stuck client's small receive buffer keeps the kernel from absorbing its output.
+    async with (
+        connect(proxy.url, receive_buffer_bytes=4096) as stuck_client,
+        connect(proxy.url) as reader_client,
+    ):
         stuck, reader = Watched(stuck_client), Watched(reader_client)
         await stuck.start_response()  # ...and never read again
         await reader.start_response()
