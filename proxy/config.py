@@ -1288,7 +1288,7 @@ _EXAMPLE_HEADER: Final = """\
 # omni-sidecar example configuration (docs/design.md, Settings).
 #
 # Generated from the settings' declarations in proxy/config.py by
-#   python -m proxy.config --example > configs/omni-sidecar.example.toml
+#   .venv/bin/python -m proxy.config --example > configs/omni-sidecar.example.toml
 # (a test checks that this file matches); edit the declarations, not this file.
 #
 # Every value below is the built-in default, so this file changes nothing as
