@@ -44,7 +44,6 @@ __all__ = [
     "upstream_backlog",
     "upstream_transport",
     "wait_writable",
-    "writing_paused",
 ]
 
 AIOHTTP_VERSION: Final = aiohttp.__version__
@@ -72,11 +71,6 @@ def client_transport(protocol: Any) -> asyncio.Transport | None:
     """The client connection's transport (``BaseProtocol.transport``); None once lost."""
     transport: asyncio.Transport | None = protocol.transport
     return transport
-
-
-def writing_paused(protocol: Any) -> bool:
-    """True while the client transport is above its high-water mark."""
-    return bool(protocol.writing_paused)
 
 
 async def wait_writable(protocol: Any) -> None:

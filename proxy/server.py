@@ -61,6 +61,7 @@ from engine_launcher.pool import EnginePool, plan_replicas
 from engine_launcher.supervisor import Supervisor
 from engine_launcher.systemd import Notifier, watchdog_interval
 from metrics import SidecarMetrics
+from proxy import compat
 from proxy.admin import build_admin_app
 from proxy.app import (
     Admission,
@@ -364,8 +365,7 @@ class Sidecar:
                 key = "listen" if name == "listen" else "admin_listen"
                 reason = os.strerror(exc.errno) if exc.errno else str(exc)
                 raise _BindError(f"cannot listen on {address} ({key}): {reason}") from None
-            server = site._server
-            sockets = list(getattr(server, "sockets", None) or [])
+            sockets = compat.bound_sockets(site)
             bound_port = sockets[0].getsockname()[1] if sockets else port
             self.bound[name] = (host, int(bound_port))
             bound_lines.append(f"{name} listener bound on {_url(host, int(bound_port))}")
