@@ -20,9 +20,8 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import pytest
 
 from tests.conftest import DEADLINE, free_port, http_ok, wait_until
 from tests.integration.helpers import REPO_ROOT, children_of, clean_env, cli_argv
+from tests.integration.nginx_child import main_config, nginx
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -95,39 +95,7 @@ def lb_config(prefix: Path, listen: int, sidecars: list[int]) -> Path:
     assert all(f"127.0.0.1:{p}" in replaced for p in (*sidecars, listen)), "ports not replaced"
     site = prefix / "omni-sidecar-lb.conf"
     site.write_text(replaced)
-    main = prefix / "nginx.conf"
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    main.write_text(
-        f"{user}daemon off;\nworker_processes 1;\npid {prefix}/nginx.pid;\n"
-        f"error_log {prefix}/error.log info;\nevents {{ worker_connections 256; }}\n"
-        "http {\n"
-        f"  access_log {prefix}/access.log;\n"
-        f"  client_body_temp_path {prefix}/body;\n  proxy_temp_path {prefix}/proxy;\n"
-        f"  fastcgi_temp_path {prefix}/fastcgi;\n  uwsgi_temp_path {prefix}/uwsgi;\n"
-        f"  scgi_temp_path {prefix}/scgi;\n"
-        f"  include {site};\n"
-        "}\n"
-    )
-    return main
-
-
-@contextlib.contextmanager
-def nginx(prefix: Path, config: Path) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(
-        ["nginx", "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGQUIT)
-            try:
-                process.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=DEADLINE)
+    return main_config(prefix, site)
 
 
 class Clients:

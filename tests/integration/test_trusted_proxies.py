@@ -21,7 +21,6 @@ import ipaddress
 import logging
 import os
 import shutil
-import signal
 import ssl
 import subprocess
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from proxy.forwarded import (
 )
 from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import REPO_ROOT
+from tests.integration.nginx_child import main_config, nginx
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -249,39 +249,7 @@ def _nginx_config(prefix: Path, tls_port: int, sidecar_port: int, cert: Path, ke
     assert replaced.count(str(prefix)) == 2 and f":{sidecar_port};" in replaced
     site = prefix / "omni-sidecar-tls.conf"
     site.write_text(replaced)
-    main = prefix / "nginx.conf"
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    main.write_text(
-        f"{user}daemon off;\nworker_processes 1;\npid {prefix}/nginx.pid;\n"
-        f"error_log {prefix}/error.log info;\nevents {{ worker_connections 256; }}\n"
-        "http {\n"
-        f"  access_log {prefix}/access.log;\n"
-        f"  client_body_temp_path {prefix}/body;\n  proxy_temp_path {prefix}/proxy;\n"
-        f"  fastcgi_temp_path {prefix}/fastcgi;\n  uwsgi_temp_path {prefix}/uwsgi;\n"
-        f"  scgi_temp_path {prefix}/scgi;\n"
-        f"  include {site};\n"
-        "}\n"
-    )
-    return main
-
-
-@contextlib.contextmanager
-def nginx(prefix: Path, config: Path) -> subprocess.Popen[bytes]:  # type: ignore[misc]
-    process = subprocess.Popen(
-        ["nginx", "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGQUIT)
-            try:
-                process.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=DEADLINE)
+    return main_config(prefix, site)
 
 
 @contextlib.asynccontextmanager
