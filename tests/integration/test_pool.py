@@ -163,8 +163,12 @@ async def refused(url: str) -> tuple[int, dict[str, str]]:
 async def test_six_sessions_spread_2_2_2_the_7th_is_refused_and_a_killed_replica_ends_only_its_own(
     sidecar: Any,
 ) -> None:
+    # Each start takes 1.5 s (a model load): the killed replica then stays not ready
+    # for its backoff plus that, long enough to observe on a loaded machine.
     proxy: RunningSidecar = await sidecar(
-        engine=pool(3, *PACED), max_sessions_per_engine=2, playback_ack="off"
+        engine=pool(3, *PACED, "--startup-delay", "1.5"),
+        max_sessions_per_engine=2,
+        playback_ack="off",
     )
     await all_ready(proxy)
     status, _headers, body = await get_json(f"{proxy.http_url}/readyz")
