@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -165,8 +166,13 @@ async def test_six_sessions_spread_2_2_2_the_7th_is_refused_and_a_killed_replica
 ) -> None:
     # Each start takes 1.5 s (a model load): the killed replica then stays not ready
     # for its backoff plus that, long enough to observe on a loaded machine.
+    # Health probes every 1 s: a kill is seen at once through the child's exit, and a
+    # loaded box must not make a slow 200 ms probe restart a replica on its own.
+    engine = dataclasses.replace(
+        pool(3, *PACED, "--startup-delay", "1.5"), health_interval=1.0, health_failures=3
+    )
     proxy: RunningSidecar = await sidecar(
-        engine=pool(3, *PACED, "--startup-delay", "1.5"),
+        engine=engine,
         max_sessions_per_engine=2,
         playback_ack="off",
     )
@@ -216,7 +222,9 @@ async def test_six_sessions_spread_2_2_2_the_7th_is_refused_and_a_killed_replica
         # although replica 1 now has the fewest sessions; /readyz says so.
         status, _headers, body = await get_json(f"{proxy.http_url}/readyz")
         assert status == 200
-        assert body["engines"][1]["state"] in ("restarting", "starting")
+        assert body["engines"][1]["state"] in ("restarting", "starting"), (
+            f"{(time.monotonic() - killed_at) * 1000:.0f} ms after the kill: {body['engines'][1]}"
+        )
         assert not body["engines"][1]["admitting"]
         assert proxy.metric("omni_sidecar_engine_replica_up", {"engine": "1"}) == 0
         assert proxy.metric("omni_sidecar_engine_replica_up", {"engine": "0"}) == 1
