@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cap-window", type=float, default=4.0)
     g.add_argument("--profile-seconds", type=float, default=12.0)
     g.add_argument("--profile-sessions", type=int, default=500)
+    g.add_argument("--profile-kind", choices=("nemotron", "minicpmo"), default="nemotron")
+    g.add_argument(
+        "--profile-native", action="store_true", help="py-spy --native: C frames (uvloop) too"
+    )
     g.add_argument("--bargein-sessions", type=int, default=100)
     return p
 

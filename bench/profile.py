@@ -71,6 +71,9 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
 def profile(ns: argparse.Namespace) -> None:
     pyspy = shutil.which("py-spy") or str(Path(python()).with_name("py-spy"))
     report = Report("profile", "profile: the sidecar's hot path at real-time pace (py-spy)")
+    from bench.scen_realtime import PROFILES
+
+    kind = PROFILES[ns.profile_kind]
     with Stack(configs=("sidecar",)) as st:
         sessions = ns.profile_sessions
         warmup = 4.0
@@ -79,7 +82,7 @@ def profile(ns: argparse.Namespace) -> None:
             "-m",
             "bench.loadclient",
             "--url",
-            st.url("sidecar", "mode=paced&chunk_ms=80"),
+            st.url("sidecar", kind["query"]),
             "-c",
             str(sessions),
             "--warmup",
@@ -87,13 +90,15 @@ def profile(ns: argparse.Namespace) -> None:
             "--window",
             str(ns.profile_seconds + 2),
             "--up-ms",
-            "80",
+            str(kind["up_ms"]),
             "--stats-url",
             st.stats_url(),
             *st.watch_args("sidecar"),
             "--max-seconds",
             str(int(ns.profile_seconds + 60)),
         ]
+        if kind["ack"]:
+            argv.append("--ack")
         client = start("client", argv, cpu=LOAD_CPU)
         time.sleep(warmup + 1)
         out = RESULTS_DIR / "profile.txt"
@@ -114,7 +119,8 @@ def profile(ns: argparse.Namespace) -> None:
                 str(int(ns.profile_seconds)),
                 "--rate",
                 "200",
-                "--nonblocking",
+                # --native (C frames: uvloop) needs the process paused per sample.
+                *(["--native"] if ns.profile_native else ["--nonblocking"]),
                 "--format",
                 "raw",
                 "--output",
@@ -133,8 +139,8 @@ def profile(ns: argparse.Namespace) -> None:
     total = max(1, summary["total"])
     us = result["cpu_s"].get("proxy", 0) * 1e6 / max(1, result["relayed_events"])
     report.para(
-        f"{sessions} Nemotron-like sessions through the sidecar (80 ms deltas down, 80 ms appends "
-        f"up; {result['relayed_events'] / result['window_s']:.0f} relayed events/s, sidecar "
+        f"{sessions} sessions through the sidecar, {kind['label']}: "
+        f"{result['relayed_events'] / result['window_s']:.0f} relayed events/s, sidecar "
         f"{result['cpu_pct'].get('proxy', 0):.0f} % CPU, {us:.1f} µs per relayed event), "
         f"`py-spy record --rate 200 --nonblocking` for {ns.profile_seconds:g} s: "
         f"{summary['total']} samples (idle time is not sampled, so shares are of busy time). "
@@ -154,5 +160,7 @@ def profile(ns: argparse.Namespace) -> None:
         ["function (file)", "samples", "share %"],
         [[f, n, 100 * n / total] for f, n in summary["incl"]],
     )
-    path = report.write(f"python -m bench profile --profile-sessions {sessions}")
+    path = report.write(
+        f"python -m bench profile --profile-sessions {sessions} --profile-kind {ns.profile_kind}"
+    )
     log(f"wrote {path}")

@@ -20,7 +20,7 @@ from bench.stack import Stack
 __all__ = ["throughput"]
 
 SIZES: Final = {40: "2.8 KB (40 ms)", 500: "32 KB (500 ms)"}
-CONFIGS: Final = ("direct", "nginx", "bare", "sidecar")
+CONFIGS: Final = ("direct", "nginx", "bare", "bare-picows", "sidecar")
 
 
 def _window(chunk_ms: int) -> int:

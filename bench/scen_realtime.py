@@ -40,7 +40,7 @@ PROFILES: Final[dict[str, dict[str, Any]]] = {
         "ack": False,
     },
 }
-LAT_CONFIGS: Final = ("direct", "nginx", "bare", "sidecar")
+LAT_CONFIGS: Final = ("direct", "nginx", "bare", "bare-picows", "sidecar")
 
 
 def _run(
@@ -159,10 +159,23 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
             summary[f"{profile}/{count}/ratio_nginx"] = paired(
                 sc, runs[(profile, count, "nginx")], "us_per_event", "ratio"
             )
+            summary[f"{profile}/{count}/ratio_bare_picows"] = paired(
+                sc, runs[(profile, count, "bare-picows")], "us_per_event", "ratio"
+            )
         report.table(
-            ["sessions", "sidecar ÷ bare aiohttp relay (CPU/event)", "sidecar ÷ nginx (CPU/event)"],
             [
-                [c, summary[f"{profile}/{c}/ratio_bare"], summary[f"{profile}/{c}/ratio_nginx"]]
+                "sessions",
+                "sidecar ÷ bare aiohttp relay (CPU/event)",
+                "sidecar ÷ nginx (CPU/event)",
+                "sidecar ÷ bare picows-upstream relay (CPU/event)",
+            ],
+            [
+                [
+                    c,
+                    summary[f"{profile}/{c}/ratio_bare"],
+                    summary[f"{profile}/{c}/ratio_nginx"],
+                    summary[f"{profile}/{c}/ratio_bare_picows"],
+                ]
                 for c in counts
             ],
         )

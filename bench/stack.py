@@ -8,7 +8,9 @@ the load core and, in front of it, each proxy on the proxy core:
   config (standard Upgrade/Connection map, default 4k ``proxy_buffer_size``),
   run as our own process with ``-p tmpdir -c conf -g 'daemon off;'``;
 * ``sidecar``: ``omni-sidecar serve --upstream ws://engine`` as a real process;
-* ``bare``: :mod:`bench.bare_relay`, aiohttp + uvloop forwarding frames only.
+* ``bare``: :mod:`bench.bare_relay`, aiohttp + uvloop forwarding frames only;
+* ``bare-picows``: the same with a picows engine link (the ceiling for the
+  sidecar's own design: aiohttp toward clients, picows toward the engine).
 
 Each proxy is pinned to ``PROXY_CPU`` when it is measured. Only one proxy is
 measured at a time, but all of them stay up for the scenario (idle ones cost
@@ -30,7 +32,7 @@ from bench.common import LOAD_CPU, PROXY_CPU, ROOT, Proc, free_port, python, sta
 
 __all__ = ["CONFIGS", "Stack", "ensure_nginx"]
 
-CONFIGS: Final = ("direct", "nginx", "bare", "sidecar")
+CONFIGS: Final = ("direct", "nginx", "bare", "bare-picows", "sidecar")
 
 _NGINX_CONF: Final = """\
 worker_processes 1;
@@ -149,6 +151,25 @@ class Stack:
             )
             wait_port(port, proc=self.procs["bare"].popen)
             self.ports["bare"] = port
+        if "bare-picows" in self.configs:
+            port = free_port()
+            self.procs["bare-picows"] = start(
+                "bare-picows",
+                [
+                    python(),
+                    "-m",
+                    "bench.bare_relay",
+                    "--port",
+                    str(port),
+                    "--upstream",
+                    upstream,
+                    "--upstream-client",
+                    "picows",
+                ],
+                cpu=PROXY_CPU,
+            )
+            wait_port(port, proc=self.procs["bare-picows"].popen)
+            self.ports["bare-picows"] = port
         if "sidecar" in self.configs:
             port = free_port()
             admin = free_port()
@@ -195,7 +216,7 @@ class Stack:
         return args
 
     def stop(self) -> None:
-        for name in ("sidecar", "bare", "nginx", "engine"):
+        for name in ("sidecar", "bare", "bare-picows", "nginx", "engine"):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 proc.stop()

@@ -46,7 +46,7 @@ from proxy.observer import SessionObserver, SessionRegistry
 from proxy.placement import Router
 from proxy.relay import Relay, new_event_id
 from proxy.reverse_proxy import ProxyRequest, reverse_proxy
-from proxy.upstream_link import AiohttpUpstreamLink
+from proxy.upstream_link import UpstreamConnectError, connect_upstream
 
 __all__ = [
     "Admission",
@@ -446,17 +446,16 @@ async def _run_placed(
         async with asyncio.timeout(
             min(settings.upstream_connect_timeout, settings.handshake_timeout)
         ):
-            upstream = await state.client_session().ws_connect(
+            upstream = await connect_upstream(
+                settings.upstream_client,
                 url,
                 headers=_upstream_headers(state, request),
-                # Keepalive is the relay's own (see Relay._heartbeat_tick): aiohttp's
-                # re-arms a timer on every received message.
-                max_msg_size=MAX_UPSTREAM_MESSAGE_BYTES,
-                compress=0,
-                autoping=False,
-                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=settings.close_timeout),
+                max_message_bytes=MAX_UPSTREAM_MESSAGE_BYTES,
+                write_limit=settings.max_pending_input_bytes,
+                close_timeout=settings.close_timeout,
+                session=state.client_session() if settings.upstream_client == "aiohttp" else None,
             )
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+    except (UpstreamConnectError, TimeoutError) as exc:
         metrics.upstream_connect_failures.inc()
         metrics.sessions_rejected.labels("upstream_unavailable").inc()
         log.warning("upstream connect to %s failed: %s", url, exc or type(exc).__name__)
@@ -475,7 +474,6 @@ async def _run_placed(
     except BaseException:
         await upstream.close()
         raise
-    compat.set_upstream_write_limit(upstream, settings.max_pending_input_bytes)
     protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
     key = uuid.uuid4().hex[:12]
     address = client_address(request)
@@ -484,7 +482,7 @@ async def _run_placed(
         session_key=key,
         client=client,
         client_protocol=protocol,
-        upstream=AiohttpUpstreamLink(upstream),
+        upstream=upstream,
         core=SessionCore(state.session_settings, new_event_id=new_event_id),
         observer=observer,
         close_timeout=settings.close_timeout,

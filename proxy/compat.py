@@ -27,6 +27,11 @@ from aiohttp import base_protocol, client_ws, http_websocket, web, web_runner, w
 from aiohttp import web_protocol as _web_protocol
 from aiohttp import web_server as _web_server
 
+try:  # a missing module is a missing hook (see HOOKS), not an import error
+    from aiohttp._websocket import helpers as _websocket_helpers
+except ImportError:  # pragma: no cover - aiohttp < 3.11
+    _websocket_helpers = None  # type: ignore[assignment]
+
 __all__ = [
     "AIOHTTP_VERSION",
     "HOOKS",
@@ -44,6 +49,7 @@ __all__ = [
     "upstream_backlog",
     "upstream_transport",
     "wait_writable",
+    "websocket_mask",
 ]
 
 AIOHTTP_VERSION: Final = aiohttp.__version__
@@ -110,6 +116,15 @@ def upstream_backlog(upstream: client_ws.ClientWebSocketResponse) -> Sized:
     """
     buffer: Sized = upstream._reader._buffer
     return buffer
+
+
+def websocket_mask(mask: bytes, data: bytearray) -> None:
+    """XOR ``data`` in place with the 4-byte ``mask`` (aiohttp's C routine when built).
+
+    The picows engine link masks its own frames with it (they are written in
+    one batch per loop tick, not one send per frame).
+    """
+    _websocket_helpers.websocket_mask(mask, data)
 
 
 def set_upstream_write_limit(upstream: client_ws.ClientWebSocketResponse, limit: int) -> None:
@@ -268,6 +283,10 @@ HOOKS: Final[tuple[Hook, ...]] = (
         ),
     ),
     Hook("ClientWSTimeout", lambda: hasattr(aiohttp, "ClientWSTimeout")),
+    Hook(
+        "_websocket.helpers.websocket_mask",
+        lambda: callable(getattr(_websocket_helpers, "websocket_mask", None)),
+    ),
     Hook(
         "ClientSession.ws_connect(timeout=ClientWSTimeout)",
         lambda: _has_kwarg(aiohttp.ClientSession._ws_connect, "timeout"),

@@ -113,6 +113,8 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final[tuple[str, ...]] = typing.get_args(LogFormat)
 PlaybackAck = Literal["auto", "off", "always"]
 
+UpstreamClient = Literal["picows", "aiohttp"]
+
 _CONSTRUCTOR_SOURCE: Final = "Settings()"
 
 # Section headings of the example config, in order.
@@ -613,6 +615,15 @@ class Settings:
         metavar="pass-through|none|key:KEY",
         check=_check_upstream_authorization,
         mask=_mask_authorization,
+    )
+    upstream_client: UpstreamClient = setting(  # noqa: RUF009 - a dataclasses.field
+        "picows",
+        help='WebSocket client for the engine link: "picows" (frames parsed and masked in C, '
+        'handed over by callback: the fast one) or "aiohttp" (the pure asyncio reader). '
+        "Applies to sessions opened after a change.",
+        live=True,
+        section=_AUTH,
+        metavar="CLIENT",
     )
     forward_query: bool = setting(
         True,

@@ -1,8 +1,10 @@
-"""RFC 6455 server-to-client frame encoding, free of I/O.
+"""RFC 6455 frame encoding, free of I/O.
 
 The proxy writes text, ping, pong and close frames to clients itself (see
 :mod:`proxy.frame_writer`). Frames from a server are never masked
 (RFC 6455 §5.1) and never fragmented here: every message is one final frame.
+The engine link writes its text frames itself too, masked (a client's frames
+always are): :func:`masked_frame_header`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "OP_TEXT",
     "close_payload",
     "frame_header",
+    "masked_frame_header",
 ]
 
 OP_TEXT: Final = 0x1
@@ -31,6 +34,7 @@ OP_PONG: Final = 0xA
 MAX_CONTROL_PAYLOAD: Final = 125
 
 _FIN: Final = 0x80
+_MASKED: Final = 0x80
 _PACK_16: Final = struct.Struct("!BBH").pack
 _PACK_64: Final = struct.Struct("!BBQ").pack
 _PACK_CODE: Final = struct.Struct("!H").pack
@@ -55,6 +59,22 @@ def frame_header(opcode: int, length: int) -> bytes:
     if length < 65536:
         return _PACK_16(first, 126, length)
     return _PACK_64(first, 127, length)
+
+
+def masked_frame_header(opcode: int, length: int, mask: bytes) -> bytes:
+    """The header of a masked final frame (client to server), ``mask`` included.
+
+    Args:
+        opcode: one of the ``OP_*`` constants.
+        length: payload length in bytes.
+        mask: the frame's 4-byte masking key.
+    """
+    first = _FIN | opcode
+    if length < 126:
+        return bytes((first, _MASKED | length)) + mask
+    if length < 65536:
+        return _PACK_16(first, _MASKED | 126, length) + mask
+    return _PACK_64(first, _MASKED | 127, length) + mask
 
 
 def close_payload(code: int, reason: bytes = b"") -> bytes:

@@ -14,11 +14,12 @@ Three tasks in one TaskGroup:
 
 1. client → upstream: read a client frame, let the core classify it (cancel
    triggers act at once), forward the original text.
-2. upstream → client (intake): read an engine frame and hand it to the core,
-   which filters it and queues it in the session's OutputBuffer. This task
-   never waits on the client, so the engine is always read at full speed.
-   When the client transport is below its mark it also asks the writer to
-   write what is ready (the fast path: no task switch per event).
+2. upstream → client (intake): the engine link runs and pushes each engine
+   frame into :meth:`Relay.upstream_text` as it is parsed (no await per
+   event); the core filters it and queues it in the session's OutputBuffer.
+   Intake never waits on the client, so the engine is always read at full
+   speed. When the client transport is below its mark it also asks the
+   writer to write what is ready (the fast path: no task switch per event).
 3. delivery: once the client transport drains, write what is ready; send the
    upstream keepalive pings; close both sides when the session ends.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -60,8 +62,6 @@ __all__ = ["ClientSocket", "Relay", "new_event_id"]
 
 log = logging.getLogger(__name__)
 
-#: Engine close codes that are a clean end (anything else: engine_unavailable).
-_UPSTREAM_CLEAN_CLOSES: Final = frozenset({1000, 1001})
 #: Client frames that count against max_client_frame_rate (control frames do not).
 _DATA_FRAMES: Final = frozenset({aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY})
 #: The client reader yields to the event loop every 16 frames.
@@ -164,6 +164,8 @@ class Relay:
         self._client_gone = asyncio.Event()
         #: The client was cut off for flooding: its reads are paused.
         self._flooded = False
+        #: When a client frame last went to the engine (due acks ride along).
+        self._forwarded_at = -math.inf
         self._intake: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bytes_client_to_upstream = 0
@@ -263,11 +265,38 @@ class Relay:
 
     def playback_due(self) -> None:
         core = self.core
-        when = core.playback_tick(self._clock())
+        now = self._clock()
+        when = core.playback_tick(now)
         if when is not None:
-            self.timers.arm_playback(when)
-        if core.has_upstream_commands:
+            self._arm_playback(when, now)
+        if core.has_upstream_commands and not self._send_commands_now():
             self._wake.set()  # the delivery task sends them (sending awaits)
+
+    def _arm_playback(self, when: float, now: float) -> None:
+        """Arm the ack timer; while the client streams, a little late.
+
+        A due ack rides along with the next client frame sent to the engine
+        (one write for both); the timer only sends those that found no ride
+        within half an interval.
+        """
+        interval = self.core.playback.settings.ack_interval
+        if now - self._forwarded_at < interval:
+            when += interval / 2
+        self.timers.arm_playback(when)
+
+    def _send_commands_now(self) -> bool:
+        """Send the core's engine commands without awaiting, where the link can.
+
+        Returns:
+            False when the link sends only by awaiting (the caller wakes a task).
+        """
+        upstream = self.upstream
+        if not upstream.sends_without_waiting:
+            return False
+        if not self._upstream_gone.is_set():
+            for text in self.core.events_to_upstream():
+                upstream.send_nowait(text)
+        return True
 
     def upstream_close_timed_out(self) -> None:
         if self.core.state is not SessionState.OPEN:
@@ -293,9 +322,10 @@ class Relay:
     def written(self) -> None:
         core = self.core
         if core.playback.acking and not self.timers.playback_armed:
-            when = core.playback.next_ack_at(self._clock())
+            now = self._clock()
+            when = core.playback.next_ack_at(now)
             if when is not None:
-                self.timers.arm_playback(when)
+                self._arm_playback(when, now)
         self._observer.after_core_call(core)
 
     def blocked(self) -> None:
@@ -378,6 +408,9 @@ class Relay:
                         else:
                             self.bytes_client_to_upstream += decision.event.size
                             await self._send_upstream(text)
+                            self._forwarded_at = now
+                            if core.playback.acking:
+                                core.ride_along_acks(now)
                     self._after_core_call()
                     if core.has_upstream_commands:
                         await self._flush_upstream_commands()
@@ -416,53 +449,52 @@ class Relay:
     # -- upstream → client (intake) --------------------------------------------------------------
 
     async def _upstream_to_client(self) -> None:
-        upstream = self.upstream
-        core = self.core
-        observer = self._observer
-        writer = self.writer
-        timers = self.timers
         clean = False
         try:
-            while True:
-                msg = await upstream.receive()
-                now = self._clock()
-                timers.last_upstream_frame = now
-                kind = msg.type
-                if kind is aiohttp.WSMsgType.PING:
-                    await upstream.pong(msg.data)
-                    continue
-                if kind is aiohttp.WSMsgType.PONG:
-                    continue
-                if kind is aiohttp.WSMsgType.TEXT:
-                    event = core.receive_upstream(msg.data, now)
-                    observer.upstream_event(event)
-                    self.bytes_upstream_to_client += event.size
-                    if event.kind is EventKind.SESSION_CLOSED:
-                        self._upstream_session_closed.set()
-                    if not writer.paused:
-                        # Fast path: the client can take it; write now instead of
-                        # waking the delivery task (saves a task switch per event).
-                        writer.pump(now, defer=True)
-                    self._after_core_call()
-                    if core.has_upstream_commands:
-                        await self._flush_upstream_commands()
-                elif kind is aiohttp.WSMsgType.BINARY:
-                    event = core.receive_upstream("\x00binary", now)
-                    observer.upstream_event(event)
-                    self.log.warning(
-                        "upstream sent a binary frame (%d bytes); dropped", len(msg.data)
-                    )
-                else:
-                    code = upstream.close_code
-                    clean = code in _UPSTREAM_CLEAN_CLOSES and kind is not aiohttp.WSMsgType.ERROR
-                    if not self._upstream_session_closed.is_set():
-                        self.log.info("upstream closed (code %s) without session.closed", code)
-                    break
+            clean = await self.upstream.run(self)
+            if not self._upstream_session_closed.is_set():
+                self.log.info(
+                    "upstream closed (code %s) without session.closed", self.upstream.close_code
+                )
         finally:
             self._upstream_gone.set()
             if not self._upstream_session_closed.is_set():
-                core.upstream_lost(self._clock(), clean=clean)
+                self.core.upstream_lost(self._clock(), clean=clean)
             self._after_core_call()
+
+    # -- the engine link (UpstreamHandler): called per engine frame, no await ------------------
+
+    def upstream_text(self, text: str) -> bool:
+        now = self._clock()
+        self.timers.last_upstream_frame = now
+        core = self.core
+        event = core.receive_upstream(text, now)
+        self._observer.upstream_event(event)
+        self.bytes_upstream_to_client += event.size
+        if event.kind is EventKind.SESSION_CLOSED:
+            self._upstream_session_closed.set()
+        writer = self.writer
+        if not writer.paused:
+            # Fast path: the client can take it; write now instead of waking
+            # the delivery task (saves a task switch per event).
+            writer.pump(now, defer=True)
+        self._after_core_call()
+        return core.has_upstream_commands
+
+    def upstream_binary(self, size: int) -> None:
+        now = self._clock()
+        self.timers.last_upstream_frame = now
+        event = self.core.receive_upstream("\x00binary", now)
+        self._observer.upstream_event(event)
+        self.log.warning("upstream sent a binary frame (%d bytes); dropped", size)
+
+    def upstream_alive(self) -> None:
+        self.timers.last_upstream_frame = self._clock()
+
+    def take_upstream_commands(self) -> list[str]:
+        if self._upstream_gone.is_set():
+            return []
+        return self.core.events_to_upstream()
 
     # -- delivery -------------------------------------------------------------------------------
 

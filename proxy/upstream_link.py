@@ -1,27 +1,71 @@
 """The session's WebSocket to the engine, as the relay sees it.
 
-A thin wrapper over aiohttp's ``ClientWebSocketResponse``: it sends text and
-control frames (never raising for a connection that went away), tells how
-many bytes of input the engine has not taken yet (``max_pending_input_bytes``
-is enforced by the relay with it), exposes the parsed-but-unread frame
-backlog the client writer batches on, and can drop the connection when the
-keepalive gives up. The internals it reads are in :mod:`proxy.compat`.
+The engine link pushes frames into the relay instead of being read by it:
+``run(handler)`` hands every engine text frame to
+:meth:`UpstreamHandler.upstream_text` as it arrives and returns when the
+connection ends. Sending never raises for a connection that went away; the
+link tells how many bytes of input the engine has not taken yet
+(``max_pending_input_bytes`` is enforced by the relay with it), exposes
+whether more engine frames are already parsed (the client writer batches on
+it), and can drop the connection when the keepalive gives up.
+
+Two implementations, chosen by the ``upstream_client`` setting:
+
+- :class:`PicowsUpstreamLink` (the default): picows parses and masks frames in
+  C and calls back per frame with the payload as a buffer, so an engine event
+  costs no task wake-up, no message object and no reader queue.
+- :class:`AiohttpUpstreamLink`: aiohttp's client WebSocket, read by a loop of
+  ``await receive()``; the internals it reads are in :mod:`proxy.compat`.
+
+Both answer the engine's pings themselves; the relay's own keepalive pings go
+through :meth:`UpstreamLink.ping`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import Sized
-from typing import Any, Protocol
+import os
+from collections.abc import Mapping, Sized
+from typing import Any, Final, Protocol
 
 import aiohttp
+import picows
 
 from proxy import compat
+from proxy.config import UpstreamClient
+from proxy.frames import OP_TEXT, masked_frame_header
 
-__all__ = ["AiohttpUpstreamLink", "UpstreamLink"]
+__all__ = [
+    "AiohttpUpstreamLink",
+    "PicowsUpstreamLink",
+    "UpstreamConnectError",
+    "UpstreamHandler",
+    "UpstreamLink",
+    "connect_upstream",
+]
 
 log = logging.getLogger(__name__)
+
+#: Engine close codes that are a clean end (anything else: engine_unavailable).
+CLEAN_CLOSES: Final = frozenset({1000, 1001})
+
+
+class UpstreamHandler(Protocol):
+    """What the link calls for each engine frame (the relay)."""
+
+    def upstream_text(self, text: str) -> bool:
+        """One engine text message. Returns True when commands for the engine wait."""
+
+    def upstream_binary(self, size: int) -> None:
+        """One engine binary message (not part of the protocol: dropped)."""
+
+    def upstream_alive(self) -> None:
+        """A control frame arrived (the keepalive's proof of life)."""
+
+    def take_upstream_commands(self) -> list[str]:
+        """The frames the session wants sent to the engine now, in order."""
 
 
 class UpstreamLink(Protocol):
@@ -29,7 +73,7 @@ class UpstreamLink(Protocol):
 
     @property
     def backlog(self) -> Sized:
-        """Engine frames parsed and not yet read (a live view)."""
+        """Engine frames parsed and not yet handed over (a live view)."""
 
     @property
     def closed(self) -> bool: ...
@@ -37,22 +81,427 @@ class UpstreamLink(Protocol):
     @property
     def close_code(self) -> int | None: ...
 
+    @property
+    def sends_without_waiting(self) -> bool:
+        """:meth:`send_nowait` works (else every send is awaited)."""
+
     def input_backlog(self) -> int:
         """Bytes written toward the engine that it has not taken yet."""
 
-    async def receive(self) -> aiohttp.WSMessage: ...
+    def send_nowait(self, text: str) -> None:
+        """Queue a text frame without waiting (only when ``sends_without_waiting``)."""
+
+    async def run(self, handler: UpstreamHandler) -> bool:
+        """Hand engine frames to ``handler`` until the connection ends.
+
+        Returns:
+            True when the engine closed cleanly (close code 1000 or 1001).
+        """
 
     async def send(self, text: str) -> None:
         """Send a text frame; a connection that went away is logged, not raised."""
 
     async def ping(self) -> None: ...
 
-    async def pong(self, payload: bytes) -> None: ...
-
     def abort(self) -> None:
         """Drop the connection now."""
 
     async def close(self) -> None: ...
+
+
+class UpstreamConnectError(Exception):
+    """The engine WebSocket could not be opened (refused, timed out, not 101)."""
+
+
+async def connect_upstream(
+    client: UpstreamClient,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    max_message_bytes: int,
+    write_limit: int,
+    close_timeout: float,
+    session: aiohttp.ClientSession | None = None,
+) -> UpstreamLink:
+    """Open the engine WebSocket for one session.
+
+    The caller bounds the time (``upstream_connect_timeout``).
+
+    Args:
+        client: ``"picows"`` or ``"aiohttp"`` (the ``upstream_client`` setting).
+        url: the engine's ``ws://``/``wss://`` URL with path and query.
+        headers: extra request headers (Authorization).
+        max_message_bytes: larger engine messages end the connection.
+        write_limit: unsent input (bytes) at which sending waits for a drain;
+            0 waits whenever the transport is above its mark.
+        close_timeout: aiohttp's wait for the engine's close reply.
+        session: the aiohttp client session (``"aiohttp"`` only).
+
+    Raises:
+        UpstreamConnectError: the engine did not accept the WebSocket.
+    """
+    if client == "picows":
+        return await PicowsUpstreamLink.connect(
+            url, headers=headers, max_message_bytes=max_message_bytes, write_limit=write_limit
+        )
+    assert session is not None, "the aiohttp link needs a client session"
+    try:
+        upstream = await session.ws_connect(
+            url,
+            headers=dict(headers),
+            # Keepalive is the relay's own (SessionTimers): aiohttp's re-arms a
+            # timer on every received message.
+            max_msg_size=max_message_bytes,
+            compress=0,
+            autoping=False,
+            timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=close_timeout),
+        )
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamConnectError(str(exc) or type(exc).__name__) from exc
+    compat.set_upstream_write_limit(upstream, write_limit)
+    return AiohttpUpstreamLink(upstream)
+
+
+# -- picows -------------------------------------------------------------------------------------
+
+_TEXT: Final = picows.WSMsgType.TEXT
+_BINARY: Final = picows.WSMsgType.BINARY
+_CONTINUATION: Final = picows.WSMsgType.CONTINUATION
+_CLOSE: Final = picows.WSMsgType.CLOSE
+_PING: Final = picows.WSMsgType.PING
+_PONG: Final = picows.WSMsgType.PONG
+
+
+class _MaskKeys:
+    """Masking keys from the OS entropy source (RFC 6455 §5.3), drawn 4 KiB at a time."""
+
+    __slots__ = ("_at", "_pool")
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+
+    def next(self) -> bytes:
+        at = self._at
+        if at >= len(self._pool):
+            self._pool = os.urandom(4096)
+            at = 0
+        self._at = at + 4
+        return self._pool[at : at + 4]
+
+
+_MASK_KEYS: Final = _MaskKeys()
+
+
+class _FramesWaiting:
+    """The picows link's ``backlog``: 1 while more frames of the current read wait."""
+
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting = 0
+
+    def __len__(self) -> int:
+        return self.waiting
+
+
+class PicowsUpstreamLink(picows.WSListener):
+    """:class:`UpstreamLink` over picows (frames by callback, masking in C).
+
+    Messages fragmented by the engine are joined here, bounded by
+    ``max_message_bytes``; invalid UTF-8 in a text message closes the link
+    with 1007, as aiohttp would.
+
+    Text frames toward the engine are masked here and written together at the
+    end of the loop tick (one ``writelines``): a client append and the
+    playback acks that ride along with it cost one send, not one each.
+    Control frames (the keepalive's ping, pongs, close) go through picows.
+    """
+
+    sends_without_waiting = True
+
+    def __init__(self, *, max_message_bytes: int, write_limit: int) -> None:
+        super().__init__()
+        self.transport: picows.WSTransport | None = None
+        self.backlog = _FramesWaiting()
+        self._handler: UpstreamHandler | None = None
+        self._max_message = max_message_bytes
+        self._write_limit = write_limit
+        #: Messages that arrived before run() (the engine's session.created):
+        #: reading pauses at the first one, so at most one socket read is held.
+        self._early: list[tuple[picows.WSMsgType, bytes]] = []
+        self._fragments: list[bytes] | None = None
+        self._fragment_kind: picows.WSMsgType = _TEXT
+        self._fragment_bytes = 0
+        self._close_code: int | None = None
+        self._disconnected = False
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._log: Any = log
+        #: Masked frames to write at the end of this loop tick, and their size.
+        self._out: list[bytes | bytearray] = []
+        self._out_bytes = 0
+        self._flush_scheduled = False
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        headers: Mapping[str, str],
+        max_message_bytes: int,
+        write_limit: int,
+    ) -> PicowsUpstreamLink:
+        link = cls(max_message_bytes=max_message_bytes, write_limit=write_limit)
+        try:
+            await picows.ws_connect(
+                lambda: link,
+                url,
+                extra_headers=dict(headers),
+                # The caller's upstream_connect_timeout bounds the whole connect.
+                websocket_handshake_timeout=None,
+                max_frame_size=max_message_bytes,
+                max_redirects=0,
+                enable_auto_pong=True,
+                logger_name="omni_sidecar.upstream",
+            )
+        except (picows.WSError, OSError) as exc:
+            raise UpstreamConnectError(str(exc) or type(exc).__name__) from exc
+        transport = link.transport
+        assert transport is not None
+        underlying = transport.underlying_transport
+        with contextlib.suppress(Exception):
+            underlying.set_write_buffer_limits(high=write_limit)
+        return link
+
+    # -- picows callbacks -----------------------------------------------------------------
+
+    def on_ws_connected(self, transport: picows.WSTransport) -> None:
+        self.transport = transport
+
+    def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
+        handler = self._handler
+        if frame.msg_type == _TEXT and frame.fin and handler is not None:
+            # The hot path: one engine event, handed over from the parser's buffer.
+            self.backlog.waiting = not frame.last_in_buffer
+            try:
+                text = frame.get_payload_as_utf8_text()
+            except UnicodeDecodeError as exc:
+                raise _not_utf8() from exc
+            if handler.upstream_text(text):
+                self._send_commands(handler)
+            return
+        self._other_frame(transport, frame)
+
+    def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
+        self._disconnected = True
+        self._resume()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._resume()
+
+    # -- frames off the hot path ----------------------------------------------------------
+
+    def _other_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
+        kind = frame.msg_type
+        if kind == _CLOSE:
+            self._close_code = frame.get_close_code().value  # a flexible IntEnum: any code
+            self._flush()
+            if not transport.is_close_frame_sent:
+                transport.send_close(frame.get_close_code())
+            transport.disconnect()
+            return
+        if kind == _PING or kind == _PONG:
+            if self._handler is not None:
+                self._handler.upstream_alive()
+            return
+        if kind == _CONTINUATION:
+            if self._fragments is None:
+                raise picows.WSProtocolError(
+                    picows.WSCloseCode.PROTOCOL_ERROR, "continuation without a first frame"
+                )
+            self._add_fragment(frame)
+            if not frame.fin:
+                return
+            payload = b"".join(self._fragments)
+            kind = self._fragment_kind
+            self._fragments = None
+            self._fragment_bytes = 0
+        elif kind == _TEXT or kind == _BINARY:
+            if self._fragments is not None:
+                raise picows.WSProtocolError(
+                    picows.WSCloseCode.PROTOCOL_ERROR, "new message inside a fragmented one"
+                )
+            if not frame.fin:
+                self._fragments = []
+                self._fragment_kind = kind
+                self._add_fragment(frame)
+                return
+            payload = frame.get_payload_as_bytes()
+        else:  # pragma: no cover - picows knows no other opcodes
+            return
+        self._message(kind, payload)
+
+    def _add_fragment(self, frame: picows.WSFrame) -> None:
+        assert self._fragments is not None
+        self._fragment_bytes += frame.payload_size
+        if self._fragment_bytes > self._max_message:
+            raise picows.WSProtocolError(
+                picows.WSCloseCode.MESSAGE_TOO_BIG,
+                f"engine message over {self._max_message} bytes",
+            )
+        self._fragments.append(frame.get_payload_as_bytes())
+
+    def _message(self, kind: picows.WSMsgType, payload: bytes) -> None:
+        handler = self._handler
+        if handler is None:
+            self._early.append((kind, payload))
+            if self.transport is not None:
+                self.transport.underlying_transport.pause_reading()
+            return
+        self.backlog.waiting = 0
+        if kind == _TEXT:
+            if handler.upstream_text(_utf8(payload)):
+                self._send_commands(handler)
+        else:
+            handler.upstream_binary(len(payload))
+
+    def _send_commands(self, handler: UpstreamHandler) -> None:
+        for text in handler.take_upstream_commands():
+            self.send_nowait(text)
+
+    def send_nowait(self, text: str) -> None:
+        if self.transport is None or self.closed:
+            return
+        payload = bytearray(text, "utf-8", "surrogatepass")
+        mask = _MASK_KEYS.next()
+        compat.websocket_mask(mask, payload)
+        self._out.append(masked_frame_header(OP_TEXT, len(payload), mask))
+        self._out.append(payload)
+        self._out_bytes += len(payload)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        self._out_bytes = 0
+        transport = self.transport
+        if transport is not None and not self._disconnected:
+            transport.underlying_transport.writelines(out)
+
+    # -- UpstreamLink ---------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        transport = self.transport
+        return (
+            self._disconnected
+            or self._close_code is not None
+            or transport is None
+            or transport.is_close_frame_sent
+        )
+
+    @property
+    def close_code(self) -> int | None:
+        return self._close_code
+
+    def input_backlog(self) -> int:
+        transport = self.transport
+        if transport is None or self._disconnected:
+            return 0
+        try:
+            return self._out_bytes + int(transport.underlying_transport.get_write_buffer_size())
+        except (AttributeError, RuntimeError, OSError):  # pragma: no cover - closed transport
+            return 0
+
+    async def run(self, handler: UpstreamHandler) -> bool:
+        transport = self.transport
+        assert transport is not None
+        self._handler = handler
+        early, self._early = self._early, []
+        try:
+            for kind, payload in early:
+                self._message(kind, payload)
+        except Exception:
+            # The same end as an exception raised inside a picows callback.
+            transport.send_close(picows.WSCloseCode.INTERNAL_ERROR)
+            transport.disconnect()
+            raise
+        if early and not self._disconnected:
+            transport.underlying_transport.resume_reading()
+        try:
+            await transport.wait_disconnected()
+        except picows.WSProtocolError as exc:
+            self._log.info("engine link closed: %s", exc)
+            return False
+        return self._close_code in CLEAN_CLOSES
+
+    async def send(self, text: str) -> None:
+        self.send_nowait(text)
+        if self._write_paused:
+            # Like aiohttp's writer: wait for the engine to take input once the
+            # transport is above write_limit (the relay fails the session first
+            # when max_pending_input_bytes is set).
+            await self._wait_drained()
+
+    async def _wait_drained(self) -> None:
+        while self._write_paused and not self._disconnected:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    def _resume(self) -> None:
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    async def ping(self) -> None:
+        transport = self.transport
+        if transport is not None and not self.closed:
+            transport.send_ping()
+
+    def abort(self) -> None:
+        transport = self.transport
+        if transport is not None and not self._disconnected:
+            transport.disconnect(graceful=False)
+
+    async def close(self) -> None:
+        """Send a close frame and wait for the engine's (the caller bounds the wait)."""
+        transport = self.transport
+        if transport is None or self._disconnected:
+            return
+        try:
+            self._flush()  # what was sent goes before the close frame
+            if not transport.is_close_frame_sent:
+                transport.send_close(picows.WSCloseCode.OK)
+            with contextlib.suppress(picows.WSError):
+                await transport.wait_disconnected()
+        finally:
+            if not self._disconnected:
+                transport.disconnect()
+
+
+def _utf8(payload: bytes) -> str:
+    try:
+        return payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8() from exc
+
+
+def _not_utf8() -> picows.WSProtocolError:
+    return picows.WSProtocolError(picows.WSCloseCode.INVALID_TEXT, "engine text frame is not UTF-8")
+
+
+# -- aiohttp ------------------------------------------------------------------------------------
 
 
 class AiohttpUpstreamLink:
@@ -64,6 +513,9 @@ class AiohttpUpstreamLink:
     """
 
     __slots__ = ("_log", "_upstream", "backlog")
+
+    #: aiohttp's send is a coroutine: the relay's tasks send, awaiting each.
+    sends_without_waiting = False
 
     def __init__(self, upstream: aiohttp.ClientWebSocketResponse, log: Any = log) -> None:
         self._upstream = upstream
@@ -87,8 +539,11 @@ class AiohttpUpstreamLink:
         except (AttributeError, RuntimeError, OSError):  # pragma: no cover - closed transport
             return 0
 
-    async def receive(self) -> aiohttp.WSMessage:
-        return await self._upstream.receive()
+    def send_nowait(self, text: str) -> None:
+        raise NotImplementedError("the aiohttp link sends by awaiting send()")
+
+    async def run(self, handler: UpstreamHandler) -> bool:
+        return await read_messages(self._upstream, self, handler)
 
     async def send(self, text: str) -> None:
         if self._upstream.closed:
@@ -115,3 +570,42 @@ class AiohttpUpstreamLink:
     async def close(self) -> None:
         if not self._upstream.closed:
             await self._upstream.close()
+
+
+class _MessageSource(Protocol):
+    @property
+    def close_code(self) -> int | None: ...
+
+    async def receive(self) -> aiohttp.WSMessage: ...
+
+
+class _MessageSink(Protocol):
+    async def send(self, text: str) -> None: ...
+
+    async def pong(self, payload: bytes) -> None: ...
+
+
+async def read_messages(
+    source: _MessageSource, sink: _MessageSink, handler: UpstreamHandler
+) -> bool:
+    """Read aiohttp messages from ``source`` into ``handler`` until the connection ends.
+
+    Returns:
+        True when it ended with a clean close code (1000, 1001).
+    """
+    while True:
+        msg = await source.receive()
+        kind = msg.type
+        if kind is aiohttp.WSMsgType.TEXT:
+            if handler.upstream_text(msg.data):
+                for text in handler.take_upstream_commands():
+                    await sink.send(text)
+        elif kind is aiohttp.WSMsgType.PING:
+            handler.upstream_alive()
+            await sink.pong(msg.data)
+        elif kind is aiohttp.WSMsgType.PONG:
+            handler.upstream_alive()
+        elif kind is aiohttp.WSMsgType.BINARY:
+            handler.upstream_binary(len(msg.data))
+        else:
+            return source.close_code in CLEAN_CLOSES and kind is not aiohttp.WSMsgType.ERROR

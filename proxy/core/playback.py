@@ -325,7 +325,9 @@ class PlaybackLedger:
             final = item.done and played >= item.sent
             # Nothing heard yet is nothing to say (the first ack comes once audio plays).
             progressed = played_ms > max(item.acked_ms, 0)
-            if final or (now - item.last_ack_at >= interval and progressed):
+            # The first one an interval after the audio started, as next_ack_at says.
+            last = max(item.last_ack_at, item.started_at)
+            if final or (now - last >= interval and progressed):
                 out.append(self._ack(item, played_ms, now, truncate=False))
                 if final:
                     item.finished = True

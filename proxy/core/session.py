@@ -793,6 +793,11 @@ class SessionCore:
         """Something can be written now (output queued and not held by pacing)."""
         return self.paced_until is None and self.buffer.has_output()
 
+    def ride_along_acks(self, now: float) -> None:
+        """Queue the playback acks due now, to go with a frame sent to the engine anyway."""
+        if self.state is SessionState.OPEN:
+            self._to_upstream.extend(self.playback.acks_due(now))
+
     def playback_tick(self, now: float) -> float | None:
         """Queue the playback acks due now; return when to call again (None: idle)."""
         if self.state is not SessionState.OPEN:

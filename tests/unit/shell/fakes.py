@@ -20,6 +20,7 @@ from websockets.frames import Frame
 from websockets.streams import StreamReader
 
 from proxy.core.buffer import Entry
+from proxy.upstream_link import UpstreamHandler, read_messages
 
 __all__ = [
     "FakeClient",
@@ -235,7 +236,9 @@ class FakeClient:
 class FakeUpstream:
     """The engine link: frames to hand to the relay, frames the relay sent."""
 
-    def __init__(self, *, answer_close: bool = True) -> None:
+    def __init__(self, *, answer_close: bool = True, sends_without_waiting: bool = False) -> None:
+        #: Like the picows link (True) or the aiohttp one (False).
+        self.sends_without_waiting = sends_without_waiting
         self.inbox: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue(maxsize=10_000)
         self.backlog: deque[object] = deque()
         #: Answer our ``session.close`` with ``session.closed`` and a close, like the engine.
@@ -261,6 +264,16 @@ class FakeUpstream:
         if self.closed:
             return aiohttp.WSMessage(aiohttp.WSMsgType.CLOSED, None, None)
         return await self.inbox.get()
+
+    async def run(self, handler: UpstreamHandler) -> bool:
+        return await read_messages(self, self, handler)
+
+    def send_nowait(self, text: str) -> None:
+        assert self.sends_without_waiting, "the relay must await send() on this link"
+        self.sent.append(text)
+        if self.answer_close and '"session.close"' in text:
+            self.feed('{"type":"session.closed","reason":"client_close"}')
+            self.feed_close(1000)
 
     async def send(self, text: str) -> None:
         self.sent.append(text)

@@ -1,0 +1,200 @@
+"""The sidecar's own Python per event, without sockets: ``python -m bench micro``.
+
+A real ``Relay`` (its core, frame writer, timers and metrics observer) runs on
+a null client transport and a null engine link, and is fed the frames the
+benchmark engine and load client send: audio deltas down (Nemotron-like 80 ms,
+MiniCPM-o-like 1000 ms), appends and acks up. What it measures is what the
+sidecar adds on top of a bare relay's syscalls and frame parsing, with none of
+the noise of a loaded 2-core box: a lever that moves this number moves the
+real one, and this one can be measured in seconds.
+
+It prints µs per engine event (``upstream_text`` through the client write) and
+per client frame (the reader loop through the engine send), as the median of
+``--rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import statistics
+import time
+from collections.abc import Sized
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from metrics.definitions import SidecarMetrics
+from proxy.app import session_settings
+from proxy.config import Settings
+from proxy.core.session import SessionCore
+from proxy.observer import SessionRegistry
+from proxy.relay import Relay, new_event_id
+from proxy.upstream_link import UpstreamHandler
+
+__all__ = ["main"]
+
+
+class _NullTransport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def writelines(self, parts: list[bytes]) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+
+class _NullProtocol:
+    def __init__(self) -> None:
+        self.transport = _NullTransport()
+        self.writing_paused = False
+
+
+class _NullLink:
+    backlog: Sized = ()
+    sends_without_waiting = True
+    closed = False
+    close_code: int | None = None
+
+    def input_backlog(self) -> int:
+        return 0
+
+    async def run(self, handler: UpstreamHandler) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+    async def send(self, text: str) -> None:
+        pass
+
+    def send_nowait(self, text: str) -> None:
+        pass
+
+    async def ping(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class _ScriptedClient:
+    """Client frames returned without suspending, like aiohttp's queue when it is full."""
+
+    def __init__(self) -> None:
+        self.frames: list[aiohttp.WSMessage] = []
+        self.closed = False
+
+    async def receive(self) -> aiohttp.WSMessage:
+        if self.frames:
+            return self.frames.pop()
+        return aiohttp.WSMessage(aiohttp.WSMsgType.CLOSE, 1000, None)
+
+    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
+        return True
+
+
+def _delta(rid: str, seq: int, b64: str) -> str:
+    return (
+        f'{{"type":"response.output_audio.delta","event_id":"b{time.monotonic_ns()}",'
+        f'"response_id":"{rid}","item_id":"item_{rid}","output_index":0,"content_index":0,'
+        f'"server_event_seq":{seq},"delta":"{b64}"}}'
+    )
+
+
+def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
+    metrics = SidecarMetrics(CollectorRegistry(), process_metrics=False)
+    registry = SessionRegistry(metrics, max_total_pending_output_bytes=1 << 40)
+    client = _ScriptedClient()
+    relay = Relay(
+        session_key="micro",
+        client=client,
+        client_protocol=_NullProtocol(),
+        upstream=_NullLink(),
+        core=SessionCore(session_settings(settings), new_event_id=new_event_id),
+        observer=registry.observer("micro"),
+        close_timeout=1.0,
+        drain_timeout=1.0,
+        upstream_close_timeout=1.0,
+        max_pending_input_bytes=settings.max_pending_input_bytes,
+        write_buffer_bytes=settings.client_write_buffer_bytes,
+        heartbeat_interval=settings.heartbeat_interval,
+        client_idle_timeout=settings.client_idle_timeout,
+    )
+    registry.add(relay)
+    return relay, client
+
+
+async def _round(chunk_ms: int, events: int, settings: Settings) -> tuple[float, float]:
+    relay, client = _relay(settings)
+    b64 = base64.b64encode(b"\x01\x02" * (24 * chunk_ms)).decode()
+    up_b64 = base64.b64encode(b"\x01\x02" * (16 * 80)).decode()
+    relay.upstream_text('{"type":"session.created","event_id":"b0","session":{"id":"s1"}}')
+    rid = "resp_1"
+    relay.upstream_text(
+        f'{{"type":"response.created","event_id":"b0","response_id":"{rid}",'
+        f'"response":{{"id":"{rid}","status":"in_progress"}}}}'
+    )
+    texts = [_delta(rid, i + 1, b64) for i in range(events)]
+    started = time.perf_counter()
+    for text in texts:
+        relay.upstream_text(text)
+    down = (time.perf_counter() - started) / events
+    appends = [
+        aiohttp.WSMessage(
+            aiohttp.WSMsgType.TEXT,
+            f'{{"type":"input_audio_buffer.append","event_id":"c{time.monotonic_ns()}",'
+            f'"audio":"{up_b64}"}}',
+            None,
+        )
+        for _ in range(events)
+    ]
+    client.frames = appends[::-1]
+    reader = relay._client_to_upstream
+    started = time.perf_counter()
+    await reader()
+    up = (time.perf_counter() - started) / events
+    relay.timers.cancel()
+    return down * 1e6, up * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--playback-ack", default="auto", choices=("auto", "off", "always"))
+    ns = parser.parse_args(argv)
+    # The frame and input-audio rate limits are per-second budgets; this run sends far faster.
+    settings = Settings(
+        playback_ack=ns.playback_ack, max_client_frame_rate=0.0, max_input_audio_rate=0.0
+    )
+    for label, chunk_ms in (("nemotron (80 ms deltas)", 80), ("minicpmo (1000 ms deltas)", 1000)):
+        downs, ups = [], []
+        for _ in range(ns.rounds):
+            down, up = asyncio.run(_round(chunk_ms, ns.events, settings))
+            downs.append(down)
+            ups.append(up)
+        print(
+            f"{label}: engine event {statistics.median(downs):.2f} µs, "
+            f"client frame {statistics.median(ups):.2f} µs (median of {ns.rounds})"
+        )
+
+
+if __name__ == "__main__":
+    main()
