@@ -15,6 +15,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from metrics.folded import FoldedHistogram
+
 __all__ = [
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
@@ -276,10 +278,11 @@ class SidecarMetrics:
             "Events queued for clients, all sessions.",
             registry=registry,
         )
-        self.output_queue_delay = Histogram(
+        # Observed once per relayed event: integer buckets, folded at scrape time.
+        self.output_queue_delay = FoldedHistogram(
             f"{p}_output_queue_delay_seconds",
             "Time an event waited in the output buffer.",
-            buckets=QUEUE_DELAY_BUCKETS,
+            QUEUE_DELAY_BUCKETS,
             registry=registry,
         )
         self.cancel_to_silence = Histogram(
