@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 from aiohttp import base_protocol, client_ws, web_runner, web_ws
+from aiohttp._websocket import helpers as websocket_helpers
 
 from proxy import compat
 
@@ -19,6 +20,8 @@ REMOVALS = [
     (base_protocol.BaseProtocol, "writing_paused", "BaseProtocol.writing_paused"),
     (web_ws.WebSocketResponse, "send_frame", "WebSocketResponse._writer (send_frame/close)"),
     (aiohttp, "ClientWSTimeout", "ClientWSTimeout"),
+    # The picows engine link masks its frames with it.
+    (websocket_helpers, "websocket_mask", "_websocket.helpers.websocket_mask"),
 ]
 
 
