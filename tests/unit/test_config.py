@@ -329,6 +329,17 @@ class TestUpstream:
         assert loaded.sources["engine.kind"] == "env OMNI_SIDECAR_UPSTREAM"
         assert loaded.sources["engine.upstream"] == "env OMNI_SIDECAR_UPSTREAM"
 
+    def test_upstream_client_from_each_source(self, tmp_path: Path) -> None:
+        assert Settings().upstream_client == "picows"
+        loaded = load(None, {"OMNI_SIDECAR_UPSTREAM_CLIENT": "aiohttp"}, None)
+        assert loaded.settings.upstream_client == "aiohttp"
+        assert loaded.sources["upstream_client"] == "env OMNI_SIDECAR_UPSTREAM_CLIENT"
+        path = write(tmp_path, 'upstream_client = "aiohttp"\n')
+        assert load(None, {}, path).settings.upstream_client == "aiohttp"
+        flags = parse_flags("--upstream-client", "aiohttp")
+        assert load(flags, {}, None).settings.upstream_client == "aiohttp"
+        assert "upstream_client" in LIVE_KEYS, "a reload applies it to new sessions"
+
     def test_upstream_from_flag(self) -> None:
         s = load(parse_flags("--upstream", "wss://engine.example/"), {}, None).settings
         assert s.engine.kind == "external"
@@ -432,6 +443,7 @@ class TestErrors:
             ("OMNI_SIDECAR_LOG_LEVEL", "loud", "log_level"),
             ("OMNI_SIDECAR_UPSTREAM_AUTHORIZATION", "key:", "upstream_authorization"),
             ("OMNI_SIDECAR_UPSTREAM_AUTHORIZATION", "bearer", "upstream_authorization"),
+            ("OMNI_SIDECAR_UPSTREAM_CLIENT", "websockets", "upstream_client"),
             ("OMNI_SIDECAR_ENGINE_KIND", "docker", "engine.kind"),
             ("OMNI_SIDECAR_ENGINE_PORT", "70000", "engine.port"),
             ("OMNI_SIDECAR_ENGINE_PORT", "x", "engine.port"),
@@ -460,6 +472,7 @@ class TestErrors:
             ("api_keys = [1]", "api_keys"),
             ("listen = 8000", "listen"),
             ("overflow_policy = 'drop_all'", "overflow_policy"),
+            ("upstream_client = 'curl'", "upstream_client"),
             ("engine = 3", "engine"),
             ("[engine]\nenv = {A = 1}", "engine.env"),
             ("[engine]\nport = 80.5", "engine.port"),
