@@ -140,6 +140,18 @@ class TestAcks:
         assert all(a["event_id"].startswith("event_sidecar_ack_") for a in acks)
         assert p.core.playback_tick(p.now) is None, "nothing more to say about r1"
 
+    def test_the_first_ack_is_due_an_interval_after_the_audio_started(self) -> None:
+        p = pair(ack=AckMode.AUTO, ack_interval=0.25)
+        p.tick(5.0)  # the session is old; its audio is not
+        p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(10)])
+        p.deliver()
+        p.tick(0.2)
+        assert p.core.playback.acks_due(p.now) == [], "200 ms played: not an interval yet"
+        assert p.core.playback.next_ack_at(p.now) == pytest.approx(5.25)
+        p.tick(0.05)
+        due = [json.loads(a) for a in p.core.playback.acks_due(p.now)]
+        assert [(a["type"], a["played_ms"]) for a in due] == [("playback.ack", 250)]
+
     def test_the_engines_answers_to_our_acks_are_hidden(self) -> None:
         p = pair(ack=AckMode.AUTO)
         p.upstream(response_created("r1"), chunk("r1", 0))

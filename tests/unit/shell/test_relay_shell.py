@@ -73,6 +73,7 @@ class Session:
         manual_soon: bool = False,
         core_settings: SessionSettings | None = None,
         answer_close: bool = True,
+        sends_without_waiting: bool = False,
         **relay_kwargs: Any,
     ) -> None:
         #: End-of-tick writes, run by the test when ``manual_soon``.
@@ -82,7 +83,9 @@ class Session:
         self.scheduler = ManualScheduler()
         self.protocol = FakeProtocol()
         self.client = FakeClient()
-        self.upstream = FakeUpstream(answer_close=answer_close)
+        self.upstream = FakeUpstream(
+            answer_close=answer_close, sends_without_waiting=sends_without_waiting
+        )
         self.observer = Observer()
         self.core = SessionCore(
             core_settings or make_settings(), new_event_id=lambda: "event_proxy"
@@ -466,3 +469,102 @@ async def test_a_client_close_while_output_is_queued_ends_delivery_without_spinn
     s.protocol.resume()
     await s.finished()  # the delivery task stops: nothing can follow a close frame
     assert [f.opcode for f in s.transport.frames()] == [Opcode.CLOSE]
+
+
+# -- playback acks: from the timer without a task switch, or riding along a client frame ----------
+
+_APPEND = '{"type":"input_audio_buffer.append","audio":"AAAA"}'
+
+
+def _acking(**playback: Any) -> SessionSettings:
+    return dataclasses.replace(
+        make_settings(),
+        playback=PlaybackSettings(ack=AckMode.AUTO, ack_interval=0.25, **playback),
+    )
+
+
+def _sent_types(s: Session) -> list[str]:
+    return [json.loads(t)["type"] for t in s.upstream.sent]
+
+
+async def _play_one_second(s: Session) -> None:
+    """The engine sends 1 s of audio; the client is written it at once (audio starts now)."""
+    s.upstream.feed(response_created("r1"))
+    for i in range(10):
+        s.upstream.feed(_chunk("r1", i))
+    await wait_until(lambda: len(s.texts()) == 11, what="audio delivered")
+
+
+async def _client_sends(s: Session, text: str) -> None:
+    s.client.send(aiohttp.WSMsgType.TEXT, text)
+    await wait_until(lambda: s.client.inbox.empty(), what="the client frame read")
+    await s.settle()
+
+
+async def test_a_link_that_sends_without_waiting_acks_from_the_timer_callback_itself(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    await _play_one_second(s)
+    s.scheduler.advance(0.25)
+    # No settle: the timer callback sent it, no task had to wake up for it.
+    assert _sent_types(s) == ["playback.ack"]
+    assert json.loads(s.upstream.sent[0])["played_ms"] == 250
+
+
+async def test_a_due_ack_rides_along_right_behind_the_next_client_frame(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    await _client_sends(s, _APPEND)  # the client streams: the ack timer is armed late
+    await _play_one_second(s)
+    s.scheduler.advance(0.25)  # an ack is due now; its timer waits another half interval
+    await s.settle()
+    assert s.upstream.sent == [_APPEND]
+    await _client_sends(s, _APPEND)
+    assert _sent_types(s) == ["input_audio_buffer.append"] * 2 + ["playback.ack"]
+    assert json.loads(s.upstream.sent[-1])["played_ms"] == 250
+    s.scheduler.advance(0.125)  # the late timer finds nothing left to say
+    await s.settle()
+    assert len(s.upstream.sent) == 3
+
+
+async def test_while_the_client_streams_the_ack_timer_fires_half_an_interval_late(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    await _client_sends(s, _APPEND)
+    await _play_one_second(s)
+    s.scheduler.advance(0.25)  # the exact due time: no ack yet, a ride may come
+    assert s.upstream.sent == [_APPEND]
+    s.scheduler.advance(0.125 - 0.001)
+    assert s.upstream.sent == [_APPEND]
+    s.scheduler.advance(0.001)  # none came: the timer sends it
+    assert _sent_types(s) == ["input_audio_buffer.append", "playback.ack"]
+    assert json.loads(s.upstream.sent[-1])["played_ms"] == 375
+
+
+async def test_no_ack_rides_along_before_an_interval_of_audio_has_played(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    await _play_one_second(s)
+    s.scheduler.advance(0.2)
+    await _client_sends(s, _APPEND)
+    assert s.upstream.sent == [_APPEND], "200 ms of audio is not an interval"
+    s.scheduler.advance(0.05)  # the timer armed when the audio started: an interval later
+    assert _sent_types(s) == ["input_audio_buffer.append", "playback.ack"]
+    assert json.loads(s.upstream.sent[-1])["played_ms"] == 250
+
+
+async def test_after_the_clients_own_ack_nothing_rides_along_in_auto_mode(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    own = '{"type":"playback.ack","response_id":"r0","played_ms":0}'
+    await _client_sends(s, own)
+    await _play_one_second(s)
+    for _ in range(4):
+        s.scheduler.advance(0.3)
+        await _client_sends(s, _APPEND)
+    assert s.upstream.sent == [own] + [_APPEND] * 4
