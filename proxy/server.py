@@ -81,6 +81,7 @@ from proxy.config import (
     setting_value,
 )
 from proxy.console import EngineView
+from proxy.core import CORE_BUILD
 from proxy.core.session import SessionCore
 from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
@@ -160,7 +161,9 @@ class Sidecar:
             on_release=self._session_released,
         )
         self.registry = CollectorRegistry()
-        self.metrics = SidecarMetrics(self.registry, version=_version(), replicas=len(self.pool))
+        self.metrics = SidecarMetrics(
+            self.registry, version=_version(), core_build=CORE_BUILD, replicas=len(self.pool)
+        )
         for index in range(len(self.pool)):
             self.metrics.engine_replica_sessions.labels(str(index)).set_function(
                 lambda index=index: self.router.sessions[index]  # type: ignore[misc]
@@ -316,11 +319,13 @@ class Sidecar:
         kind = self.settings.engine.kind
         if listen is not None:
             log.info(
-                "omni-sidecar ready: clients %s/v1/realtime, admin %s/metrics, engine %s at %s",
+                "omni-sidecar ready: clients %s/v1/realtime, admin %s/metrics, engine %s at %s "
+                "(core: %s)",
                 _url(*listen, scheme="ws"),
                 _url(*admin) if admin else "-",
                 kind,
                 engine,
+                CORE_BUILD,
             )
         self.notifier.notify("READY=1", f"STATUS=serving; engine {kind} ready")
 

@@ -33,6 +33,7 @@ ALLOWED_LABELS = frozenset(
         "policy",
         "state",
         "version",
+        "core",
         "result",
         "source",
         "engine",
@@ -78,7 +79,7 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_playback_acks": ("counter", {}),
     "omni_sidecar_truncations": ("counter", {"source": d.TRUNCATION_SOURCES}),
     "omni_sidecar_paced_bound_releases": ("counter", {}),
-    "omni_sidecar_build": ("info", {"version": ()}),
+    "omni_sidecar_build": ("info", {"version": (), "core": d.CORE_BUILDS}),
 }
 
 #: The original design's metrics, verbatim (exposition names, with their labels).
@@ -102,7 +103,7 @@ DESIGN_METRICS: dict[str, tuple[str, ...]] = {
     "engine_state": ("state",),
     "engine_restarts_total": ("reason",),
     "engine_start_seconds": (),
-    "build_info": ("version",),
+    "build_info": ("core", "version"),
 }
 
 #: The original design's label enums, verbatim.
@@ -335,8 +336,14 @@ def test_known_series_start_at_zero(registry: CollectorRegistry) -> None:
         assert all(s.value == 0.0 for s in main), f"{family.name}: not 0 at start"
 
 
-def test_build_info_carries_the_version(registry: CollectorRegistry) -> None:
-    assert registry.get_sample_value("omni_sidecar_build_info", {"version": "1.2.3"}) == 1.0
+def test_build_info_carries_the_version_and_the_core_build(registry: CollectorRegistry) -> None:
+    assert (
+        registry.get_sample_value("omni_sidecar_build_info", {"version": "1.2.3", "core": "python"})
+        == 1.0
+    )
+    compiled = CollectorRegistry()
+    SidecarMetrics(compiled, version="1", core_build="mypyc", process_metrics=False)
+    assert compiled.get_sample_value("omni_sidecar_build_info", {"version": "1", "core": "mypyc"})
 
 
 def test_engine_state_is_one_hot() -> None:

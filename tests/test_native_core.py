@@ -1,0 +1,116 @@
+"""The mypyc-compiled core (make native): same behaviour, refused when stale.
+
+The rest of the suite runs whichever core the checkout holds (a clean one:
+Python). This file builds the compiled core in a copy of the working tree and
+runs the core's and the relay shell's unit tests against it, so both builds
+stay tested; and checks the import guard that refuses a compiled module older
+than its source.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.core import StaleNativeCore, core_build
+
+ROOT = Path(__file__).resolve().parent.parent
+_SO = ".cpython-311-x86_64-linux-gnu.so"
+
+
+def _touch(path: Path, mtime: float) -> None:
+    path.write_bytes(b"")
+    os.utime(path, (mtime, mtime))
+
+
+def test_a_directory_without_compiled_modules_is_the_python_core(tmp_path: Path) -> None:
+    _touch(tmp_path / "session.py", 100.0)
+    assert core_build(str(tmp_path)) == "python"
+
+
+def test_compiled_modules_newer_than_their_sources_are_the_mypyc_core(tmp_path: Path) -> None:
+    _touch(tmp_path / "session.py", 100.0)
+    _touch(tmp_path / f"session{_SO}", 200.0)
+    # mypyc's runtime part has no source of its own.
+    _touch(tmp_path / f"session__mypyc{_SO}", 50.0)
+    assert core_build(str(tmp_path)) == "mypyc"
+
+
+def test_a_source_edited_after_the_build_is_refused_with_the_fix(tmp_path: Path) -> None:
+    _touch(tmp_path / "buffer.py", 100.0)
+    _touch(tmp_path / f"buffer{_SO}", 200.0)
+    _touch(tmp_path / "session.py", 300.0)
+    _touch(tmp_path / f"session{_SO}", 200.0)
+    with pytest.raises(StaleNativeCore, match=r"proxy/core/session\.py changed .*make native"):
+        core_build(str(tmp_path))
+
+
+@pytest.mark.timeout(600)
+def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    for name in ("proxy", "metrics", "engine_launcher", "scripts"):
+        shutil.copytree(
+            ROOT / name, tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__")
+        )
+    (tree / "tests" / "unit").mkdir(parents=True)
+    for name in ("__init__.py", "conftest.py"):
+        shutil.copy2(ROOT / "tests" / name, tree / "tests" / name)
+    shutil.copy2(ROOT / "tests" / "unit" / "__init__.py", tree / "tests" / "unit" / "__init__.py")
+    for name in ("core", "shell"):
+        shutil.copytree(
+            ROOT / "tests" / "unit" / name,
+            tree / "tests" / "unit" / name,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    shutil.copy2(ROOT / "pyproject.toml", tree / "pyproject.toml")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    build = subprocess.run(
+        [sys.executable, "scripts/native_core.py", "build"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    status = subprocess.run(
+        [sys.executable, "scripts/native_core.py", "status"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert status.stdout.strip() == "mypyc"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import proxy.core.session as s, proxy.core.buffer as b; print(s.__file__, b.__file__)",
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert run.stdout.count(".so") == 2, run.stdout
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    print(f"\ncompiled core: {tests.stdout.strip().splitlines()[-1]}")
