@@ -33,7 +33,7 @@ from websockets.server import ServerProtocol
 from websockets.streams import StreamReader
 
 from proxy.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
-from tests.conftest import DEADLINE, free_port, wait_until
+from tests.conftest import DEADLINE, MS, free_port, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
     clean_env,
@@ -47,6 +47,12 @@ MIB = 1024 * 1024
 #: The links' bound on one engine message in these tests.
 MAX_MESSAGE = 64 * 1024
 CLIENTS = ("picows", "aiohttp")
+#: Loopback round trips take milliseconds: a broken link fails in 2 s, not DEADLINE.
+QUICK = 2_000 * MS
+
+
+async def soon(predicate: Callable[[], bool], *, what: str) -> None:
+    await wait_until(predicate, timeout=QUICK, what=what)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -217,7 +223,7 @@ class Engine:
                 await self._server.wait_closed()
 
     async def connection(self) -> EngineConn:
-        await wait_until(lambda: bool(self.conns), what="the engine's connection")
+        await soon(lambda: bool(self.conns), what="the engine's connection")
         return self.conns[-1]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -332,7 +338,7 @@ class Opened:
 
     async def result(self) -> bool:
         assert self.task is not None
-        async with asyncio.timeout(DEADLINE):
+        async with asyncio.timeout(QUICK):
             return await self.task
 
 
@@ -353,7 +359,7 @@ async def open_link(request: pytest.FixtureRequest) -> AsyncIterator[Opener]:
         max_message_bytes: int = MAX_MESSAGE,
         write_limit: int = 64 * MIB,
     ) -> Opened:
-        async with asyncio.timeout(DEADLINE):
+        async with asyncio.timeout(QUICK):
             link = await connect_upstream(
                 client,  # type: ignore[arg-type]
                 url,
@@ -387,7 +393,7 @@ async def picows_link(url: str, **kwargs: Any) -> UpstreamLink:
         "close_timeout": DEADLINE,
     }
     values.update(kwargs)
-    async with asyncio.timeout(DEADLINE):
+    async with asyncio.timeout(QUICK):
         return await connect_upstream("picows", url, **values)
 
 
@@ -405,10 +411,10 @@ async def test_frames_sent_with_the_101_are_handed_over_once_run_starts_in_order
     link = await open_link(engine.url)
     conn = await engine.connection()
     conn.text(event("c"))  # before run too: held behind the first two
-    await wait_until(lambda: conn.writer.transport.get_write_buffer_size() == 0, what="c sent")
+    await soon(lambda: conn.writer.transport.get_write_buffer_size() == 0, what="c sent")
     assert link.handler.events == []
     link.run()
-    await wait_until(lambda: len(link.handler.events) == 3, what="the held frames")
+    await soon(lambda: len(link.handler.events) == 3, what="the held frames")
     conn.text(event("d"))
     conn.close(1000)
     assert await link.result() is True
@@ -423,7 +429,7 @@ async def test_a_frame_and_a_close_sent_with_the_101_both_reach_run(
     conn = await engine.connection()
     link.run()
     assert await link.result() is True
-    await wait_until(lambda: conn.close_code_received is not None, what="the close answered")
+    await soon(lambda: conn.close_code_received is not None, what="the close answered")
     assert link.handler.texts() == [event("created")]
     assert link.link.close_code == 1001
 
@@ -446,9 +452,9 @@ async def test_a_message_in_three_fragments_is_one_text_and_a_ping_between_is_an
     conn.continuation(data[cut1:cut2], fin=False)
     conn.continuation(data[cut2:], fin=True)
     conn.text(event("next"))
-    await wait_until(lambda: len(link.handler.events) == 2, what="two messages")
+    await soon(lambda: len(link.handler.events) == 2, what="two messages")
     assert link.handler.texts() == [whole, event("next")]
-    await wait_until(lambda: bool(conn.of(Opcode.PONG)), what="the pong")
+    await soon(lambda: bool(conn.of(Opcode.PONG)), what="the pong")
     assert [f.data for f in conn.of(Opcode.PONG)] == [b"between"]
 
 
@@ -464,7 +470,7 @@ async def test_fragments_above_max_message_bytes_end_the_link_with_1009(
     conn.continuation(b"x" * 4_000, fin=True)
     assert await link.result() is False
     assert link.handler.events == []
-    await wait_until(lambda: conn.ended.is_set(), what="the connection ended")
+    await soon(lambda: conn.ended.is_set(), what="the connection ended")
     assert conn.close_code_received == 1009
 
 
@@ -477,7 +483,7 @@ async def test_one_frame_above_max_message_bytes_ends_the_link(
     link.run()
     conn.text(b"x" * 10_001)
     assert await link.result() is False
-    await wait_until(lambda: conn.ended.is_set(), what="the connection ended")
+    await soon(lambda: conn.ended.is_set(), what="the connection ended")
     assert conn.close_code_received == 1009
 
 
@@ -497,7 +503,7 @@ async def test_invalid_utf8_in_a_text_message_closes_with_1007(
         conn.text(b'{"type":"\xff"}')
     assert await link.result() is False
     assert link.handler.texts() == [event("fine")]
-    await wait_until(lambda: conn.close_code_received is not None, what="our close frame")
+    await soon(lambda: conn.close_code_received is not None, what="our close frame")
     assert conn.close_code_received == 1007
 
 
@@ -522,7 +528,7 @@ async def test_invalid_utf8_sent_with_the_101_closes_with_1007_too(
         clean = await link.result()
     except Exception as exc:  # noqa: BLE001 - the product bug this test documents
         raised = exc
-    await wait_until(lambda: conn.close_code_received is not None, what="our close frame")
+    await soon(lambda: conn.close_code_received is not None, what="our close frame")
     assert (raised, clean, conn.close_code_received) == (None, False, 1007)
 
 
@@ -568,7 +574,7 @@ async def test_a_binary_message_is_reported_by_size(engines: Any, open_link: Ope
     link.run()
     conn.binary(b"\x00" * 1234)
     conn.text(event("after"))
-    await wait_until(lambda: len(link.handler.events) == 2, what="both messages")
+    await soon(lambda: len(link.handler.events) == 2, what="both messages")
     assert link.handler.events == [("binary", 1234), ("text", event("after"))]
 
 
@@ -580,12 +586,12 @@ async def test_engine_pings_are_answered_and_our_pings_prove_the_engine_alive(
     conn = await engine.connection()
     link.run()
     conn.ping(b"are you there")
-    await wait_until(lambda: bool(conn.of(Opcode.PONG)), what="the pong")
+    await soon(lambda: bool(conn.of(Opcode.PONG)), what="the pong")
     assert [f.data for f in conn.of(Opcode.PONG)] == [b"are you there"]
     before = link.handler.alive
     await link.link.ping()
-    await wait_until(lambda: bool(conn.of(Opcode.PING)), what="our ping")
-    await wait_until(lambda: link.handler.alive > before, what="upstream_alive for the pong")
+    await soon(lambda: bool(conn.of(Opcode.PING)), what="our ping")
+    await soon(lambda: link.handler.alive > before, what="upstream_alive for the pong")
     assert link.handler.events == [], "control frames are not messages"
 
 
@@ -603,7 +609,7 @@ async def test_the_engines_close_code_decides_a_clean_end(
     assert link.link.close_code == code
     assert link.link.closed
     assert link.handler.texts() == [event("last")]
-    await wait_until(lambda: conn.ended.is_set(), what="the connection ended")
+    await soon(lambda: conn.ended.is_set(), what="the connection ended")
     assert conn.close_code_received is not None, "the engine's close is answered"
 
 
@@ -625,15 +631,15 @@ async def test_close_sends_1000_and_completes_once_the_engine_answers(
     conn = await engine.connection()
     conn.holding = True  # the engine takes its time to answer
     closing = asyncio.create_task(link.link.close())
-    await wait_until(lambda: conn.close_code_received is not None, what="our close frame")
+    await soon(lambda: conn.close_code_received is not None, what="our close frame")
     assert conn.close_code_received == 1000
     await asyncio.sleep(0.05)  # bounded look: close() must still be waiting
     assert not closing.done(), "close() returned before the engine answered"
     conn.release()
-    async with asyncio.timeout(DEADLINE):
+    async with asyncio.timeout(QUICK):
         await closing
     assert link.link.closed
-    await wait_until(lambda: conn.ended.is_set(), what="the connection ended")
+    await soon(lambda: conn.ended.is_set(), what="the connection ended")
     assert conn.protocol.close_sent is not None and conn.protocol.close_sent.code == 1000
 
 
@@ -643,13 +649,13 @@ async def test_close_while_running_ends_run_cleanly(engines: Any, open_link: Ope
     conn = await engine.connection()
     link.run()
     await link.link.send(event("last words"))
-    async with asyncio.timeout(DEADLINE):
+    async with asyncio.timeout(QUICK):
         await link.link.close()
-    await wait_until(lambda: conn.ended.is_set(), what="the connection ended")
+    await soon(lambda: conn.ended.is_set(), what="the connection ended")
     assert conn.texts() == [event("last words")], "what was sent goes before the close"
     assert conn.close_code_received == 1000
     assert link.task is not None
-    async with asyncio.timeout(DEADLINE):
+    async with asyncio.timeout(QUICK):
         await asyncio.wait([link.task])
 
 
@@ -662,7 +668,7 @@ async def test_abort_drops_the_connection_without_a_close_frame(
     link.run()
     link.link.abort()
     assert await link.result() is False
-    await wait_until(lambda: conn.ended.is_set(), what="the engine saw the connection end")
+    await soon(lambda: conn.ended.is_set(), what="the engine saw the connection end")
     assert conn.close_code_received is None
 
 
@@ -685,7 +691,7 @@ async def test_sent_frames_arrive_intact_masked_and_in_order(
     ]
     for text in texts:
         await link.link.send(text)
-    await wait_until(lambda: len(conn.texts()) == len(texts), what="every frame")
+    await soon(lambda: len(conn.texts()) == len(texts), what="every frame")
     assert conn.texts() == texts
     assert conn.protocol.parser_exc is None
     wire = conn.wire
@@ -703,11 +709,11 @@ async def test_commands_the_handler_has_waiting_are_sent_in_order(
     conn = await engine.connection()
     link.run()
     conn.text(event("nothing waits"))
-    await wait_until(lambda: len(link.handler.events) == 1, what="the first event")
+    await soon(lambda: len(link.handler.events) == 1, what="the first event")
     assert link.handler.taken == 0, "nothing asked for, nothing taken"
     link.handler.commands = [event("ack", 1), event("ack", 2), event("truncate", 3)]
     conn.text(event("audio"))
-    await wait_until(lambda: len(conn.texts()) == 3, what="the commands")
+    await soon(lambda: len(conn.texts()) == 3, what="the commands")
     assert conn.texts() == [event("ack", 1), event("ack", 2), event("truncate", 3)]
     assert link.handler.taken == 1
 
@@ -759,10 +765,10 @@ async def test_input_backlog_counts_what_a_stalled_engine_has_not_taken(
     chunk = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 60_000})
     for _ in range(160):  # ~9.6 MB: more than the kernel's buffers on both ends hold
         await link.link.send(chunk)
-    await wait_until(lambda: link.link.input_backlog() > 0, what="a backlog")
+    await soon(lambda: link.link.input_backlog() > 0, what="a backlog")
     conn.reading.set()
-    await wait_until(lambda: link.link.input_backlog() == 0, what="the backlog drained")
-    await wait_until(lambda: len(conn.texts()) == 160, what="every frame")
+    await soon(lambda: link.link.input_backlog() == 0, what="the backlog drained")
+    await soon(lambda: len(conn.texts()) == 160, what="every frame")
 
 
 # -- the picows link's own sending --------------------------------------------------------------
@@ -779,10 +785,10 @@ async def test_picows_sends_of_one_tick_are_counted_then_written_in_order(engine
             link.send_nowait(text)
         # Nothing is written before the end of the tick: all of it is backlog.
         assert link.input_backlog() == sum(len(t) for t in texts)
-        await wait_until(lambda: len(conn.texts()) == 5, what="the batch")
+        await soon(lambda: len(conn.texts()) == 5, what="the batch")
         assert conn.texts() == texts
         assert all(f.masked for f in conn.wire)
-        await wait_until(lambda: link.input_backlog() == 0, what="the batch taken")
+        await soon(lambda: link.input_backlog() == 0, what="the batch taken")
     finally:
         link.abort()
 
