@@ -32,7 +32,12 @@ from websockets.http11 import Request
 from websockets.server import ServerProtocol
 from websockets.streams import StreamReader
 
-from proxy.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
+from proxy.upstream_link import (
+    PicowsUpstreamLink,
+    UpstreamConnectError,
+    UpstreamLink,
+    connect_upstream,
+)
 from tests.conftest import DEADLINE, MS, free_port, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
@@ -198,6 +203,8 @@ class Engine:
         self.reject = reject
         self.receive_buffer = receive_buffer
         self.conns: list[EngineConn] = []
+        #: Every connection's serving task (health probes and refused handshakes too).
+        self._serving: dict[asyncio.Task[None], EngineConn] = {}
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -215,8 +222,11 @@ class Engine:
         return self
 
     async def aclose(self) -> None:
-        for conn in self.conns:
+        for conn in self._serving.values():
             conn.drop()
+            conn.reading.set()  # a paused reader sees the reset too
+        if self._serving:  # each serving task ends on its reset connection
+            await asyncio.wait(list(self._serving), timeout=QUICK)
         if self._server is not None:
             self._server.close()
             async with asyncio.timeout(DEADLINE):
@@ -230,6 +240,9 @@ class Engine:
         conn = EngineConn(writer, ServerProtocol(max_size=None))
         conn.reading.set()
         protocol = conn.protocol
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving[task] = conn
         try:
             while True:
                 await conn.reading.wait()
@@ -789,6 +802,27 @@ async def test_picows_sends_of_one_tick_are_counted_then_written_in_order(engine
         assert conn.texts() == texts
         assert all(f.masked for f in conn.wire)
         await soon(lambda: link.input_backlog() == 0, what="the batch taken")
+    finally:
+        link.abort()
+
+
+async def test_picows_stops_reading_at_a_frame_that_arrives_before_run(engines: Any) -> None:
+    """What arrives before run() is held, so reading pauses there (the bound on what is held
+    is one socket read; on loopback the kernel would absorb tens of MB before the engine
+    could see it, so the transport's own reading state is checked)."""
+    engine = await engines(on_connect=lambda c: c.text(event("session.created")))
+    link = await picows_link(engine.url)
+    try:
+        assert isinstance(link, PicowsUpstreamLink) and link.transport is not None
+        underlying = link.transport.underlying_transport
+        await soon(lambda: not underlying.is_reading(), what="reading paused")
+        handler = Recorder()
+        task = asyncio.create_task(link.run(handler))
+        await soon(lambda: underlying.is_reading(), what="reading resumed by run()")
+        assert handler.texts() == [event("session.created")]
+        (await engine.connection()).close(1000)
+        async with asyncio.timeout(QUICK):
+            assert await task is True
     finally:
         link.abort()
 
