@@ -8,11 +8,11 @@ by itself (an oversized client frame: 1009) take the same path.
 
 Rules it enforces (docs/design.md, Relay shell):
 
-- **Write bound.** Events are taken from the core only while the client
-  transport is below its high-water mark (``client_write_buffer_bytes``, set on
-  the transport by the app), and a batch of taken events never holds more than
-  ``client_write_buffer_bytes`` unless it is a single event larger than that.
-  So the transport holds at most about twice the bound.
+- **Write bound.** Events are taken from the core only while what the client
+  transport holds unsent plus the batch of taken events is below
+  ``client_write_buffer_bytes`` (also the transport's high-water mark, set by
+  the app). So a client that stops reading pins at most the bound plus one
+  event here; a single event larger than the bound is written alone.
 - **Write-time re-check.** A taken event is re-checked against the core when
   it is written: audio of a response cancelled between taking and writing is
   dropped (``cancelled_audio``), not written.
@@ -176,15 +176,22 @@ class ClientFrameWriter:
         buffer = core.buffer
         bound = self._bound
         protocol = self._protocol
+        # What the transport already holds counts against the bound too, so a
+        # client that stops reading pins at most the bound (plus one event)
+        # here, not a full batch on top of a full transport.
+        room = bound - self._buffered()
         while not self.close_sent and buffer.has_output() and not protocol.writing_paused:
+            if self._batch_bytes >= room:
+                break
             entry = core.next_delivery(now)
             if entry is None:
                 break
             buffer.release_held()
             size = entry.event.size
-            if self._batch and self._batch_bytes + size > bound:
+            if self._batch and self._batch_bytes + size > room:
                 # The batch is full: write it; this event starts the next one.
                 self.flush()
+                room = bound - self._buffered()
             self._batch.append((entry, now))
             self._batch_bytes += size
             if entry.closure:
@@ -197,6 +204,11 @@ class ClientFrameWriter:
                 self._call_soon(self._scheduled_flush)
         else:
             self.flush()
+
+    def _buffered(self) -> int:
+        """Bytes the client transport holds unsent (0 once it is gone)."""
+        transport = self._protocol.transport
+        return 0 if transport is None else int(transport.get_write_buffer_size())
 
     def _scheduled_flush(self) -> None:
         self._flush_scheduled = False

@@ -242,6 +242,8 @@ class PicowsUpstreamLink(picows.WSListener):
         self._out: list[bytes | bytearray] = []
         self._out_bytes = 0
         self._flush_scheduled = False
+        # Kept: asyncio.get_running_loop() costs a getpid() system call per use.
+        self._loop = asyncio.get_running_loop()
 
     @classmethod
     async def connect(
@@ -385,7 +387,7 @@ class PicowsUpstreamLink(picows.WSListener):
         self._out_bytes += len(payload)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -456,7 +458,7 @@ class PicowsUpstreamLink(picows.WSListener):
     async def _wait_drained(self) -> None:
         while self._write_paused and not self._disconnected:
             if self._drained is None or self._drained.done():
-                self._drained = asyncio.get_running_loop().create_future()
+                self._drained = self._loop.create_future()
             await self._drained
 
     def _resume(self) -> None:

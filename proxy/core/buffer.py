@@ -110,6 +110,19 @@ class Entry:
     reserved: bool = False
     closure: bool = False
 
+    # Written out: built per queued event (see UpstreamEvent.__init__).
+    def __init__(
+        self,
+        event: UpstreamEvent,
+        enqueued_at: float,
+        reserved: bool = False,
+        closure: bool = False,
+    ) -> None:
+        self.event = event
+        self.enqueued_at = enqueued_at
+        self.reserved = reserved
+        self.closure = closure
+
 
 @dataclass(frozen=True, slots=True)
 class BufferStatistics:

@@ -138,6 +138,32 @@ class UpstreamEvent:
     audio_chars: int = 0
     audio_meta: dict[str, Any] | None = None
 
+    # Written out (dataclass keeps it): built per engine event, and mypyc
+    # compiles this one natively where it would interpret the generated one.
+    def __init__(
+        self,
+        text: str,
+        size: int,
+        type: str,
+        kind: EventKind,
+        response_id: str | None = None,
+        status: str | None = None,
+        action: str | None = None,
+        body: dict[str, Any] | None = None,
+        audio_chars: int = 0,
+        audio_meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.text = text
+        self.size = size
+        self.type = type
+        self.kind = kind
+        self.response_id = response_id
+        self.status = status
+        self.action = action
+        self.body = body
+        self.audio_chars = audio_chars
+        self.audio_meta = audio_meta
+
     @property
     def is_audio(self) -> bool:
         return self.kind is EventKind.AUDIO_DELTA
@@ -170,6 +196,31 @@ class ClientEvent:
     event_id: str | None = None
     detail: str = ""
     body: dict[str, Any] | None = None
+
+    # Written out for the same reason as UpstreamEvent's (built per client frame).
+    def __init__(
+        self,
+        text: str,
+        size: int,
+        type: str,
+        kind: ClientKind,
+        response_id: str | None = None,
+        cancels: bool = False,
+        audio_chars: int = 0,
+        event_id: str | None = None,
+        detail: str = "",
+        body: dict[str, Any] | None = None,
+    ) -> None:
+        self.text = text
+        self.size = size
+        self.type = type
+        self.kind = kind
+        self.response_id = response_id
+        self.cancels = cancels
+        self.audio_chars = audio_chars
+        self.event_id = event_id
+        self.detail = detail
+        self.body = body
 
     @property
     def is_valid(self) -> bool:

@@ -88,7 +88,10 @@ class FakeTransport:
             callback()
 
     def get_write_buffer_size(self) -> int:
-        return 0
+        return self.buffered
+
+    #: Bytes the transport holds unsent (a test sets it: a client that stopped reading).
+    buffered = 0
 
     def pause_reading(self) -> None:
         self.reading_paused = True

@@ -149,6 +149,18 @@ def test_a_deferred_batch_never_exceeds_the_write_bound() -> None:
     assert [t["i"] for t in h.texts()] == list(range(10))
 
 
+def test_what_the_transport_holds_counts_against_the_bound() -> None:
+    h = Harness(bound=1000)
+    h.transport.buffered = 900  # the client stopped reading: the transport holds 900 bytes
+    h.engine(*[sized({"type": "x.e", "i": i}, 300) for i in range(5)])
+    h.writer.pump(h.now)
+    assert [t["i"] for t in h.texts()] == [0], "one event past the room, then nothing"
+    assert len(h.core.buffer) == 4, "the rest stays queued in the core, inside its budget"
+    h.transport.buffered = 0  # drained
+    h.writer.pump(h.now)
+    assert [t["i"] for t in h.texts()] == [0, 1, 2, 3, 4]
+
+
 def test_one_event_larger_than_the_bound_is_written_alone() -> None:
     h = Harness(bound=1000)
     big = sized({"type": "x.big"}, 5000)
