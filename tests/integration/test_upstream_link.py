@@ -784,6 +784,63 @@ async def test_input_backlog_counts_what_a_stalled_engine_has_not_taken(
     await soon(lambda: len(conn.texts()) == 160, what="every frame")
 
 
+@pytest.mark.parametrize("yields", [True, False], ids=["caller-yields", "tight-loop"])
+async def test_send_waits_above_write_limit_while_the_engine_does_not_read(
+    engines: Any, open_link: Opener, request: pytest.FixtureRequest, yields: bool
+) -> None:
+    if open_link.client == "picows" and not yields:  # type: ignore[attr-defined]
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="picows link: send() neither waits nor yields for bytes queued in the "
+                "current tick (the flush is call_soon'd), so a tight send loop queues without "
+                "bound past write_limit",
+            )
+        )
+    engine = await engines(receive_buffer=4096)
+    link = await open_link(engine.url, write_limit=256 * 1024)
+    conn = await engine.connection()
+    link.run()
+    conn.reading.clear()
+    chunk = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 60_000})
+
+    async def stream() -> int:
+        for sent in range(1000):  # 60 MB at most: far above every buffer on the way
+            await link.link.send(chunk)
+            if yields:  # as the relay's client reader does now and then
+                await asyncio.sleep(0)
+        return sent
+
+    sender = asyncio.create_task(stream())
+    await soon(lambda: link.link.input_backlog() >= 256 * 1024, what="input above the limit")
+    await asyncio.sleep(0.05)  # bounded look: the sender is held, the backlog stays bounded
+    assert not sender.done()
+    # Bounded near write_limit (aiohttp checks for a drain every write_limit bytes written).
+    assert link.link.input_backlog() < 4 * 256 * 1024
+    conn.drop()  # the engine goes away: the held send returns instead of hanging
+    async with asyncio.timeout(QUICK):
+        await sender
+    assert await link.result() is False
+
+
+async def test_close_that_the_engine_never_answers_can_be_bounded_and_drops_it(
+    engines: Any, open_link: Opener
+) -> None:
+    engine = await engines()
+    link = await open_link(engine.url)
+    conn = await engine.connection()
+    link.run()
+    conn.holding = True  # never answers our close
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await link.link.close()
+    await soon(lambda: conn.ended.is_set(), what="the connection dropped after the timeout")
+    assert conn.close_code_received == 1000
+    assert link.task is not None
+    async with asyncio.timeout(QUICK):
+        await asyncio.wait([link.task])
+
+
 # -- the picows link's own sending --------------------------------------------------------------
 
 
