@@ -970,6 +970,48 @@ async def test_a_cancel_drops_the_late_audio_on_either_link(
     assert proxy.metric("omni_sidecar_dropped_events_total", {"reason": "late_audio"}) == 2
 
 
+def _chunk_100ms(rid: str, n: int) -> dict[str, Any]:
+    """100 ms of pcm16 at 24 kHz."""
+    return {
+        "type": AUDIO_DELTA,
+        "response_id": rid,
+        "item_id": f"item_{rid}",
+        "delta": "A" * 6400,
+        "format": "pcm16",
+        "sample_rate_hz": 24000,
+        "n": n,
+    }
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_playback_acks_reach_the_engine_through_either_link(
+    engines: Any, sidecar: Any, client: str
+) -> None:
+    engine = await engines()
+    proxy = await sidecar(upstream=engine.url, upstream_client=client, playback_ack="auto")
+    append = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"})
+
+    def acks(conn: EngineConn) -> list[dict[str, Any]]:
+        events = [json.loads(t) for t in conn.texts()]
+        return [e for e in events if e["type"] == "playback.ack"]
+
+    async with connect(proxy.url) as client_ws:
+        conn = await engine.connection()
+        _send(conn, _created("r1"), *[_chunk_100ms("r1", i) for i in range(5)])
+        _send(conn, _done("r1", "completed"))
+        await client_ws.recv_until("response.done")
+        await soon(lambda: bool(acks(conn)), what="an ack from the timer")
+        for _ in range(3):  # acks may ride along with these
+            await client_ws.send(append)
+        # The last one says all 500 ms were heard.
+        await soon(lambda: any(a["played_ms"] == 500 for a in acks(conn)), what="the final ack")
+        await soon(lambda: conn.texts().count(append) == 3, what="the appends")
+    played = [a["played_ms"] for a in acks(conn)]
+    assert played == sorted(set(played)) and played[0] > 0, played
+    assert {(a["response_id"], a["item_id"]) for a in acks(conn)} == {("r1", "item_r1")}
+    assert all(f.masked for f in conn.wire)
+
+
 _ENDINGS: dict[str, tuple[Callable[[EngineConn], None], str, int]] = {
     # engine action: (what the engine does, session.closed reason, client close code)
     "close-1000": (lambda c: c.close(1000), "upstream_closed", 1000),
