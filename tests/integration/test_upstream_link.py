@@ -591,6 +591,10 @@ _OUT_OF_ORDER = {
         c.raw_frame(0x1, b'{"type":', fin=False),
         c.raw_frame(0x1, event("other").encode()),
     ),
+    "fragmented-message-inside-a-fragmented-one": lambda c: (
+        c.raw_frame(0x1, b'{"type":', fin=False),
+        c.raw_frame(0x1, b'{"type":', fin=False),
+    ),
     "continuation-without-a-first-frame": lambda c: c.raw_frame(0x0, b'"x"}'),
 }
 
