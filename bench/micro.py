@@ -21,6 +21,7 @@ import base64
 import statistics
 import time
 from collections.abc import Sized
+from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry
@@ -68,6 +69,8 @@ class _NullProtocol:
 class _NullLink:
     backlog: Sized = ()
     sends_without_waiting = True
+    write_paused = False
+    on_drained: Any = None
     closed = False
     close_code: int | None = None
 
@@ -82,6 +85,9 @@ class _NullLink:
         pass
 
     def send_nowait(self, text: str) -> None:
+        pass
+
+    async def wait_drained(self) -> None:
         pass
 
     async def ping(self) -> None:

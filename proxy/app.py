@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -494,6 +495,7 @@ async def _run_placed(
         client_idle_timeout=settings.client_idle_timeout,
         heartbeat_interval=settings.heartbeat_interval,
         client_address=address,
+        client_push=functools.partial(compat.push_text, client),
     )
     # From here on every frame to this client, aiohttp's own close frames
     # included, goes through the relay's frame writer.
@@ -583,6 +585,8 @@ async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
 
 def build_client_app(state: ProxyState) -> web.Application:
     """The client-facing application."""
+    # Client text frames can then be handed to their relay as they are parsed.
+    compat.install_text_push()
     app = web.Application(client_max_size=state.settings.max_client_message_bytes)
     app[STATE] = state
     app.router.add_get("/healthz", _healthz)

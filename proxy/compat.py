@@ -43,7 +43,9 @@ __all__ = [
     "handler_kwargs",
     "head_refused",
     "install_client_writer",
+    "install_text_push",
     "missing_hooks",
+    "push_text",
     "requests_parsed",
     "require_hooks",
     "upstream_backlog",
@@ -100,6 +102,66 @@ def install_client_writer(client: web.WebSocketResponse, writer: Any) -> None:
     if client._writer is None:  # pragma: no cover - the app calls this after prepare()
         raise RuntimeError("install_client_writer() before prepare()")
     client._writer = writer
+
+
+#: aiohttp's reader queue with a hand-over for text messages (install_text_push).
+_text_push_queue: type[Any] | None = None
+
+
+def install_text_push() -> bool:
+    """Let client text messages skip aiohttp's reader queue (see :func:`push_text`).
+
+    ``WebSocketResponse`` builds its reader queue from the name
+    ``aiohttp.web_ws.WebSocketDataQueue`` when it is prepared; that name is
+    pointed at a subclass whose ``feed_data`` (what the frame parser calls for
+    each parsed message) hands text messages to a callback when one is set,
+    and queues everything as before otherwise. Without a callback it is the
+    same queue. Idempotent.
+
+    Returns:
+        False when this aiohttp has no such name (text frames stay queued).
+    """
+    global _text_push_queue
+    if _text_push_queue is not None:
+        return True
+    base: Any = getattr(web_ws, "WebSocketDataQueue", None)
+    if base is None:  # pragma: no cover - every supported aiohttp has it
+        return False
+    text = aiohttp.WSMsgType.TEXT
+
+    class TextPushQueue(base):  # type: ignore[misc]
+        """aiohttp's reader queue; with ``on_text`` set, text messages go there at once."""
+
+        on_text: Callable[[str], None] | None = None
+
+        def feed_data(self, data: Any, size: int) -> None:
+            on_text = self.on_text
+            if on_text is not None and data[0] == text:
+                on_text(data[1])
+                return
+            super().feed_data(data, size)
+
+    web_ws.WebSocketDataQueue = TextPushQueue  # type: ignore[attr-defined]
+    _text_push_queue = TextPushQueue
+    return True
+
+
+def push_text(client: web.WebSocketResponse, handler: Callable[[str], None] | None) -> bool:
+    """Hand ``client``'s text messages to ``handler`` as they are parsed (None: queue them).
+
+    Turning it on is refused while messages are still queued (one would
+    overtake another); the caller reads the queue and asks again.
+
+    Returns:
+        True when the hand-over is now as asked.
+    """
+    queue = client._reader
+    if _text_push_queue is None or not isinstance(queue, _text_push_queue):
+        return handler is None
+    if handler is not None and len(queue._buffer):
+        return False
+    queue.on_text = handler
+    return True
 
 
 def upstream_transport(upstream: client_ws.ClientWebSocketResponse) -> asyncio.Transport | None:

@@ -103,6 +103,9 @@ class Relay:
         scheduler: time and timers (the running loop by default).
         call_soon: end-of-tick callback scheduling (the running loop's by default).
         client_address: for logs and /debug/sessions.
+        client_push: turns on aiohttp's hand-over of parsed client text frames
+            (``proxy.compat.push_text`` bound to the client); None: read them
+            from aiohttp's queue.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class Relay:
         scheduler: Scheduler | None = None,
         call_soon: Callable[[Callable[[], None]], object] | None = None,
         client_address: str = "",
+        client_push: Callable[[Callable[[str], None] | None], bool] | None = None,
     ) -> None:
         self.key = session_key
         self.client = client
@@ -166,6 +170,13 @@ class Relay:
         self._flooded = False
         #: When a client frame last went to the engine (due acks ride along).
         self._forwarded_at = -math.inf
+        #: Turns aiohttp's push of parsed client text frames on (a handler) or
+        #: off (None); False while frames are still queued (see _client_to_upstream).
+        self._install_push = client_push
+        self._pushing = False
+        #: Client reading is paused until the engine link drains.
+        self._paused_for_upstream = False
+        upstream.on_drained = self._upstream_drained
         self._intake: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bytes_client_to_upstream = 0
@@ -340,9 +351,18 @@ class Relay:
         writer = self.writer
         budget_events = core.settings.buffer.max_pending_output_events
         frames = 0
+        push = self.client_text_pushed if self.upstream.sends_without_waiting else None
         try:
             while True:
+                if push is not None and not self._pushing and not self._flooded:
+                    # Only once aiohttp's queue is empty, so no frame overtakes
+                    # one queued before it; then text frames skip the queue.
+                    self._push_text(push)
                 msg = await client.receive()
+                if self._flooded:
+                    # Cut off while frames were pushed: read none of what aiohttp
+                    # queued (its queue stays full, so it keeps the socket paused).
+                    await asyncio.Event().wait()  # until wind-down cancels us
                 frames += 1
                 if not frames & _YIELD_EVERY_MASK:
                     # aiohttp returns queued frames without suspending: yield now
@@ -365,19 +385,17 @@ class Relay:
                 if kind is aiohttp.WSMsgType.PONG:
                     continue
                 timers.last_client_event = now
-                if kind in _DATA_FRAMES and not core.admit_client_frame(len(msg.data), now):
-                    self._observer.client_event(len(msg.data), forwarded=False)
-                    self._after_core_call()
-                    if core.state is not SessionState.OPEN:
-                        # Ending for flooding: read none of its backlog (parsing it
-                        # would cost every other session CPU until the socket closes);
-                        # the close frame goes out without waiting for a reply.
-                        self._flooded = True
-                        writer.pause_reading()
+                if kind in _DATA_FRAMES and not self._admit(len(msg.data), now):
+                    if self._flooded:
                         await asyncio.Event().wait()  # until wind-down cancels us
                     continue
                 if kind is aiohttp.WSMsgType.TEXT:
                     text: str = msg.data
+                    if self.upstream.sends_without_waiting:
+                        # Frames queued before the push path was on, or without it.
+                        self._client_text(text, now)
+                        await self.upstream.wait_drained()
+                        continue
                     decision = core.receive_client(text, now)
                     if decision.event.kind is ClientKind.SESSION_CLOSE and decision.forward:
                         timers.arm_upstream_close(self._upstream_close_timeout)
@@ -390,21 +408,8 @@ class Relay:
                         # What the user heard (a cancel's truncation) goes first.
                         await self._flush_upstream_commands()
                     if decision.forward:
-                        if (
-                            self.upstream.input_backlog() + decision.event.size
-                            > self._max_pending_input
-                            > 0
-                        ):
-                            self.log.warning("engine is not reading input; failing the session")
-                            core.end(
-                                now,
-                                reason="input_backpressure",
-                                code=CLOSE_POLICY_VIOLATION,
-                                outcome=Outcome.OVERFLOW,
-                                error_code="input_backpressure",
-                                error_message="the engine is not accepting input; more than "
-                                f"{self._max_pending_input} bytes are waiting",
-                            )
+                        if self._input_over(decision.event.size):
+                            self._fail_input(now)
                         else:
                             self.bytes_client_to_upstream += decision.event.size
                             await self._send_upstream(text)
@@ -430,12 +435,111 @@ class Relay:
                         self.log.info("client error: %s", msg.data)
                     break
         finally:
+            self._push_text(None)
             self._client_gone.set()
             if core.state is not SessionState.CLOSED and not core.buffer.closure_delivered:
                 core.client_gone()
             self._after_core_call()
             with contextlib.suppress(Exception):
                 await self._flush_upstream_commands()
+
+    def _admit(self, size: int, now: float) -> bool:
+        """The frame-rate limit; a client over it that the core ends is cut off."""
+        core = self.core
+        if core.admit_client_frame(size, now):
+            return True
+        self._observer.client_event(size, forwarded=False)
+        self._after_core_call()
+        if core.state is not SessionState.OPEN:
+            # Ending for flooding: read none of its backlog (parsing it would
+            # cost every other session CPU until the socket closes); the close
+            # frame goes out without waiting for a reply.
+            self._flooded = True
+            self._push_text(None)
+            self.writer.pause_reading()
+        return False
+
+    def client_text_pushed(self, text: str) -> None:
+        """A client text frame handed over by aiohttp's parser as it is parsed.
+
+        The push path (``proxy.compat.push_text``): no queue, no task wake-up
+        per frame. Only with an engine link that sends without waiting; when
+        that link is above its mark, the client is not read until it drains.
+        """
+        now = self._clock()
+        timers = self.timers
+        timers.last_client_frame = now
+        timers.last_client_event = now
+        if self._admit(len(text), now):
+            self._client_text(text, now)
+        elif self._pushing:
+            # Over the frame-rate limit: back to aiohttp's queue, whose flow
+            # control (and the reader's yield every few frames) paces a
+            # flooding client; the reader turns the push on again once the
+            # queue is empty.
+            self._push_text(None)
+        upstream = self.upstream
+        if upstream.write_paused and not self._flooded:
+            self.writer.pause_reading()
+            self._paused_for_upstream = True
+
+    def _upstream_drained(self) -> None:
+        if self._paused_for_upstream:
+            self._paused_for_upstream = False
+            if not self._flooded:
+                self.writer.resume_reading()
+
+    def _client_text(self, text: str, now: float) -> None:
+        """Handle one admitted client text frame at once (the link sends without waiting)."""
+        core = self.core
+        decision = core.receive_client(text, now)
+        event = decision.event
+        if event.kind is ClientKind.SESSION_CLOSE and decision.forward:
+            self.timers.arm_upstream_close(self._upstream_close_timeout)
+        self._observer.client_event(
+            event.size, forwarded=decision.forward, audio=event.kind is ClientKind.AUDIO_APPEND
+        )
+        if core.has_upstream_commands:
+            self._send_commands_now()  # what the user heard (a cancel's truncation) goes first
+        if decision.forward:
+            if self._input_over(event.size):
+                self._fail_input(now)
+            elif not self._upstream_gone.is_set():
+                self.bytes_client_to_upstream += event.size
+                self.upstream.send_nowait(text)
+                self._forwarded_at = now
+                if core.playback.acking:
+                    core.ride_along_acks(now)
+        self._after_core_call()
+        if core.has_upstream_commands:
+            self._send_commands_now()
+
+    def _input_over(self, size: int) -> bool:
+        """Forwarding ``size`` more bytes would exceed ``max_pending_input_bytes``."""
+        return self.upstream.input_backlog() + size > self._max_pending_input > 0
+
+    def _fail_input(self, now: float) -> None:
+        self.log.warning("engine is not reading input; failing the session")
+        self.core.end(
+            now,
+            reason="input_backpressure",
+            code=CLOSE_POLICY_VIOLATION,
+            outcome=Outcome.OVERFLOW,
+            error_code="input_backpressure",
+            error_message="the engine is not accepting input; more than "
+            f"{self._max_pending_input} bytes are waiting",
+        )
+
+    def _push_text(self, handler: Callable[[str], None] | None) -> bool:
+        """Hand client text frames to ``handler`` as they are parsed (None: queue them).
+
+        Returns:
+            True when the hand-over is now as asked.
+        """
+        install = self._install_push
+        done = install is not None and install(handler)
+        self._pushing = done and handler is not None
+        return done
 
     async def _send_upstream(self, text: str) -> None:
         if self._upstream_gone.is_set():

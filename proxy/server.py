@@ -81,11 +81,11 @@ from proxy.config import (
     setting_value,
 )
 from proxy.console import EngineView
-from proxy.core import CORE_BUILD
 from proxy.core.session import SessionCore
 from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
+from proxy.native import CORE_BUILD
 from proxy.observer import SessionRegistry
 from proxy.placement import Router
 

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any, Final, Protocol
 
 import aiohttp
@@ -49,7 +49,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Engine close codes that are a clean end (anything else: engine_unavailable).
-CLEAN_CLOSES: Final = frozenset({1000, 1001})
+#: 1005: a Close frame without a code (RFC 6455 §7.1.5), as aiohttp also takes it.
+CLEAN_CLOSES: Final = frozenset({1000, 1001, 1005})
+#: A Close frame without a code, as the receiver reports it (RFC 6455 §7.1.5).
+_NO_STATUS: Final = 1005
 
 
 class UpstreamHandler(Protocol):
@@ -84,6 +87,16 @@ class UpstreamLink(Protocol):
     @property
     def sends_without_waiting(self) -> bool:
         """:meth:`send_nowait` works (else every send is awaited)."""
+
+    @property
+    def write_paused(self) -> bool:
+        """Input toward the engine is above its mark (``send_nowait`` still queues)."""
+
+    #: Called when a paused link drained (set by the relay).
+    on_drained: Callable[[], None] | None
+
+    async def wait_drained(self) -> None:
+        """Return once the link is not write-paused (at once when it is not)."""
 
     def input_backlog(self) -> int:
         """Bytes written toward the engine that it has not taken yet."""
@@ -172,6 +185,10 @@ _PING: Final = picows.WSMsgType.PING
 _PONG: Final = picows.WSMsgType.PONG
 
 
+#: Queued engine-bound bytes that are written at once instead of at the end of the tick.
+_FLUSH_NOW_BYTES: Final = 64 * 1024
+
+
 class _MaskKeys:
     """Masking keys from the OS entropy source (RFC 6455 §5.3), drawn 4 KiB at a time."""
 
@@ -234,6 +251,8 @@ class PicowsUpstreamLink(picows.WSListener):
         self._fragment_kind: picows.WSMsgType = _TEXT
         self._fragment_bytes = 0
         self._close_code: int | None = None
+        #: We failed the connection (a protocol error): frames after it are ignored.
+        self._failed = False
         self._disconnected = False
         self._write_paused = False
         self._drained: asyncio.Future[None] | None = None
@@ -244,6 +263,7 @@ class PicowsUpstreamLink(picows.WSListener):
         self._flush_scheduled = False
         # Kept: asyncio.get_running_loop() costs a getpid() system call per use.
         self._loop = asyncio.get_running_loop()
+        self.on_drained: Callable[[], None] | None = None
 
     @classmethod
     async def connect(
@@ -282,18 +302,33 @@ class PicowsUpstreamLink(picows.WSListener):
         self.transport = transport
 
     def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
+        if self._failed:
+            return  # we failed the connection: nothing more is processed (RFC 6455 §7.1.7)
         handler = self._handler
-        if frame.msg_type == _TEXT and frame.fin and handler is not None:
+        if (
+            frame.msg_type == _TEXT
+            and frame.fin
+            and handler is not None
+            and self._fragments is None
+        ):
             # The hot path: one engine event, handed over from the parser's buffer.
             self.backlog.waiting = not frame.last_in_buffer
             try:
                 text = frame.get_payload_as_utf8_text()
             except UnicodeDecodeError as exc:
-                raise _not_utf8() from exc
+                raise self._fail(_not_utf8()) from exc
             if handler.upstream_text(text):
                 self._send_commands(handler)
             return
-        self._other_frame(transport, frame)
+        try:
+            self._other_frame(transport, frame)
+        except picows.WSProtocolError as exc:
+            raise self._fail(exc) from None
+
+    def _fail(self, exc: picows.WSProtocolError) -> picows.WSProtocolError:
+        """We fail the connection with ``exc`` (picows sends its close frame)."""
+        self._failed = True
+        return exc
 
     def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
         self._disconnected = True
@@ -305,13 +340,16 @@ class PicowsUpstreamLink(picows.WSListener):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._resume()
+        if self.on_drained is not None:
+            self.on_drained()
 
     # -- frames off the hot path ----------------------------------------------------------
 
     def _other_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
         kind = frame.msg_type
         if kind == _CLOSE:
-            self._close_code = frame.get_close_code().value  # a flexible IntEnum: any code
+            # A flexible IntEnum (any code); 0 when the frame carries none.
+            self._close_code = frame.get_close_code().value or _NO_STATUS
             self._flush()
             if not transport.is_close_frame_sent:
                 transport.send_close(frame.get_close_code())
@@ -385,6 +423,11 @@ class PicowsUpstreamLink(picows.WSListener):
         self._out.append(masked_frame_header(OP_TEXT, len(payload), mask))
         self._out.append(payload)
         self._out_bytes += len(payload)
+        if self._out_bytes >= _FLUSH_NOW_BYTES:
+            # Enough for one write: the transport's flow control (write_limit)
+            # then applies to a sender that never yields, too.
+            self._flush()
+            return
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -433,8 +476,16 @@ class PicowsUpstreamLink(picows.WSListener):
         try:
             for kind, payload in early:
                 self._message(kind, payload)
+        except picows.WSProtocolError as exc:
+            # As picows ends a connection whose callback raised it (the close
+            # code is the error's): e.g. a held first frame that is not UTF-8.
+            self._failed = True
+            transport.send_close(exc.code, str(exc.args[1]).encode()[:120])
+            transport.disconnect()
+            self._log.info("engine link closed: %s", exc)
+            return False
         except Exception:
-            # The same end as an exception raised inside a picows callback.
+            # The same end as another exception raised inside a picows callback.
             transport.send_close(picows.WSCloseCode.INTERNAL_ERROR)
             transport.disconnect()
             raise
@@ -449,13 +500,16 @@ class PicowsUpstreamLink(picows.WSListener):
 
     async def send(self, text: str) -> None:
         self.send_nowait(text)
-        if self._write_paused:
-            # Like aiohttp's writer: wait for the engine to take input once the
-            # transport is above write_limit (the relay fails the session first
-            # when max_pending_input_bytes is set).
-            await self._wait_drained()
+        # Like aiohttp's writer: wait for the engine to take input once the
+        # transport is above write_limit (the relay fails the session first
+        # when max_pending_input_bytes is set).
+        await self.wait_drained()
 
-    async def _wait_drained(self) -> None:
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused and not self._disconnected
+
+    async def wait_drained(self) -> None:
         while self._write_paused and not self._disconnected:
             if self._drained is None or self._drained.done():
                 self._drained = self._loop.create_future()
@@ -514,15 +568,18 @@ class AiohttpUpstreamLink:
         log: the session's logger.
     """
 
-    __slots__ = ("_log", "_upstream", "backlog")
+    __slots__ = ("_log", "_upstream", "backlog", "on_drained")
 
     #: aiohttp's send is a coroutine: the relay's tasks send, awaiting each.
     sends_without_waiting = False
+    #: aiohttp's send waits for a drain itself.
+    write_paused = False
 
     def __init__(self, upstream: aiohttp.ClientWebSocketResponse, log: Any = log) -> None:
         self._upstream = upstream
         self._log = log
         self.backlog: Sized = compat.upstream_backlog(upstream)
+        self.on_drained: Callable[[], None] | None = None  # aiohttp's send drains itself
 
     @property
     def closed(self) -> bool:
@@ -543,6 +600,9 @@ class AiohttpUpstreamLink:
 
     def send_nowait(self, text: str) -> None:
         raise NotImplementedError("the aiohttp link sends by awaiting send()")
+
+    async def wait_drained(self) -> None:
+        return None
 
     async def run(self, handler: UpstreamHandler) -> bool:
         return await read_messages(self._upstream, self, handler)

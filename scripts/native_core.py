@@ -11,8 +11,8 @@ Python core is always there and is what a plain install runs.
 
 ``python scripts/native_core.py status`` prints which core an import gets.
 
-``proxy/core/__init__.py`` refuses to import a compiled core older than its
-source (edit, forget to rebuild, measure the old code: not on our watch).
+``proxy/native.py`` (imported by ``proxy/__init__.py``) refuses a compiled
+core older than its source (edit, forget to rebuild, measure the old code: not on our watch).
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def clean(*, quiet: bool = False) -> int:
 
 
 def status() -> int:
-    import proxy.core
+    import proxy.native
 
-    print(proxy.core.CORE_BUILD)
+    print(proxy.native.CORE_BUILD)
     return 0
 
 

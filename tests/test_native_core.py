@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.core import StaleNativeCore, core_build
+from proxy.native import StaleNativeCore, core_build
 
 ROOT = Path(__file__).resolve().parent.parent
 _SO = ".cpython-311-x86_64-linux-gnu.so"

@@ -528,14 +528,6 @@ async def test_invalid_utf8_in_a_text_message_closes_with_1007(
 async def test_invalid_utf8_sent_with_the_101_closes_with_1007_too(
     engines: Any, open_link: Opener, request: pytest.FixtureRequest
 ) -> None:
-    if open_link.client == "picows":  # type: ignore[attr-defined]
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: a held (pre-run) text message that is not UTF-8 makes "
-                "run() raise WSProtocolError and close with 1011, not return False with 1007",
-            )
-        )
     engine = await engines(on_connect=lambda c: c.text(b'{"type":"\xff"}'))
     link = await open_link(engine.url)
     conn = await engine.connection()
@@ -566,14 +558,6 @@ async def test_nothing_reaches_the_handler_after_the_link_failed_the_connection(
     engines: Any, open_link: Opener, request: pytest.FixtureRequest, failure: str
 ) -> None:
     """RFC 6455 §7.1.7: once failing the connection, no further data is processed."""
-    if open_link.client == "picows":  # type: ignore[attr-defined]
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: frames parsed after the link raised WSProtocolError "
-                "(picows disconnects 10 ms later) still reach upstream_text",
-            )
-        )
     engine = await engines()
     link = await open_link(engine.url, max_message_bytes=10_000)
     conn = await engine.connection()
@@ -603,16 +587,6 @@ _OUT_OF_ORDER = {
 async def test_fragments_out_of_order_close_with_1002(
     engines: Any, open_link: Opener, request: pytest.FixtureRequest, case: str
 ) -> None:
-    client = open_link.client  # type: ignore[attr-defined]
-    if client == "picows" and case == "new-message-inside-a-fragmented-one":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: a final text frame inside a fragmented message takes the "
-                "hot path (no check of the open fragments): it is handed over as a message "
-                "and the link stays open",
-            )
-        )
     engine = await engines()
     link = await open_link(engine.url)
     conn = await engine.connection()
@@ -631,15 +605,6 @@ async def test_a_close_without_a_code_is_a_clean_end(
     """A Close frame may carry no code (RFC 6455 §7.1.5: the receiver sees 1005); the
     aiohttp link (the relay's engine link until picows) ends cleanly on it, and so does
     the websockets package (1005 is one of its OK close codes)."""
-    if open_link.client == "picows":  # type: ignore[attr-defined]
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: a close without a code is recorded as close_code 0 and "
-                "run() returns False (the client then gets engine_unavailable and 1011), "
-                "where the aiohttp link reports 1000 and a clean end",
-            )
-        )
     engine = await engines()
     link = await open_link(engine.url)
     conn = await engine.connection()
@@ -857,15 +822,6 @@ async def test_input_backlog_counts_what_a_stalled_engine_has_not_taken(
 async def test_send_waits_above_write_limit_while_the_engine_does_not_read(
     engines: Any, open_link: Opener, request: pytest.FixtureRequest, yields: bool
 ) -> None:
-    if open_link.client == "picows" and not yields:  # type: ignore[attr-defined]
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: send() neither waits nor yields for bytes queued in the "
-                "current tick (the flush is call_soon'd), so a tight send loop queues without "
-                "bound past write_limit",
-            )
-        )
     engine = await engines(receive_buffer=4096)
     link = await open_link(engine.url, write_limit=256 * 1024)
     conn = await engine.connection()
@@ -1097,14 +1053,6 @@ _ENDINGS: dict[str, tuple[Callable[[EngineConn], None], str, int]] = {
 async def test_how_the_engine_ends_decides_the_clients_close(
     engines: Any, sidecar: Any, client: str, ending: str, request: pytest.FixtureRequest
 ) -> None:
-    if client == "picows" and ending == "close-without-code":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: an engine close without a code ends the session as "
-                "engine_unavailable/1011 (the aiohttp link: upstream_closed/1000)",
-            )
-        )
     action, reason, code = _ENDINGS[ending]
     engine = await engines()
     proxy = await sidecar(upstream=engine.url, upstream_client=client)
@@ -1129,14 +1077,6 @@ async def test_an_engine_whose_first_frame_is_not_utf8_is_unavailable(
     request: pytest.FixtureRequest,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    if client == "picows":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="picows link: run() raises for a held first frame that is not UTF-8, "
-                "so the relay logs 'session ... failed' with a traceback (ERROR)",
-            )
-        )
     engine = await engines(on_connect=lambda c: c.text(b'{"type":"\xff"}'))
     proxy = await sidecar(upstream=engine.url, upstream_client=client)
     with caplog.at_level(logging.ERROR, logger="proxy"):

@@ -271,6 +271,13 @@ class FakeUpstream:
     async def run(self, handler: UpstreamHandler) -> bool:
         return await read_messages(self, self, handler)
 
+    #: Like a link above its mark (a test sets it); the relay sets on_drained.
+    write_paused = False
+    on_drained: Callable[[], None] | None = None
+
+    async def wait_drained(self) -> None:
+        pass
+
     def send_nowait(self, text: str) -> None:
         assert self.sends_without_waiting, "the relay must await send() on this link"
         self.sent.append(text)
