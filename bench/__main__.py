@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("scale")
     g.add_argument("--stale-sessions", type=int, default=100)
     g.add_argument("--latency-sessions", default="100,500")
+    g.add_argument(
+        "--latency-profiles",
+        default="minicpmo,nemotron",
+        help="realtime-latency: which traffic profiles (a quicker A/B: one of them)",
+    )
     g.add_argument("--rt-warmup", type=float, default=1.5)
     g.add_argument("--rt-window", type=float, default=4.0)
     g.add_argument("--throughput-sessions", default="1,10,100")

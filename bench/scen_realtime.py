@@ -66,9 +66,10 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
         "realtime-latency", "realtime-latency: added latency per event at real-time pace"
     )
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    profiles = {k: PROFILES[k] for k in ns.latency_profiles.split(",")}
     with Stack(configs=LAT_CONFIGS) as st:
         for rep in range(rep_count):
-            for profile in PROFILES:
+            for profile in profiles:
                 for count in counts:
                     log(f"realtime-latency rep {rep + 1}/{rep_count} {profile} c={count}")
                     for config in rotated(LAT_CONFIGS, rep):
@@ -88,7 +89,7 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
     groups = []
     added99: dict[str, list[float]] = {c: [] for c in LAT_CONFIGS[1:]}
     us_ev: dict[str, list[float]] = {c: [] for c in LAT_CONFIGS[1:]}
-    for profile, p in PROFILES.items():
+    for profile, p in profiles.items():
         report.para(f"## {p['label']}")
         for count in counts:
             base = runs[(profile, count, "direct")]

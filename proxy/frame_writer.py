@@ -237,14 +237,31 @@ class ClientFrameWriter:
         self._batch = []
         self._batch_bytes = 0
         core = self._core
-        gone = transport is None or transport.is_closing()
+        hooks = self._hooks
+        if transport is None or transport.is_closing():
+            for entry, _ in batch:
+                core.drop_taken(entry, DropReason.SESSION_CLOSED)
+            hooks.written()
+            return
+        if len(batch) == 1:
+            # One event (real-time pace): no lists to build.
+            entry, taken_at = batch[0]
+            if core.still_valid(entry):
+                payload = entry.event.text.encode("utf-8", "surrogatepass")
+                transport.writelines((frame_header(OP_TEXT, len(payload)), payload))
+                self.frames_written += 1
+                self.bytes_written += len(payload)
+                core.delivered(entry, self._clock(), release=False)
+                hooks.delivered(entry, taken_at)
+            else:
+                # Cancelled after it was taken: not one byte of it is written.
+                core.drop_taken(entry, DropReason.CANCELLED_AUDIO)
+            hooks.written()
+            return
         parts: list[bytes] = []
         written: list[tuple[Entry, float]] = []
         for entry, taken_at in batch:
-            if gone:
-                core.drop_taken(entry, DropReason.SESSION_CLOSED)
-            elif not core.still_valid(entry):
-                # Cancelled after it was taken: not one byte of it is written.
+            if not core.still_valid(entry):
                 core.drop_taken(entry, DropReason.CANCELLED_AUDIO)
             else:
                 payload = entry.event.text.encode("utf-8", "surrogatepass")
@@ -253,15 +270,13 @@ class ClientFrameWriter:
                 written.append((entry, taken_at))
                 self.bytes_written += len(payload)
         if parts:
-            assert transport is not None
             transport.writelines(parts)
             self.frames_written += len(written)
             now = self._clock()
-            hooks = self._hooks
             for entry, taken_at in written:
                 core.delivered(entry, now, release=False)
                 hooks.delivered(entry, taken_at)
-        self._hooks.written()
+        hooks.written()
 
     def discard(self) -> None:
         """Drop what was taken and not written (the connection is gone)."""

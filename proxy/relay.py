@@ -578,11 +578,12 @@ class Relay:
         if event.kind is EventKind.SESSION_CLOSED:
             self._upstream_session_closed.set()
         writer = self.writer
+        written = writer.frames_written
         if not writer.paused:
             # Fast path: the client can take it; write now instead of waking
             # the delivery task (saves a task switch per event).
             writer.pump(now, defer=True)
-        self._after_core_call()
+        self._after_core_call(synced=writer.frames_written != written)
         return core.has_upstream_commands
 
     def upstream_binary(self, size: int) -> None:
@@ -602,7 +603,13 @@ class Relay:
 
     # -- delivery -------------------------------------------------------------------------------
 
-    def _after_core_call(self) -> None:
+    def _after_core_call(self, *, synced: bool = False) -> None:
+        """Timers, the delivery task and metrics after the core changed.
+
+        Args:
+            synced: the writer just reported a write (``written``), which
+                synced the metrics with this very state: not again.
+        """
         core = self.core
         if core.paced_until is not None:
             self.timers.arm_pace(core.paced_until)
@@ -610,7 +617,8 @@ class Relay:
             self._wake.set()
             if core.state is SessionState.CLOSING:
                 self._arm_close_deadline()
-        self._observer.after_core_call(core)
+        if not synced:
+            self._observer.after_core_call(core)
 
     def _arm_close_deadline(self) -> None:
         """A closing session gets a bounded time to deliver its last events,
