@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--slow-stalled", type=int, default=20)
     g.add_argument("--slow-window", type=float, default=10.0)
     g.add_argument("--capacity-start-minicpmo", type=int, default=2000)
-    g.add_argument("--capacity-start-nemotron", type=int, default=500)
+    g.add_argument("--capacity-start-nemotron", type=int, default=600)
     g.add_argument("--capacity-budget", type=float, default=75.0, help="seconds per profile")
     g.add_argument("--capacity-steps", type=int, default=4)
     g.add_argument("--cap-warmup", type=float, default=2.0)

@@ -8,7 +8,40 @@ from typing import Any
 from bench.common import RESULTS_DIR
 from bench.report import fmt
 
-__all__ = ["write_summary"]
+__all__ = ["PREVIOUS", "write_summary"]
+
+#: The previous round's figures (bench/results/summary.md before the
+#: performance work: aiohttp engine link, pure-Python core), by row.
+PREVIOUS: dict[str, str] = {
+    "stale-audio: late audio frames per cancel, sidecar (max)": "0",
+    "realtime: added p99 at 100 sessions, minicpmo (down)": "0.59",
+    "realtime: added p99 at 100 sessions, minicpmo (up)": "0.63",
+    "realtime: added p99 at 100 sessions, nemotron (down)": "0.79",
+    "realtime: added p99 at 100 sessions, nemotron (up)": "0.72",
+    "CPU per relayed event, sidecar ÷ bare aiohttp relay (minicpmo, 100 sessions)": "1.35",
+    "CPU per relayed event, sidecar ÷ bare aiohttp relay (minicpmo, 500 sessions)": "1.29",
+    "CPU per relayed event, sidecar ÷ bare aiohttp relay (nemotron, 100 sessions)": "1.70",
+    "CPU per relayed event, sidecar ÷ bare aiohttp relay (nemotron, 500 sessions)": "1.67",
+    "CPU per relayed event, sidecar ÷ nginx (minicpmo, 100 sessions)": "2.08",
+    "CPU per relayed event, sidecar ÷ nginx (minicpmo, 500 sessions)": "1.74",
+    "CPU per relayed event, sidecar ÷ nginx (nemotron, 100 sessions)": "3.52",
+    "CPU per relayed event, sidecar ÷ nginx (nemotron, 500 sessions)": "3.00",
+    "  µs CPU per event (minicpmo, 100): sidecar / bare / bare-picows / nginx": "152 / 112 / – / 73",
+    "  µs CPU per event (minicpmo, 500): sidecar / bare / bare-picows / nginx": "88 / 68 / – / 50",
+    "  µs CPU per event (nemotron, 100): sidecar / bare / bare-picows / nginx": "98 / 58 / – / 28",
+    "  µs CPU per event (nemotron, 500): sidecar / bare / bare-picows / nginx": "68 / 41 / – / 23",
+    "burst throughput sidecar ÷ nginx, 2.8 KB, 1 sessions (ev/s)": "0.70",
+    "burst throughput sidecar ÷ nginx, 2.8 KB, 10 sessions (ev/s)": "0.61",
+    "burst throughput sidecar ÷ nginx, 2.8 KB, 100 sessions (ev/s)": "0.86",
+    "burst throughput sidecar ÷ nginx, 32 KB, 1 sessions (ev/s)": "1.10",
+    "burst throughput sidecar ÷ nginx, 32 KB, 10 sessions (ev/s)": "0.98",
+    "burst throughput sidecar ÷ nginx, 32 KB, 100 sessions (ev/s)": "1.29",
+    "slow-client: sidecar RSS growth with 20 stalled (MB)": "11.47 (same process, drift included)",
+    "slow-client: stalled sessions end with the overflow sequence": "20/20",
+    "slow-client: reading sessions p99 stalled ÷ not stalled": "0.89",
+    "capacity per sidecar core, minicpmo-like (added p99 ≤ 5 ms)": "1500 (failed at 1750)",
+    "capacity per sidecar core, nemotron-like (added p99 ≤ 5 ms)": "400 (failed at 500)",
+}
 
 
 def _get(d: dict[str, Any] | None, *keys: str) -> Any:
@@ -101,17 +134,35 @@ def write_summary(results: dict[str, Any], elapsed: float, command: str) -> str:
                         _ok(v, lambda x: x <= 1.5),
                     ]
                 )
-                us = {k: _get(rt, f"{prof}/{c}/{k}", "us") for k in ("sidecar", "bare", "nginx")}
+                v = rt.get(f"{prof}/{c}/ratio_bare_picows")
                 rows.append(
                     [
-                        f"  µs CPU per event ({prof}, {c}): sidecar / bare / nginx",
-                        f"{fmt(us['sidecar'])} / {fmt(us['bare'])} / {fmt(us['nginx'])}",
+                        (
+                            f"  sidecar ÷ bare relay with a picows engine link, the ceiling "
+                            f"({prof}, {c} sessions)"
+                        ),
+                        v,
+                        "–",
+                        "–",
+                    ]
+                )
+                us = {
+                    k: _get(rt, f"{prof}/{c}/{k}", "us")
+                    for k in ("sidecar", "bare", "bare-picows", "nginx")
+                }
+                rows.append(
+                    [
+                        f"  µs CPU per event ({prof}, {c}): sidecar / bare / bare-picows / nginx",
+                        (
+                            f"{fmt(us['sidecar'])} / {fmt(us['bare'])} / {fmt(us['bare-picows'])} / "
+                            f"{fmt(us['nginx'])}"
+                        ),
                         "–",
                         "–",
                     ]
                 )
     if tp:
-        for chunk, target in ((40, 0.8), (500, 0.6)):
+        for chunk, target in ((40, 0.9), (500, 1.0)):
             counts = sorted({int(k.split("/")[1]) for k in tp if k.startswith(f"{chunk}/")})
             for c in counts:
                 v = _get(tp, f"{chunk}/{c}/sidecar", "ratio")
@@ -152,7 +203,7 @@ def write_summary(results: dict[str, Any], elapsed: float, command: str) -> str:
             ]
         )
     if cap:
-        for prof, target in (("minicpmo", 2000), ("nemotron", 500)):
+        for prof, target in (("minicpmo", 2000), ("nemotron", 600)):
             v = _get(cap, prof, "capacity")
             fail = _get(cap, prof, "first_failure")
             rows.append(
@@ -169,15 +220,25 @@ def write_summary(results: dict[str, Any], elapsed: float, command: str) -> str:
                 f"{fmt(_get(cap, prof, 'us_per_event'))} µs/event)"
             )
             rows.append([label, est, f"≥ {target}", _ok(est, lambda x, t=target: x >= t)])
+    from proxy.native import CORE_BUILD
+
     lines = [
         "# Benchmark summary: figures against targets",
         "",
-        f"`{command}` took {elapsed / 60:.1f} min. Details, per-run tables and plots: the other files here.",
+        (
+            f"`{command}` took {elapsed / 60:.1f} min, with the sidecar's core built as "
+            f"`{CORE_BUILD}` (`make native` compiles it) and its default engine link (picows). "
+            "*Previous round*: the same figure before this round's performance work (aiohttp "
+            "engine link, Python core). Details, per-run tables and plots: the other files here."
+        ),
         "",
-        "| figure | measured | target | verdict |",
-        "|---|---|---|---|",
+        "| figure | measured | target | verdict | previous round |",
+        "|---|---|---|---|---|",
     ]
-    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    lines += [
+        "| " + " | ".join(fmt(x) for x in row) + f" | {PREVIOUS.get(str(row[0]), '–')} |"
+        for row in rows
+    ]
     text = "\n".join(lines) + "\n"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "summary.md").write_text(text)
