@@ -58,12 +58,15 @@ from proxy.upstream_link import UpstreamLink
 if TYPE_CHECKING:
     from proxy.observer import SessionObserver
 
-__all__ = ["ClientSocket", "Relay", "new_event_id"]
+__all__ = ["ACK_RIDE_WAIT", "ClientSocket", "Relay", "new_event_id"]
 
 log = logging.getLogger(__name__)
 
 #: Client frames that count against max_client_frame_rate (control frames do not).
 _DATA_FRAMES: Final = frozenset({aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY})
+#: While the client streams, a due playback ack waits this many ack intervals
+#: for a client frame to ride along with before its timer sends it alone.
+ACK_RIDE_WAIT: Final = 1.0
 #: The client reader yields to the event loop every 16 frames.
 _YIELD_EVERY_MASK: Final = 15
 
@@ -284,15 +287,16 @@ class Relay:
             self._wake.set()  # the delivery task sends them (sending awaits)
 
     def _arm_playback(self, when: float, now: float) -> None:
-        """Arm the ack timer; while the client streams, a little late.
+        """Arm the ack timer; while the client streams, an interval late.
 
         A due ack rides along with the next client frame sent to the engine
         (one write for both); the timer only sends those that found no ride
-        within half an interval.
+        within an interval (``ACK_RIDE_WAIT``): any client that streams audio
+        in chunks of up to one interval offers a ride first.
         """
         interval = self.core.playback.settings.ack_interval
         if now - self._forwarded_at < interval:
-            when += interval / 2
+            when += interval * ACK_RIDE_WAIT
         self.timers.arm_playback(when)
 
     def _send_commands_now(self) -> bool:

@@ -35,14 +35,14 @@ DEFECTS = [
     Defect(
         "writer: no write-time re-check of taken audio",
         "proxy/frame_writer.py",
-        "            elif not core.still_valid(entry):",
-        "            elif False:",
+        "            if core.still_valid(entry):",
+        "            if True:",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
         "writer: batch not bounded by client_write_buffer_bytes",
         "proxy/frame_writer.py",
-        "            if self._batch and self._batch_bytes + size > bound:",
+        "            if self._batch and self._batch_bytes + size > room:",
         "            if False:",
         "tests/unit/shell/test_frame_writer.py",
     ),
@@ -133,8 +133,8 @@ DEFECTS = [
     Defect(
         "relay: unread input toward the engine not bounded",
         "proxy/relay.py",
-        "                            > self._max_pending_input\n",
-        "                            > 1 << 62\n",
+        "        return self.upstream.input_backlog() + size > self._max_pending_input > 0\n",
+        "        return False\n",
         "tests/unit/shell/test_relay_shell.py",
     ),
     Defect(
@@ -171,6 +171,48 @@ DEFECTS = [
         "        if not self._has_slot() and self.admission_timeout > 0:",
         "        if False:",
         "tests/unit/shell/test_admission.py",
+    ),
+    Defect(
+        "writer: batch of several taken events not re-checked when written",
+        "proxy/frame_writer.py",
+        "            if not core.still_valid(entry):\n                core.drop_taken(entry, DropReason.CANCELLED_AUDIO)\n            else:",
+        "            if False:\n                core.drop_taken(entry, DropReason.CANCELLED_AUDIO)\n            else:",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "writer: what the client transport holds does not count against the bound",
+        "proxy/frame_writer.py",
+        "        room = bound - self._buffered()\n        while",
+        "        room = bound\n        while",
+        "tests/unit/shell/test_frame_writer.py",
+    ),
+    Defect(
+        "relay: a client over the frame rate keeps skipping aiohttp's queue",
+        "proxy/relay.py",
+        "        elif self._pushing:",
+        "        elif False:",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "relay: a full engine link does not pause reading the client",
+        "proxy/relay.py",
+        "        if upstream.write_paused and not self._flooded:",
+        "        if False:",
+        "tests/unit/shell/test_relay_shell.py",
+    ),
+    Defect(
+        "compat: text pushed while older messages are still queued",
+        "proxy/compat.py",
+        "    if handler is not None and len(queue._buffer):",
+        "    if False:",
+        "tests/unit/test_compat.py",
+    ),
+    Defect(
+        "relay: a streaming client's due ack does not ride along",
+        "proxy/relay.py",
+        "                if core.playback.acking:\n                    core.ride_along_acks(now)",
+        "                if False:\n                    core.ride_along_acks(now)",
+        "tests/unit/shell/test_relay_shell.py",
     ),
 ]
 

@@ -83,3 +83,54 @@ def test_only_an_accepted_upgrade_counts_as_upgraded() -> None:
 
     assert compat.upgraded(Protocol(object())), "a WebSocket reader parses the connection"
     assert not compat.upgraded(Protocol(None)), "upgrade requested or declined, not accepted"
+
+
+class _Protocol:
+    """What aiohttp's reader queue calls on its protocol (flow control)."""
+
+    def __init__(self) -> None:
+        self._reading_paused = False
+
+    def pause_reading(self) -> None:
+        self._reading_paused = True
+
+    def resume_reading(self) -> None:
+        self._reading_paused = False
+
+
+class _Client:
+    """A prepared WebSocketResponse as push_text sees it: its reader queue."""
+
+    def __init__(self, queue: object) -> None:
+        self._reader = queue
+
+
+async def test_text_messages_skip_the_queue_once_it_is_empty() -> None:
+    import asyncio
+
+    assert compat.install_text_push()
+    assert compat.install_text_push(), "idempotent"
+    queue_class = web_ws.WebSocketDataQueue  # what WebSocketResponse.prepare builds now
+    queue = queue_class(_Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+    client = _Client(queue)
+    text = aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, '{"type":"x.first"}', None)
+    queue.feed_data(text, 18)
+    got: list[str] = []
+    assert not compat.push_text(client, got.append), "refused while a message is queued"
+    assert (await queue.read()).data == '{"type":"x.first"}'
+    assert compat.push_text(client, got.append)
+    queue.feed_data(aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, '{"type":"x.second"}', None), 19)
+    ping = aiohttp.WSMessage(aiohttp.WSMsgType.PING, b"p", None)
+    queue.feed_data(ping, 1)
+    assert got == ['{"type":"x.second"}'], "text handed over at once"
+    assert (await queue.read()).type is aiohttp.WSMsgType.PING, "control frames still queued"
+    assert compat.push_text(client, None)
+    queue.feed_data(aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, '{"type":"x.third"}', None), 18)
+    assert got == ['{"type":"x.second"}'], "off: queued again"
+    assert (await queue.read()).data == '{"type":"x.third"}'
+
+
+def test_push_text_on_a_plain_queue_is_refused_but_off_is_fine() -> None:
+    plain = _Client(object())
+    assert not compat.push_text(plain, print)  # type: ignore[arg-type]
+    assert compat.push_text(plain, None)  # type: ignore[arg-type]

@@ -96,6 +96,9 @@ class FakeTransport:
     def pause_reading(self) -> None:
         self.reading_paused = True
 
+    def resume_reading(self) -> None:
+        self.reading_paused = False
+
     @property
     def data(self) -> bytes:
         return b"".join(self.calls)

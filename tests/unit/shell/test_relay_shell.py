@@ -23,7 +23,7 @@ from proxy.core.buffer import Entry
 from proxy.core.events import UpstreamEvent
 from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.session import SessionCore, SessionSettings
-from proxy.relay import Relay
+from proxy.relay import ACK_RIDE_WAIT, Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
     audio,
@@ -518,18 +518,18 @@ async def test_a_due_ack_rides_along_right_behind_the_next_client_frame(
     s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
     await _client_sends(s, _APPEND)  # the client streams: the ack timer is armed late
     await _play_one_second(s)
-    s.scheduler.advance(0.25)  # an ack is due now; its timer waits another half interval
+    s.scheduler.advance(0.25)  # an ack is due now; its timer waits another interval
     await s.settle()
     assert s.upstream.sent == [_APPEND]
     await _client_sends(s, _APPEND)
     assert _sent_types(s) == ["input_audio_buffer.append"] * 2 + ["playback.ack"]
     assert json.loads(s.upstream.sent[-1])["played_ms"] == 250
-    s.scheduler.advance(0.125)  # the late timer finds nothing left to say
+    s.scheduler.advance(0.2)  # until the next ack is due, the timer has nothing to send
     await s.settle()
     assert len(s.upstream.sent) == 3
 
 
-async def test_while_the_client_streams_the_ack_timer_fires_half_an_interval_late(
+async def test_while_the_client_streams_the_ack_timer_fires_an_interval_late(
     session_factory: Any,
 ) -> None:
     s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
@@ -537,11 +537,13 @@ async def test_while_the_client_streams_the_ack_timer_fires_half_an_interval_lat
     await _play_one_second(s)
     s.scheduler.advance(0.25)  # the exact due time: no ack yet, a ride may come
     assert s.upstream.sent == [_APPEND]
-    s.scheduler.advance(0.125 - 0.001)
+    wait = 0.25 * ACK_RIDE_WAIT
+    s.scheduler.advance(wait - 0.001)
     assert s.upstream.sent == [_APPEND]
     s.scheduler.advance(0.001)  # none came: the timer sends it
     assert _sent_types(s) == ["input_audio_buffer.append", "playback.ack"]
-    assert json.loads(s.upstream.sent[-1])["played_ms"] == 375
+    assert json.loads(s.upstream.sent[-1])["played_ms"] == round((0.25 + wait) * 1000)
+    assert ACK_RIDE_WAIT >= 1.0, "a client streaming 250 ms chunks must always offer a ride"
 
 
 async def test_no_ack_rides_along_before_an_interval_of_audio_has_played(
@@ -568,3 +570,77 @@ async def test_after_the_clients_own_ack_nothing_rides_along_in_auto_mode(
         s.scheduler.advance(0.3)
         await _client_sends(s, _APPEND)
     assert s.upstream.sent == [own] + [_APPEND] * 4
+
+
+# -- client text frames pushed by the parser (compat.push_text) ---------------------------------
+
+
+class Pusher:
+    """Stands in for ``compat.push_text`` bound to the client: refuses to turn
+    the push on while the client's queue still holds frames, like the real one."""
+
+    def __init__(self) -> None:
+        self.handler: Any = None
+        self.client: FakeClient | None = None
+        self.calls: list[bool] = []
+
+    def __call__(self, handler: Any) -> bool:
+        if handler is not None and self.client is not None and not self.client.inbox.empty():
+            return False
+        self.handler = handler
+        self.calls.append(handler is not None)
+        return True
+
+
+async def _pushed_session(**kwargs: Any) -> tuple[Session, Pusher]:
+    pusher = Pusher()
+    s = Session(sends_without_waiting=True, client_push=pusher, **kwargs)
+    pusher.client = s.client
+    return s, pusher
+
+
+async def _end(s: Session) -> None:
+    s.client.lose()
+    await s.finished()
+
+
+async def test_pushed_frames_start_only_after_the_queued_ones() -> None:
+    s, pusher = await _pushed_session()
+    s.client.send(aiohttp.WSMsgType.TEXT, '{"type":"x.first"}')  # queued before the relay runs
+    s.task = asyncio.create_task(s.relay.run())
+    await wait_until(lambda: pusher.handler is not None, what="the push turned on")
+    assert [json.loads(t)["type"] for t in s.upstream.sent] == ["x.first"]
+    pusher.handler('{"type":"x.second"}')
+    # Handled at once, in the parser's callback: no task step in between.
+    assert [json.loads(t)["type"] for t in s.upstream.sent] == ["x.first", "x.second"]
+    await _end(s)
+    assert pusher.handler is None, "off when the reader ends"
+
+
+async def test_a_client_over_the_frame_rate_goes_back_to_the_queue() -> None:
+    settings = dataclasses.replace(
+        make_settings(), max_client_frame_rate=1.0, client_frame_burst=2.0
+    )
+    s, pusher = await _pushed_session(core_settings=settings)
+    s.task = asyncio.create_task(s.relay.run())
+    await wait_until(lambda: pusher.handler is not None, what="the push turned on")
+    handler = pusher.handler
+    for i in range(3):
+        handler(json.dumps({"type": "x.e", "i": i}))
+    assert len(s.upstream.sent) == 2, "the third frame is over the burst: dropped"
+    assert pusher.calls[-1] is False, "its queue's flow control paces it from here"
+    await _end(s)
+
+
+async def test_a_full_engine_link_pauses_reading_the_client_until_it_drains() -> None:
+    s, pusher = await _pushed_session()
+    s.task = asyncio.create_task(s.relay.run())
+    await wait_until(lambda: pusher.handler is not None, what="the push turned on")
+    s.upstream.write_paused = True
+    pusher.handler('{"type":"x.e"}')
+    assert s.transport.reading_paused
+    s.upstream.write_paused = False
+    assert s.upstream.on_drained is not None
+    s.upstream.on_drained()
+    assert not s.transport.reading_paused
+    await _end(s)
