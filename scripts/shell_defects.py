@@ -56,15 +56,15 @@ DEFECTS = [
     Defect(
         "frames: 126-byte payload gets the 7-bit length form",
         "proxy/frames.py",
-        "    if length < 126:",
-        "    if length <= 126:",
+        "    if length < 126:\n        return bytes((first, length))",
+        "    if length <= 126:\n        return bytes((first, length))",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
         "frames: 65536-byte payload gets the 16-bit length form",
         "proxy/frames.py",
-        "    if length < 65536:",
-        "    if length <= 65536:",
+        "    if length < 65536:\n        return _PACK_16(first, 126, length)",
+        "    if length <= 65536:\n        return _PACK_16(first, 126, length)",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(

@@ -211,6 +211,20 @@ def test_cancel_between_taking_and_writing_writes_no_byte_of_that_response() -> 
     assert h.core.drop_totals()[DropReason.CANCELLED_AUDIO][0] == 1
 
 
+def test_a_single_taken_delta_cancelled_before_its_write_is_dropped() -> None:
+    """The batch of one (real-time pace) has a path of its own: re-checked too."""
+    backlog: deque[object] = deque([object()])
+    h = Harness(backlog=backlog)
+    h.engine(response_created("r1"))
+    h.writer.pump(h.now)
+    h.engine(audio("r1", 400, seq=1))
+    h.writer.pump(h.now, defer=True)  # one delta taken, its write at the end of the tick
+    h.core.receive_client(b_response_cancel("r1"), h.now)
+    h.run_soon()
+    assert [t["type"] for t in h.texts()] == ["response.created"]
+    assert h.core.drop_totals()[DropReason.CANCELLED_AUDIO][0] == 1
+
+
 def test_taken_events_are_dropped_not_written_once_the_connection_is_gone() -> None:
     backlog: deque[object] = deque([object()])
     h = Harness(backlog=backlog)
