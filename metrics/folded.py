@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -82,5 +83,8 @@ class FoldedHistogram(Collector):
             cumulative += count
             buckets.append((_le(bound), cumulative))
         family.add_metric([], buckets, self.sum)
-        family.add_sample(self.name + "_created", {}, self.created)
+        # As prometheus_client's own metrics do: no _created sample once
+        # disable_created_metrics() was called (the sidecar calls it).
+        if getattr(prometheus_metrics, "_use_created", True):
+            family.add_sample(self.name + "_created", {}, self.created)
         yield family

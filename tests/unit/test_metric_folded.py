@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from metrics.definitions import QUEUE_DELAY_BUCKETS
 from metrics.folded import FoldedHistogram
 
-_CREATED = re.compile(r"^.*_created.*$", re.MULTILINE)
+_CREATED = re.compile(r"^.*_created.*\n", re.MULTILINE)
 
 
 def _exposition(registry: CollectorRegistry) -> str:
@@ -37,7 +37,17 @@ def test_the_exposition_is_a_histograms(values: list[float]) -> None:
         folded.observe(value)
     assert _exposition(ours) == _exposition(theirs)
     assert folded.count == len(values)
-    assert ours.get_sample_value("delay_seconds_created") == pytest.approx(folded.created)
+
+
+def test_created_follows_prometheus_clients_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import metrics as prometheus_metrics
+
+    registry = CollectorRegistry()
+    folded = FoldedHistogram("x_seconds", "doc", QUEUE_DELAY_BUCKETS, registry=registry)
+    monkeypatch.setattr(prometheus_metrics, "_use_created", True)
+    assert registry.get_sample_value("x_seconds_created") == pytest.approx(folded.created)
+    monkeypatch.setattr(prometheus_metrics, "_use_created", False)  # disable_created_metrics()
+    assert registry.get_sample_value("x_seconds_created") is None
 
 
 def test_buckets_must_ascend_and_end_in_inf() -> None:
