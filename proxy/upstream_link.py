@@ -240,6 +240,7 @@ class PicowsUpstreamLink(picows.WSListener):
     def __init__(self, *, max_message_bytes: int, write_limit: int) -> None:
         super().__init__()
         self.transport: picows.WSTransport | None = None
+        self._underlying: asyncio.Transport | None = None
         self.backlog = _FramesWaiting()
         self._handler: UpstreamHandler | None = None
         self._max_message = max_message_bytes
@@ -300,6 +301,8 @@ class PicowsUpstreamLink(picows.WSListener):
 
     def on_ws_connected(self, transport: picows.WSTransport) -> None:
         self.transport = transport
+        # Kept: reached on every frame sent and every input_backlog().
+        self._underlying = transport.underlying_transport
 
     def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
         if self._failed:
@@ -439,9 +442,8 @@ class PicowsUpstreamLink(picows.WSListener):
             return
         self._out = []
         self._out_bytes = 0
-        transport = self.transport
-        if transport is not None and not self._disconnected:
-            transport.underlying_transport.writelines(out)
+        if self._underlying is not None and not self._disconnected:
+            self._underlying.writelines(out)
 
     # -- UpstreamLink ---------------------------------------------------------------------
 
@@ -460,11 +462,11 @@ class PicowsUpstreamLink(picows.WSListener):
         return self._close_code
 
     def input_backlog(self) -> int:
-        transport = self.transport
-        if transport is None or self._disconnected:
+        underlying = self._underlying
+        if underlying is None or self._disconnected:
             return 0
         try:
-            return self._out_bytes + int(transport.underlying_transport.get_write_buffer_size())
+            return self._out_bytes + int(underlying.get_write_buffer_size())
         except (AttributeError, RuntimeError, OSError):  # pragma: no cover - closed transport
             return 0
 
