@@ -70,48 +70,26 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
         )
     shutil.copy2(ROOT / "pyproject.toml", tree / "pyproject.toml")
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    build = subprocess.run(
-        [sys.executable, "scripts/native_core.py", "build"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+
+    def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    build = run("scripts/native_core.py", "build", timeout=400)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
-    status = subprocess.run(
-        [sys.executable, "scripts/native_core.py", "status"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    assert run("scripts/native_core.py", "status").stdout.strip() == "mypyc"
+    where = run(
+        "-c",
+        "import proxy.core.session as s, proxy.core.buffer as b; print(s.__file__, b.__file__)",
     )
-    assert status.stdout.strip() == "mypyc"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import proxy.core.session as s, proxy.core.buffer as b; print(s.__file__, b.__file__)",
-        ],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert run.stdout.count(".so") == 2, run.stdout
-    tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+    assert where.stdout.count(".so") == 2, where.stdout + where.stderr
+    tests = run("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit", timeout=400)
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     print(f"\ncompiled core: {tests.stdout.strip().splitlines()[-1]}")

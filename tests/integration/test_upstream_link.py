@@ -30,7 +30,6 @@ from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
-from websockets.streams import StreamReader
 
 from proxy.upstream_link import (
     PicowsUpstreamLink,
@@ -47,6 +46,7 @@ from tests.integration.helpers import (
     rid_of,
     run_cli,
 )
+from tests.unit.test_frames_masked import parse_masked
 
 MIB = 1024 * 1024
 #: The links' bound on one engine message in these tests.
@@ -95,16 +95,7 @@ def parse_wire(data: bytes) -> list[RawFrame]:
         mask = data[at + header : at + header + 4] if masked else b""
         end = at + header + (4 if masked else 0) + length
         assert end <= len(data), "truncated frame on the wire"
-        reader = StreamReader()
-        reader.feed_data(data[at:end])
-        reader.feed_eof()
-        parser = Frame.parse(reader.read_exact, mask=True)
-        try:
-            next(parser)
-        except StopIteration as done:
-            parsed: Frame = done.value
-        else:  # pragma: no cover - the slice holds the whole frame
-            raise AssertionError("websockets' parser wanted more bytes")
+        parsed = parse_masked(data[at:end])
         frames.append(RawFrame(first & 0x0F, bool(first & 0x80), masked, form, mask, parsed.data))
         at = end
     return frames
@@ -422,6 +413,15 @@ def event(kind: str, n: int = 0) -> str:
 # -- what the engine sends ----------------------------------------------------------------------
 
 
+async def _started(engines: Any, open_link: Opener, **link_options: Any) -> tuple[Any, Any]:
+    """A link to a fresh engine, running, and the engine's side of the connection."""
+    engine = await engines()
+    link = await open_link(engine.url, **link_options)
+    conn = await engine.connection()
+    link.run()
+    return link, conn
+
+
 async def test_frames_sent_with_the_101_are_handed_over_once_run_starts_in_order(
     engines: Any, open_link: Opener
 ) -> None:
@@ -455,10 +455,7 @@ async def test_a_frame_and_a_close_sent_with_the_101_both_reach_run(
 async def test_a_message_in_three_fragments_is_one_text_and_a_ping_between_is_answered(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     whole = json.dumps(
         {"type": "response.output_audio.delta", "delta": "é" * 300}, ensure_ascii=False
     )
@@ -479,10 +476,7 @@ async def test_a_message_in_three_fragments_is_one_text_and_a_ping_between_is_an
 async def test_fragments_above_max_message_bytes_end_the_link_with_1009(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url, max_message_bytes=10_000)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link, max_message_bytes=10_000)
     conn.text(b"x" * 4_000, fin=False)  # each fragment is under the bound, all three are not
     conn.continuation(b"x" * 4_000, fin=False)
     conn.continuation(b"x" * 4_000, fin=True)
@@ -495,10 +489,7 @@ async def test_fragments_above_max_message_bytes_end_the_link_with_1009(
 async def test_one_frame_above_max_message_bytes_ends_the_link(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url, max_message_bytes=10_000)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link, max_message_bytes=10_000)
     conn.text(b"x" * 10_001)
     assert await link.result() is False
     await soon(lambda: conn.ended.is_set(), what="the connection ended")
@@ -509,10 +500,7 @@ async def test_one_frame_above_max_message_bytes_ends_the_link(
 async def test_invalid_utf8_in_a_text_message_closes_with_1007(
     engines: Any, open_link: Opener, fragmented: bool
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.text(event("fine"))
     if fragmented:
         conn.text(b'{"type":"', fin=False)
@@ -558,10 +546,7 @@ async def test_nothing_reaches_the_handler_after_the_link_failed_the_connection(
     engines: Any, open_link: Opener, request: pytest.FixtureRequest, failure: str
 ) -> None:
     """RFC 6455 §7.1.7: once failing the connection, no further data is processed."""
-    engine = await engines()
-    link = await open_link(engine.url, max_message_bytes=10_000)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link, max_message_bytes=10_000)
     conn.holding = True
     _BAD_THEN_GOOD[failure](conn)
     conn.release()  # one write: the bad frame and the good one arrive together
@@ -605,20 +590,14 @@ async def test_a_close_without_a_code_is_a_clean_end(
     """A Close frame may carry no code (RFC 6455 §7.1.5: the receiver sees 1005); the
     aiohttp link (the relay's engine link until picows) ends cleanly on it, and so does
     the websockets package (1005 is one of its OK close codes)."""
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.raw_frame(0x8, b"")
     assert await link.result() is True
     assert link.link.closed
 
 
 async def test_a_binary_message_is_reported_by_size(engines: Any, open_link: Opener) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.binary(b"\x00" * 1234)
     conn.text(event("after"))
     await soon(lambda: len(link.handler.events) == 2, what="both messages")
@@ -628,10 +607,7 @@ async def test_a_binary_message_is_reported_by_size(engines: Any, open_link: Ope
 async def test_engine_pings_are_answered_and_our_pings_prove_the_engine_alive(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.ping(b"are you there")
     await soon(lambda: bool(conn.of(Opcode.PONG)), what="the pong")
     assert [f.data for f in conn.of(Opcode.PONG)] == [b"are you there"]
@@ -646,10 +622,7 @@ async def test_engine_pings_are_answered_and_our_pings_prove_the_engine_alive(
 async def test_the_engines_close_code_decides_a_clean_end(
     engines: Any, open_link: Opener, code: int, clean: bool
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.text(event("last"))
     conn.close(code, "bye")
     assert await link.result() is clean
@@ -661,10 +634,7 @@ async def test_the_engines_close_code_decides_a_clean_end(
 
 
 async def test_an_engine_that_vanishes_is_not_a_clean_end(engines: Any, open_link: Opener) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.drop()
     assert await link.result() is False
     assert link.link.closed
@@ -691,10 +661,7 @@ async def test_close_sends_1000_and_completes_once_the_engine_answers(
 
 
 async def test_close_while_running_ends_run_cleanly(engines: Any, open_link: Opener) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     await link.link.send(event("last words"))
     async with asyncio.timeout(QUICK):
         await link.link.close()
@@ -709,10 +676,7 @@ async def test_close_while_running_ends_run_cleanly(engines: Any, open_link: Ope
 async def test_abort_drops_the_connection_without_a_close_frame(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     link.link.abort()
     assert await link.result() is False
     await soon(lambda: conn.ended.is_set(), what="the engine saw the connection end")
@@ -725,10 +689,7 @@ async def test_abort_drops_the_connection_without_a_close_frame(
 async def test_sent_frames_arrive_intact_masked_and_in_order(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     texts = [
         event("small"),
         json.dumps({"type": "conversation.item.create", "text": "héllo wörld 🎵"}),
@@ -751,10 +712,7 @@ async def test_sent_frames_arrive_intact_masked_and_in_order(
 async def test_commands_the_handler_has_waiting_are_sent_in_order(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.text(event("nothing waits"))
     await soon(lambda: len(link.handler.events) == 1, what="the first event")
     assert link.handler.taken == 0, "nothing asked for, nothing taken"
@@ -790,10 +748,7 @@ async def test_a_closed_port_raises_upstream_connect_error(open_link: Opener) ->
 async def test_sending_after_the_engine_left_neither_raises_nor_writes(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.close(1000)
     assert await link.result() is True
     await link.link.send(event("too late"))
@@ -851,10 +806,7 @@ async def test_send_waits_above_write_limit_while_the_engine_does_not_read(
 async def test_close_that_the_engine_never_answers_can_be_bounded_and_drops_it(
     engines: Any, open_link: Opener
 ) -> None:
-    engine = await engines()
-    link = await open_link(engine.url)
-    conn = await engine.connection()
-    link.run()
+    link, conn = await _started(engines, open_link)
     conn.holding = True  # never answers our close
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.2):
