@@ -219,7 +219,13 @@ async def test_six_sessions_spread_2_2_2_the_7th_is_refused_and_a_killed_replica
             assert s.gaps() == []
 
         # While replica 1 restarts (backoff >= 0.9 s) a new session goes to a survivor,
-        # although replica 1 now has the fewest sessions; /readyz says so.
+        # although replica 1 now has the fewest sessions; /readyz says so. The sessions
+        # can end (their engine socket dropped) a few ms before the supervisor has
+        # reaped the child, so wait for the supervisor to notice, inside the backoff.
+        await wait_until(
+            lambda: proxy.sidecar.router.states[1] != "ready",
+            what="the supervisor noticing the kill",
+        )
         status, _headers, body = await get_json(f"{proxy.http_url}/readyz")
         assert status == 200
         assert body["engines"][1]["state"] in ("restarting", "starting"), (
