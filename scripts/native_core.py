@@ -11,6 +11,11 @@ Python core is always there and is what a plain install runs.
 
 ``python scripts/native_core.py status`` prints which core an import gets.
 
+``--installed`` acts on the ``proxy`` package the running interpreter imports
+instead of this checkout's: after ``pip install /path/to/checkout`` into a
+service venv (with ``mypy`` installed there too, for mypyc),
+``/opt/omni-sidecar/venv/bin/python scripts/native_core.py build --installed``.
+
 ``proxy/native.py`` (imported by ``proxy/__init__.py``) refuses a compiled
 core older than its source (edit, forget to rebuild, measure the old code: not on our watch).
 """
@@ -98,10 +103,26 @@ def status() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global ROOT, CORE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("build", "clean", "status"))
+    parser.add_argument(
+        "--installed",
+        action="store_true",
+        help="the proxy package this interpreter imports (e.g. a venv's site-packages after "
+        "`pip install .`), not this checkout's",
+    )
     ns = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
+    if ns.installed:
+        import importlib.util
+
+        spec = importlib.util.find_spec("proxy")
+        if spec is None or spec.origin is None:
+            parser.error("no installed proxy package: pip install omni-sidecar first")
+        ROOT = Path(spec.origin).resolve().parent.parent
+        CORE = ROOT / "proxy" / "core"
+    else:
+        sys.path.insert(0, str(ROOT))
     return {"build": build, "clean": clean, "status": status}[ns.action]()
 
 
