@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import random
 import time
@@ -35,23 +34,14 @@ from typing import Any
 import uvloop
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
 
+from bench.cancelclient import AUDIO_PREFIXES, field, start_turn, text_payload
 from bench.common import percentile
 from proxy.probe import PlayoutBuffer
 
 __all__ = ["BargeInSession", "main"]
 
-_AUDIO = (b'{"type":"response.output_audio.delta"', b'{"type":"response.audio.delta"')
 _DELTA = b'"delta":"'
 _RATE = b'"sample_rate_hz":'
-
-
-def _field(head: bytes, key: bytes) -> bytes | None:
-    marker = b'"' + key + b'":"'
-    i = head.find(marker)
-    if i < 0:
-        return None
-    j = head.find(b'"', i + len(marker))
-    return head[i + len(marker) : j]
 
 
 def _delta_seconds(payload: bytes) -> float:
@@ -92,13 +82,7 @@ class BargeInSession(WSListener):
 
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
-        audio = base64.b64encode(bytes(6400)).decode()  # 200 ms of 16 kHz PCM16
-        for event in (
-            {"type": "input_audio_buffer.append", "audio": audio},
-            {"type": "input_audio_buffer.commit"},
-            {"type": "response.create"},
-        ):
-            transport.send(WSMsgType.TEXT, json.dumps(event).encode())
+        start_turn(transport)
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         self.transport = None
@@ -106,16 +90,12 @@ class BargeInSession(WSListener):
             self.finished.set_result(False)
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-        if frame.msg_type is WSMsgType.CLOSE:
-            transport.send_close(frame.get_close_code())
-            transport.disconnect()
-            return
-        if frame.msg_type is not WSMsgType.TEXT:
+        payload = text_payload(transport, frame)
+        if payload is None:
             return
         now = time.monotonic()
-        payload = frame.get_payload_as_bytes()
-        if payload.startswith(_AUDIO):
-            rid = _field(payload[:400], b"response_id")
+        if payload.startswith(AUDIO_PREFIXES):
+            rid = field(payload[:400], b"response_id")
             if self.rid is None:
                 self.rid = rid
             if rid != self.rid:

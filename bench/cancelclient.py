@@ -27,16 +27,40 @@ from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
 
 from bench.common import percentile
 
-_AUDIO = (b'{"type":"response.output_audio.delta"', b'{"type":"response.audio.delta"')
+#: How an audio delta frame starts (GA and beta event names).
+AUDIO_PREFIXES = (b'{"type":"response.output_audio.delta"', b'{"type":"response.audio.delta"')
 
 
-def _field(head: bytes, key: bytes) -> bytes | None:
+def field(head: bytes, key: bytes) -> bytes | None:
+    """A top-level string field's value, found in the frame's first bytes without parsing."""
     marker = b'"' + key + b'":"'
     i = head.find(marker)
     if i < 0:
         return None
     j = head.find(b'"', i + len(marker))
     return head[i + len(marker) : j]
+
+
+def start_turn(transport: WSTransport) -> None:
+    """What each bench session sends first: 200 ms of audio, a commit, a response.create."""
+    audio = base64.b64encode(bytes(6400)).decode()  # 200 ms of 16 kHz PCM16
+    for event in (
+        {"type": "input_audio_buffer.append", "audio": audio},
+        {"type": "input_audio_buffer.commit"},
+        {"type": "response.create"},
+    ):
+        transport.send(WSMsgType.TEXT, json.dumps(event).encode())
+
+
+def text_payload(transport: WSTransport, frame: WSFrame) -> bytes | None:
+    """A text frame's payload; a close is answered and disconnects, other frames are None."""
+    if frame.msg_type is WSMsgType.CLOSE:
+        transport.send_close(frame.get_close_code())
+        transport.disconnect()
+        return None
+    if frame.msg_type is not WSMsgType.TEXT:
+        return None
+    return frame.get_payload_as_bytes()
 
 
 class CancelSession(WSListener):  # type: ignore[misc]
@@ -58,13 +82,7 @@ class CancelSession(WSListener):  # type: ignore[misc]
 
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
-        audio = base64.b64encode(bytes(6400)).decode()  # 200 ms of 16 kHz PCM16
-        for event in (
-            {"type": "input_audio_buffer.append", "audio": audio},
-            {"type": "input_audio_buffer.commit"},
-            {"type": "response.create"},
-        ):
-            transport.send(WSMsgType.TEXT, json.dumps(event).encode())
+        start_turn(transport)
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         self.transport = None
@@ -72,17 +90,13 @@ class CancelSession(WSListener):  # type: ignore[misc]
             self.done.set_result(False)
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-        if frame.msg_type is WSMsgType.CLOSE:
-            transport.send_close(frame.get_close_code())
-            transport.disconnect()
-            return
-        if frame.msg_type is not WSMsgType.TEXT:
+        payload = text_payload(transport, frame)
+        if payload is None:
             return
         now = time.monotonic()
-        payload = frame.get_payload_as_bytes()
         head = payload[:400]
-        if head.startswith(_AUDIO):
-            rid = _field(head, b"response_id")
+        if head.startswith(AUDIO_PREFIXES):
+            rid = field(head, b"response_id")
             if self.rid is None:
                 self.rid = rid
             if rid != self.rid:
