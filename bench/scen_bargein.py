@@ -21,10 +21,8 @@ history of the reply is from what the listener had heard at the cancel.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import urllib.request
-from pathlib import Path
 from typing import Any, Final
 
 from bench.common import (
@@ -40,7 +38,7 @@ from bench.common import (
 )
 from bench.report import Report, figure
 from bench.runner import log, rotated
-from bench.stack import Stack
+from bench.stack import Stack, sidecar_argv
 
 __all__ = ["barge_in"]
 
@@ -65,22 +63,7 @@ _METRICS: Final = re.compile(
 def _start_sidecar(name: str, upstream_port: int, args: list[str]) -> tuple[Proc, int, int]:
     """One more ``omni-sidecar serve`` in front of the stack's engine, as ``Stack`` starts its own."""
     port, admin = free_port(), free_port()
-    exe = str(Path(python()).with_name("omni-sidecar"))
-    argv = [
-        exe if os.path.exists(exe) else "omni-sidecar",
-        "serve",
-        "--upstream",
-        f"ws://127.0.0.1:{upstream_port}",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--admin-listen",
-        f"127.0.0.1:{admin}",
-        "--max-sessions",
-        "0",
-        "--log-level",
-        "warning",
-        *args,
-    ]
+    argv = sidecar_argv(f"ws://127.0.0.1:{upstream_port}", port, admin, *args)
     proc = start(name, argv, cpu=PROXY_CPU)
     try:
         wait_port(port, timeout=30, proc=proc.popen)

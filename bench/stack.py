@@ -30,7 +30,7 @@ from typing import Final
 
 from bench.common import LOAD_CPU, PROXY_CPU, ROOT, Proc, free_port, python, start, wait_port
 
-__all__ = ["CONFIGS", "Stack", "ensure_nginx"]
+__all__ = ["CONFIGS", "Stack", "ensure_nginx", "sidecar_argv"]
 
 CONFIGS: Final = ("direct", "nginx", "bare", "bare-picows", "sidecar")
 
@@ -173,22 +173,7 @@ class Stack:
         if "sidecar" in self.configs:
             port = free_port()
             admin = free_port()
-            sidecar = str(Path(python()).with_name("omni-sidecar"))
-            argv = [
-                sidecar if os.path.exists(sidecar) else "omni-sidecar",
-                "serve",
-                "--upstream",
-                upstream,
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--admin-listen",
-                f"127.0.0.1:{admin}",
-                "--max-sessions",
-                "0",
-                "--log-level",
-                "warning",
-                *self.sidecar_args,
-            ]
+            argv = sidecar_argv(upstream, port, admin, *self.sidecar_args)
             self.procs["sidecar"] = start("sidecar", argv, cpu=PROXY_CPU)
             wait_port(port, timeout=30, proc=self.procs["sidecar"].popen)
             self.ports["sidecar"] = port
@@ -225,6 +210,26 @@ class Stack:
         for name, proc in self.procs.items():
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+
+
+def sidecar_argv(upstream: str, port: int, admin: int, *args: str) -> list[str]:
+    """``omni-sidecar serve`` in front of ``upstream`` on loopback ports, as every scenario runs it."""
+    exe = str(Path(python()).with_name("omni-sidecar"))
+    return [
+        exe if os.path.exists(exe) else "omni-sidecar",
+        "serve",
+        "--upstream",
+        upstream,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin-listen",
+        f"127.0.0.1:{admin}",
+        "--max-sessions",
+        "0",
+        "--log-level",
+        "warning",
+        *args,
+    ]
 
 
 def root() -> Path:
