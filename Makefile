@@ -7,7 +7,7 @@
 #   make lint    - ruff check + ruff format --check on the whole tree, mypy --strict
 #                  on the product (tests/test_lint.py runs the same checks)
 #   make pytest  - only the test suite
-#   make native  - compile the I/O-free core (proxy/core) with mypyc: ~35 % less
+#   make native  - compile the I/O-free core (proxy/core) with mypyc: ~13 % less
 #                  sidecar CPU per event; `make pure` goes back to the Python core
 # Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/unit"`.
 PYTHON ?= python3
