@@ -394,35 +394,11 @@ class Relay:
                         await asyncio.Event().wait()  # until wind-down cancels us
                     continue
                 if kind is aiohttp.WSMsgType.TEXT:
-                    text: str = msg.data
-                    if self.upstream.sends_without_waiting:
-                        # Frames queued before the push path was on, or without it.
-                        self._client_text(text, now)
-                        await self.upstream.wait_drained()
-                        continue
-                    decision = core.receive_client(text, now)
-                    if decision.event.kind is ClientKind.SESSION_CLOSE and decision.forward:
-                        timers.arm_upstream_close(self._upstream_close_timeout)
-                    self._observer.client_event(
-                        decision.event.size,
-                        forwarded=decision.forward,
-                        audio=decision.event.kind is ClientKind.AUDIO_APPEND,
-                    )
-                    if core.has_upstream_commands:
-                        # What the user heard (a cancel's truncation) goes first.
-                        await self._flush_upstream_commands()
-                    if decision.forward:
-                        if self._input_over(decision.event.size):
-                            self._fail_input(now)
-                        else:
-                            self.bytes_client_to_upstream += decision.event.size
-                            await self._send_upstream(text)
-                            self._forwarded_at = now
-                            if core.playback.acking:
-                                core.ride_along_acks(now)
-                    self._after_core_call()
-                    if core.has_upstream_commands:
-                        await self._flush_upstream_commands()
+                    # Frames queued before the push path was on, or all of them
+                    # with a link that sends only by awaiting.
+                    for frame in self._client_text(msg.data, now):
+                        await self._send_upstream(frame)
+                    await self.upstream.wait_drained()
                 elif kind is aiohttp.WSMsgType.BINARY:
                     core.reject_client_frame(
                         "binary_unsupported",
@@ -475,7 +451,10 @@ class Relay:
         timers.last_client_frame = now
         timers.last_client_event = now
         if self._admit(len(text), now):
-            self._client_text(text, now)
+            frames = self._client_text(text, now)
+            if not self._upstream_gone.is_set():
+                for frame in frames:
+                    self.upstream.send_nowait(frame)
         elif self._pushing:
             # Over the frame-rate limit: back to aiohttp's queue, whose flow
             # control (and the reader's yield every few frames) paces a
@@ -493,8 +472,15 @@ class Relay:
             if not self._flooded:
                 self.writer.resume_reading()
 
-    def _client_text(self, text: str, now: float) -> None:
-        """Handle one admitted client text frame at once (the link sends without waiting)."""
+    def _client_text(self, text: str, now: float) -> list[str]:
+        """Handle one admitted client text frame.
+
+        Returns:
+            The frames for the engine, in order: what the core asks to send
+            because of it first (a cancel's truncation: what the user heard),
+            then the frame itself when it is forwarded, then what follows it
+            (acks riding along).
+        """
         core = self.core
         decision = core.receive_client(text, now)
         event = decision.event
@@ -503,20 +489,21 @@ class Relay:
         self._observer.client_event(
             event.size, forwarded=decision.forward, audio=event.kind is ClientKind.AUDIO_APPEND
         )
-        if core.has_upstream_commands:
-            self._send_commands_now()  # what the user heard (a cancel's truncation) goes first
+        out = core.events_to_upstream() if core.has_upstream_commands else []
         if decision.forward:
-            if self._input_over(event.size):
+            ahead = sum(len(frame) for frame in out) if out else 0
+            if self._input_over(ahead + event.size):
                 self._fail_input(now)
-            elif not self._upstream_gone.is_set():
+            else:
                 self.bytes_client_to_upstream += event.size
-                self.upstream.send_nowait(text)
+                out.append(text)
                 self._forwarded_at = now
                 if core.playback.acking:
                     core.ride_along_acks(now)
         self._after_core_call()
         if core.has_upstream_commands:
-            self._send_commands_now()
+            out += core.events_to_upstream()
+        return out
 
     def _input_over(self, size: int) -> bool:
         """Forwarding ``size`` more bytes would exceed ``max_pending_input_bytes``."""
