@@ -127,7 +127,18 @@ async def test_unreachable_upstream_is_not_ready_until_an_engine_answers(tmp_pat
             answer = await srv.readyz()
             return answer is not None and answer[0] == 503
 
-        await wait_until(answered_503, timeout=5.0, what="/readyz 503")
+        async def probed_and_503() -> bool:
+            # /readyz is 503 "engine is starting" from the first moment; the detail
+            # names the upstream only once the first probe has failed, which on a
+            # busy machine can come after the first 503 a poll sees.
+            answer = await srv.readyz()
+            return (
+                answer is not None
+                and answer[0] == 503
+                and f"127.0.0.1:{engine_port}" in str(answer[1].get("detail"))
+            )
+
+        await wait_until(probed_and_503, timeout=DEADLINE, what="/readyz 503 naming the upstream")
         print(f"\nunreachable upstream -> /readyz 503 after {time.monotonic() - started:.2f} s")
         answer = await srv.readyz()
         assert answer is not None
