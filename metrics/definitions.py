@@ -26,6 +26,7 @@ __all__ = [
     "ENGINE_RESTART_REASONS",
     "ENGINE_STATES",
     "EVENT_KINDS",
+    "LINGER_OUTCOMES",
     "OVERFLOW_POLICIES",
     "REJECT_REASONS",
     "SESSION_OUTCOMES",
@@ -92,6 +93,19 @@ CONNECTION_REJECT_REASONS: Final = (
     "untrusted_proxy_header",
     "bad_proxy_header",
     "bad_request_head",
+)
+#: How a lingering close after an error answer ended (proxy/edge.py): the
+#: client closed its side, nothing arrived for lingering_timeout, lingering_time
+#: passed, max_lingering_bytes were discarded, no room under
+#: max_pending_handshakes (closed at once), the client reset, the sidecar shut down.
+LINGER_OUTCOMES: Final = (
+    "client_closed",
+    "quiet",
+    "time_limit",
+    "byte_limit",
+    "no_room",
+    "reset",
+    "shutdown",
 )
 OVERFLOW_POLICIES: Final = ("close_session", "fail_response", "process_total")
 #: build_info's ``core``: the mypyc-compiled core (make native) or the Python one.
@@ -245,6 +259,17 @@ class SidecarMetrics:
         self.pending_handshakes = Gauge(
             f"{p}_pending_handshakes",
             "Client connections whose request head is not complete yet.",
+            registry=registry,
+        )
+        self.lingering_connections = Gauge(
+            f"{p}_lingering_connections",
+            "Client connections reading out input after an error answer, before they close.",
+            registry=registry,
+        )
+        self.lingering_closes = Counter(
+            f"{p}_lingering_closes",
+            "Lingering closes after an error answer before the upgrade, by how they ended.",
+            ["outcome"],
             registry=registry,
         )
         self.events = Counter(
@@ -411,6 +436,8 @@ class SidecarMetrics:
             self.sessions_rejected.labels(reason)
         for reason in CONNECTION_REJECT_REASONS:
             self.rejected_connections.labels(reason)
+        for outcome in LINGER_OUTCOMES:
+            self.lingering_closes.labels(outcome)
         for direction in DIRECTIONS:
             self.bytes.labels(direction)
             for kind in EVENT_KINDS:

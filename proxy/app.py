@@ -200,8 +200,13 @@ class ProxyState:
         self.session_settings = session_settings(self.settings)
         keys = load_api_keys(self.settings.api_keys, self.settings.api_keys_file)
         self.auth = AuthPolicy(keys, self.settings.allowed_origins)
-        self.edge = EdgeGuard(EdgeLimits.from_settings(self.settings), self.reject_connection)
+        self.edge = EdgeGuard(
+            EdgeLimits.from_settings(self.settings),
+            self.reject_connection,
+            lambda outcome: self.metrics.lingering_closes.labels(outcome).inc(),
+        )
         self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
+        self.metrics.lingering_connections.set_function(lambda: self.edge.lingering)
 
     def reject_connection(self, reason: str, status: int, address: str) -> None:
         """Count and log one connection or request refused at the edge (docs/security.md)."""

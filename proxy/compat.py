@@ -40,6 +40,7 @@ __all__ = [
     "bound_sockets",
     "client_transport",
     "closing",
+    "detach_transport",
     "handler_kwargs",
     "head_refused",
     "install_client_writer",
@@ -239,6 +240,21 @@ def closing(protocol: Any) -> bool:
     return bool(protocol._close or protocol._force_close)
 
 
+def detach_transport(protocol: Any) -> asyncio.Transport | None:
+    """Take the client connection away from aiohttp's request handler, still open.
+
+    ``force_close()`` marks the handler closed (it parses no more requests, its
+    request loop ends without touching the socket, its payload lingering is
+    skipped) and closes ``protocol.transport`` when one is set; unsetting
+    ``transport`` first leaves the socket to the caller: the edge's lingering
+    close after an error answer. None when the connection is already gone.
+    """
+    transport: asyncio.Transport | None = protocol.transport
+    protocol.transport = None
+    protocol.force_close()
+    return transport
+
+
 def handler_kwargs(server: web.Server) -> dict[str, Any]:
     """What ``web.Server`` passes each ``RequestHandler`` it makes (loop and handler args).
 
@@ -334,6 +350,13 @@ HOOKS: Final[tuple[Hook, ...]] = (
             and _assigns(_web_protocol.RequestHandler.start, "_handle_request")
             and asyncio.iscoroutinefunction(_web_protocol.RequestHandler._handle_request)
             and _assigns(_web_protocol.RequestHandler.data_received, "_messages", "_ErrInfo")
+        ),
+    ),
+    Hook(
+        "RequestHandler.force_close closes .transport, start() leaves it when _force_close",
+        lambda: (
+            _assigns(_web_protocol.RequestHandler.force_close, "_force_close", "transport")
+            and _assigns(_web_protocol.RequestHandler.start, "_force_close", "transport")
         ),
     ),
     Hook(

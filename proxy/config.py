@@ -264,9 +264,38 @@ class Settings:
     )
     max_pending_handshakes: int = setting(
         256,
-        help="Client listener: connections whose request head is not complete yet; one more "
-        "is closed at once.",
+        help="Client listener: connections whose request head is not complete yet, plus "
+        "those lingering after an error answer; one more is closed at once.",
         unit="count",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    lingering_time: float = setting(
+        5 * SECONDS,
+        help="Client listener: after an error answer that ends the connection before the "
+        "upgrade (400, 408, 413, 426, 431, ...), the most seconds the sidecar goes on reading "
+        "and discarding what the client still sends, so that closing does not reset the "
+        "connection and destroy the answer unread (lingering close; docs/security.md).",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    lingering_timeout: float = setting(
+        2 * SECONDS,
+        help="Client listener: a lingering connection from which nothing arrived for this "
+        "many seconds is closed (within lingering_time).",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_LISTENERS,
+    )
+    max_lingering_bytes: int = setting(
+        1 * MIB,
+        help="Client listener: a lingering connection is closed once it has sent this many "
+        "bytes after the answer (within lingering_time).",
+        unit="bytes",
         positive=True,
         live=True,
         section=_LISTENERS,

@@ -18,8 +18,25 @@ sees a byte:
     response and the connection is closed. An idle keep-alive connection is
     one waiting for its next head, so this is also its idle limit.
 ``max_pending_handshakes`` (connections, default 256)
-    Connections whose current request head is not complete yet. A connection
-    that would exceed it is closed at once, before it can send anything.
+    Connections whose current request head is not complete yet, plus those
+    lingering after an error answer (below). A connection that would exceed
+    it is closed at once, before it can send anything.
+Lingering close: ``lingering_time`` (seconds, default 5), ``lingering_timeout``
+(seconds, default 2), ``max_lingering_bytes`` (bytes, default 1 MiB)
+    Every error answer (status >= 400) written before the upgrade that ends
+    the connection -- the edge's own 431 and 408, aiohttp's 400 for a head
+    its parser refuses, the handshake's 400/426, a 413, a 429 or 503 to a
+    client that asked to close -- is followed by a lingering close, as
+    nginx does: the write side is shut (FIN after the answer), and what the
+    client still sends is read and discarded until it closes its side, or
+    ``lingering_timeout`` passes without a byte, or ``lingering_time`` since
+    the answer, or ``max_lingering_bytes`` have been discarded; then the
+    socket is closed. Closing at once with the client's bytes unread makes
+    the kernel reset the connection, and a client still sending then loses
+    the answer it had not read yet. A lingering connection counts against
+    ``max_pending_handshakes``; with no room left the connection is closed
+    at once instead. Each ends with one
+    ``omni_sidecar_lingering_closes_total{outcome}``.
 PROXY protocol (v1, v2)
     Read before HTTP, only from a peer in ``trusted_proxies``; from any other
     peer the connection is closed (:mod:`proxy.forwarded`).
@@ -54,7 +71,10 @@ from proxy.forwarded import (
 from proxy.reverse_proxy import DEFAULT_MAX_HTTP_BODY_BYTES
 
 __all__ = [
+    "DEFAULT_LINGERING_TIME",
+    "DEFAULT_LINGERING_TIMEOUT",
     "DEFAULT_MAX_HTTP_BODY_BYTES",
+    "DEFAULT_MAX_LINGERING_BYTES",
     "DEFAULT_MAX_PENDING_HANDSHAKES",
     "DEFAULT_MAX_REQUEST_HEAD_BYTES",
     "DEFAULT_REQUEST_HEAD_TIMEOUT",
@@ -62,6 +82,7 @@ __all__ = [
     "EdgeGuard",
     "EdgeLimits",
     "EdgeRequestHandler",
+    "Lingered",
     "client_address",
 ]
 
@@ -70,6 +91,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_HEAD_BYTES: Final = 32 * 1024
 DEFAULT_REQUEST_HEAD_TIMEOUT: Final = 10.0
 DEFAULT_MAX_PENDING_HANDSHAKES: Final = 256
+DEFAULT_LINGERING_TIME: Final = 5.0
+DEFAULT_LINGERING_TIMEOUT: Final = 2.0
+DEFAULT_MAX_LINGERING_BYTES: Final = 1024 * 1024
 #: aiohttp's per-item limits on the client listener: no legitimate client of a
 #: realtime API sends a request line or a header near 8 KiB, nor 64 headers.
 MAX_LINE_BYTES: Final = 8 * 1024
@@ -106,6 +130,10 @@ _MALLOC_TRIM: Final = _load_malloc_trim()
 Reject = Callable[[str, int, str], None]
 """``reject(reason, status, address)``: count and log one refusal (status 0: closed only)."""
 
+Lingered = Callable[[str], None]
+"""``lingered(outcome)``: count one lingering close by how it ended
+(``metrics.definitions.LINGER_OUTCOMES``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
@@ -114,6 +142,9 @@ class EdgeLimits:
     max_request_head_bytes: int = DEFAULT_MAX_REQUEST_HEAD_BYTES
     request_head_timeout: float = DEFAULT_REQUEST_HEAD_TIMEOUT
     max_pending_handshakes: int = DEFAULT_MAX_PENDING_HANDSHAKES
+    lingering_time: float = DEFAULT_LINGERING_TIME
+    lingering_timeout: float = DEFAULT_LINGERING_TIMEOUT
+    max_lingering_bytes: int = DEFAULT_MAX_LINGERING_BYTES
     trusted_proxies: tuple[str, ...] = ()
     #: Reverse-proxied request bodies (proxy/reverse_proxy.py), bytes.
     max_http_body_bytes: int = DEFAULT_MAX_HTTP_BODY_BYTES
@@ -125,6 +156,9 @@ class EdgeLimits:
             max_request_head_bytes=settings.max_request_head_bytes,
             request_head_timeout=settings.request_head_timeout,
             max_pending_handshakes=settings.max_pending_handshakes,
+            lingering_time=settings.lingering_time,
+            lingering_timeout=settings.lingering_timeout,
+            max_lingering_bytes=settings.max_lingering_bytes,
             trusted_proxies=tuple(settings.trusted_proxies),
             max_http_body_bytes=settings.max_http_body_bytes,
         )
@@ -136,17 +170,28 @@ class EdgeGuard:
     Args:
         limits: the settings.
         reject: called once per refused connection or request (metrics and log).
+        lingered: called once per lingering close, with its outcome (metrics).
     """
 
-    def __init__(self, limits: EdgeLimits, reject: Reject) -> None:
+    def __init__(
+        self, limits: EdgeLimits, reject: Reject, lingered: Lingered | None = None
+    ) -> None:
         self.limits = limits
         self.trusted = TrustedProxies(limits.trusted_proxies)
         self.reject = reject
+        self.lingered: Lingered = lingered or (lambda outcome: None)
         #: Connections whose current request head is not complete.
         self.pending = 0
+        #: Connections lingering after an error answer (they count against the cap too).
+        self.lingering = 0
         self._peak = 0
         self._trimmed_at = -_TRIM_INTERVAL
         self._trim_later: asyncio.TimerHandle | None = None
+
+    def full(self) -> bool:
+        """No room for one more pending or lingering connection (``max_pending_handshakes``)."""
+        cap = self.limits.max_pending_handshakes
+        return cap > 0 and self.pending + self.lingering >= cap
 
     def opened(self) -> None:
         """One more connection is sending a request head."""
@@ -216,6 +261,8 @@ class EdgeRequestHandler(web.RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._handled = 0
         self._refused = False
+        #: Set once an error answer was written and the connection lingers.
+        self._linger: _Linger | None = None
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -223,17 +270,30 @@ class EdgeRequestHandler(web.RequestHandler):
         super().connection_made(transport)
         peername = transport.get_extra_info("peername")
         self.peer = str(peername[0]) if peername else ""
-        limits = self.guard.limits
-        if limits.max_pending_handshakes > 0 and (
-            self.guard.pending >= limits.max_pending_handshakes
-        ):
+        if self.guard.full():
             self._refuse("pending_handshakes", 0, b"")
             return
         self._open_head()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._close_head()
+        linger = self._linger
+        if linger is not None:
+            self._linger = None
+            linger.lost(exc)
         super().connection_lost(exc)
+
+    def eof_received(self) -> None:
+        linger = self._linger
+        if linger is not None:  # the client closed its side: it has read what it wanted
+            linger.end("client_closed")
+        super().eof_received()
+
+    def force_close(self) -> None:
+        super().force_close()
+        linger = self._linger
+        if linger is not None:  # shutdown: no more lingering
+            linger.end("shutdown")
 
     @property
     def address(self) -> str:
@@ -241,6 +301,10 @@ class EdgeRequestHandler(web.RequestHandler):
         return self.proxied_source or self.peer
 
     def data_received(self, data: bytes) -> None:
+        linger = self._linger
+        if linger is not None:
+            linger.discard(data)
+            return
         if self._refused:
             return
         if self._sniff is not None:
@@ -266,6 +330,9 @@ class EdgeRequestHandler(web.RequestHandler):
             if compat.requests_parsed(self) != before:
                 self._close_head()
                 if compat.head_refused(self):  # aiohttp answers it 400 and closes
+                    # Nothing after it is parsed: it is dropped until the answer
+                    # is written, then discarded by the lingering close.
+                    self._refused = True
                     self.guard.reject("bad_request_head", 400, self.address)
             return
         if compat.upgraded(self):
@@ -276,22 +343,26 @@ class EdgeRequestHandler(web.RequestHandler):
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
         keep_alive = False
+        error_answer = False
         try:
             result = await super()._handle_request(*args, **kwargs)
             response, reset = result
             keep_alive = bool(response.keep_alive) and not reset
+            error_answer = not reset and response.status >= 400
             return result
         finally:
             self._handled += 1
-            # Keep-alive: the next request's head starts now, unless it is
-            # already parsed (pipelined) or the connection is closing.
-            if (
-                keep_alive
-                and self.transport is not None
-                and not compat.closing(self)
-                and compat.requests_parsed(self) == self._handled
-            ):
-                self._open_head()
+            if self.transport is None or compat.upgraded(self):
+                pass
+            elif keep_alive and not compat.closing(self):
+                # Keep-alive: the next request's head starts now, unless it is
+                # already parsed (pipelined).
+                if compat.requests_parsed(self) == self._handled:
+                    self._open_head()
+            elif error_answer:
+                # The connection ends after an error answer: linger, instead of
+                # aiohttp's close right after this method returns.
+                self._linger_after_answer()
 
     # -- the request head ------------------------------------------------------------------------
 
@@ -381,14 +452,122 @@ class EdgeRequestHandler(web.RequestHandler):
     # -- refusing ----------------------------------------------------------------------------------
 
     def _refuse(self, reason: str, status: int, response: bytes) -> None:
-        """Count, log, answer (when ``response``) and close; nothing more is read."""
+        """Count, log, answer (when ``response``: then linger) and close; nothing more is parsed."""
         self._refused = True
         self._close_head()
         self.guard.reject(reason, status, self.address)
         transport = self.transport
         if transport is not None and response:
             transport.write(response)
+            self._linger_after_answer()
+            return
         self.force_close()
+
+    # -- the lingering close ----------------------------------------------------------------------
+
+    def _linger_after_answer(self) -> None:
+        """The answer is written: take the socket from aiohttp and close it lingering.
+
+        With no room under ``max_pending_handshakes`` it is closed at once.
+        """
+        transport = compat.detach_transport(self)
+        if transport is None or self._linger is not None:
+            return
+        if self.guard.full():
+            self.guard.lingered("no_room")
+            transport.close()
+            return
+        self._linger = _Linger(transport, self.guard)
+
+
+class _Linger:
+    """One connection's lingering close (see the module docstring).
+
+    Args:
+        transport: the connection, its answer written; now owned by this object.
+        guard: the edge's limits (read once, here) and counts.
+    """
+
+    __slots__ = (
+        "_loop",
+        "_timer",
+        "deadline",
+        "guard",
+        "heard",
+        "outcome",
+        "received",
+        "transport",
+    )
+
+    def __init__(self, transport: asyncio.Transport, guard: EdgeGuard) -> None:
+        self._loop = asyncio.get_running_loop()
+        limits = guard.limits
+        self.transport = transport
+        self.guard = guard
+        now = self._loop.time()
+        self.deadline = now + limits.lingering_time
+        self.heard = now
+        self.received = 0
+        #: How it ended; empty while it lingers.
+        self.outcome = ""
+        guard.lingering += 1
+        if transport.can_write_eof():  # FIN after the answer (TLS: the close does it)
+            transport.write_eof()
+        if not transport.is_reading():  # aiohttp may have paused it (a declined upgrade's tail)
+            transport.resume_reading()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
+            self._next_check(), self._check
+        )
+
+    def _next_check(self) -> float:
+        return min(self.deadline, self.heard + self.guard.limits.lingering_timeout)
+
+    def discard(self, data: bytes) -> None:
+        """Bytes the client still sent: dropped, counted against ``max_lingering_bytes``."""
+        if self.outcome:
+            return
+        self.received += len(data)
+        if self.received > self.guard.limits.max_lingering_bytes:
+            self.end("byte_limit")
+        else:
+            self.heard = self._loop.time()
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.outcome:  # ended, but its answer is still unsent at the deadline
+            self.transport.abort()
+            return
+        now = self._loop.time()
+        if now >= self.deadline:
+            self.end("time_limit")
+        elif now >= self.heard + self.guard.limits.lingering_timeout:
+            self.end("quiet")
+        else:
+            self._timer = self._loop.call_at(self._next_check(), self._check)
+
+    def end(self, outcome: str) -> None:
+        """Close the socket now; count ``outcome`` (the first one only)."""
+        if self.outcome:
+            return
+        self.outcome = outcome
+        self.guard.lingered(outcome)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        transport = self.transport
+        transport.close()
+        if transport.get_write_buffer_size():
+            # close() waits for the answer to be sent; a client that reads
+            # nothing would hold the socket: no longer than the deadline.
+            self._timer = self._loop.call_at(max(self.deadline, self._loop.time()), self._check)
+
+    def lost(self, exc: BaseException | None) -> None:
+        """The socket is gone (closed here, or reset by the client)."""
+        self.end("reset" if exc is not None else "client_closed")
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.guard.lingering -= 1
 
 
 class EdgeServer(web.Server):

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import os
 import shlex
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -504,3 +505,275 @@ async def test_keep_alive_heads_are_bounded_too(tmp_path: Path) -> None:
             return await server.gauge("omni_sidecar_pending_handshakes") == 0
 
         await wait_until(none_pending, what="no connection left pending")
+
+
+# -- lingering close -------------------------------------------------------------------------------
+
+
+#: 64 x 8 KB of header fields (under aiohttp's 8 KiB field limit): 512 KB, far over
+#: the 32 KiB head cap and under max_lingering_bytes.
+HEAD_FIELDS = [b"X-Pad-%d: %s\r\n" % (i, b"p" * 7900) for i in range(64)]
+#: The same amount of plain bytes, sent after a head the server answers at once.
+FILLER = [b"z" * 8000] * 64
+
+
+async def blast(port: int, head: bytes, chunks: list[bytes], *, rcvbuf: int = 4096) -> bytes:
+    """Send ``head`` and ``chunks`` as fast as the socket takes them, then read the answer.
+
+    A small receive buffer, as on a busy client. The writes go on after the
+    server has answered; a server that closes with those bytes unread resets
+    the connection, and a client whose write then fails loses the answer it
+    had not read yet (asyncio's transport closes on the failed write).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        with contextlib.suppress(ConnectionError):
+            writer.write(head)
+            for chunk in chunks:
+                writer.write(chunk)
+                await writer.drain()
+        return await read_answer(reader)
+    finally:
+        writer.close()
+
+
+async def test_a_large_head_sent_fast_gets_its_431_every_time(tmp_path: Path) -> None:
+    """The answer is not destroyed by a reset while the client is still sending (100 of 100)."""
+    with served(tmp_path) as server:
+        await ready(server)
+        started = time.monotonic()
+        head = b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\n"
+        statuses = [status_of(await blast(server.port, head, HEAD_FIELDS)) for _ in range(100)]
+        elapsed = time.monotonic() - started
+        print(f"\n100 x 512 KB heads sent at once: {statuses.count(431)} x 431 in {elapsed:.2f} s")
+        assert statuses.count(431) == 100, statuses
+        # Each client read its answer and closed: every linger ended that way.
+        await wait_until(
+            lambda: _equals(server.gauge(lingered("client_closed")), 100),
+            what="100 lingering closes ended by the client",
+        )
+        assert await server.gauge("omni_sidecar_lingering_connections") == 0
+
+
+API_KEY = "sk-linger-test"
+
+#: Other error answers that end the connection before the upgrade, each sent
+#: to a client still sending 512 KB: (head, status).
+FAST_SENDERS: dict[str, tuple[bytes, int]] = {
+    "aiohttp's parser: a field over 8 KiB": (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"f" * 9000 + b"\r\n\r\n",
+        400,
+    ),
+    "handshake: another WebSocket version": (raw_handshake(ws_version="8"), 426),
+    "handshake: a bad key": (raw_handshake(key="c2hvcnQ="), 400),
+    "reverse proxy: Content-Length over the body cap": (
+        b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Length: 100000000\r\n\r\n" % API_KEY.encode(),
+        413,
+    ),
+    "auth: a 401 to a client that asked to close": (
+        b"POST /v1/upload HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        + b"Content-Length: 100000000\r\n\r\n",
+        401,
+    ),
+}
+
+
+async def test_every_error_answer_before_the_upgrade_survives_a_fast_sender(
+    tmp_path: Path,
+) -> None:
+    """400 (parser and handshake), 426, 413, 401: each answer arrives, 100 of 100 times."""
+    with served(tmp_path, "--max-http-body-bytes", "1000000", "--api-keys", API_KEY) as server:
+        await ready(server)
+        lost = {}
+        for name, (head, status) in FAST_SENDERS.items():
+            started = time.monotonic()
+            statuses = [status_of(await blast(server.port, head, FILLER)) for _ in range(100)]
+            elapsed = time.monotonic() - started
+            print(f"\n{name}: {statuses.count(status)} of 100 x {status} in {elapsed:.2f} s")
+            lost[name] = 100 - statuses.count(status)
+        assert lost == dict.fromkeys(FAST_SENDERS, 0)
+        await wait_until(
+            lambda: _equals(server.gauge(lingered("client_closed")), 100 * len(FAST_SENDERS)),
+            what="every lingering close ended by the client",
+        )
+
+
+def lingered(outcome: str) -> str:
+    return f'omni_sidecar_lingering_closes_total{{outcome="{outcome}"}}'
+
+
+#: A head over a 1 KiB max_request_head_bytes, not finished.
+OVER_1_KIB = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 4000 + b"\r\n"
+
+
+async def answered(port: int, request: bytes = OVER_1_KIB) -> tuple[socket.socket, bytes]:
+    """A raw client that sent ``request`` and read the answer up to the server's FIN.
+
+    The server shuts its write side after the answer (the FIN) and goes on
+    reading: the socket stays open for whatever the client still sends.
+    """
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, request)
+    chunks = []
+    async with asyncio.timeout(DEADLINE):
+        while chunk := await loop.sock_recv(sock, 65536):
+            chunks.append(chunk)
+    return sock, b"".join(chunks)
+
+
+async def send_until_closed(sock: socket.socket, chunk: bytes, pause: float) -> int:
+    """Send ``chunk`` every ``pause`` seconds until the server's close fails a send; bytes sent."""
+    loop = asyncio.get_running_loop()
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        async with asyncio.timeout(DEADLINE):
+            while True:
+                await loop.sock_sendall(sock, chunk)
+                sent += len(chunk)
+                if pause:
+                    await asyncio.sleep(pause)
+    return sent
+
+
+async def test_a_client_that_keeps_sending_is_closed_at_the_byte_cap(tmp_path: Path) -> None:
+    cap = 256 * 1024
+    with served(
+        tmp_path,
+        "--max-request-head-bytes", "1024",
+        "--max-lingering-bytes", str(cap),
+        "--lingering-time", "60", "--lingering-timeout", "60",
+    ) as server:  # fmt: skip
+        await ready(server)
+        sock, answer = await answered(server.port)
+        assert status_of(answer) == 431
+        started = time.monotonic()
+        with sock:
+            sent = await send_until_closed(sock, b"z" * 16384, 0)
+        elapsed = time.monotonic() - started
+        print(f"\nlingering byte cap {cap} B: closed after {sent} B sent, {elapsed:.2f} s")
+        assert sent >= cap
+        assert elapsed < 30  # far below lingering_time: the byte cap closed it
+        assert await server.gauge(lingered("byte_limit")) == 1
+        assert await server.gauge("omni_sidecar_lingering_connections") == 0
+
+
+async def test_a_client_that_keeps_sending_is_closed_at_lingering_time(tmp_path: Path) -> None:
+    limit = 1.0
+    with served(
+        tmp_path,
+        "--max-request-head-bytes", "1024",
+        "--lingering-time", str(limit), "--lingering-timeout", "60",
+    ) as server:  # fmt: skip
+        await ready(server)
+        sock, answer = await answered(server.port)
+        answered_at = time.monotonic()
+        assert status_of(answer) == 431
+        with sock:  # 1 KB every 20 ms: never quiet, far under the byte cap
+            sent = await send_until_closed(sock, b"z" * 1024, 20 * MS)
+        elapsed = time.monotonic() - answered_at
+        print(f"\nlingering_time {limit:g} s: closed after {elapsed:.2f} s, {sent} B sent")
+        assert 0.8 * limit <= elapsed < limit + 2.0
+        assert await server.gauge(lingered("time_limit")) == 1
+
+
+async def test_a_quiet_client_is_closed_after_lingering_timeout(tmp_path: Path) -> None:
+    quiet = 0.5
+    with served(
+        tmp_path,
+        "--max-request-head-bytes", "1024",
+        "--lingering-time", "60", "--lingering-timeout", str(quiet),
+    ) as server:  # fmt: skip
+        await ready(server)
+        sock, answer = await answered(server.port)
+        answered_at = time.monotonic()
+        assert status_of(answer) == 431
+        with sock:  # sends nothing, closes nothing
+            await wait_until(
+                lambda: _equals(server.gauge(lingered("quiet")), 1), what="the quiet linger ended"
+            )
+            elapsed = time.monotonic() - answered_at
+            # The server's socket is gone: a byte sent now is answered with a reset.
+            sent = await send_until_closed(sock, b"z", 5 * MS)
+        print(f"\nlingering_timeout {quiet:g} s: closed after {elapsed:.2f} s")
+        assert 0.8 * quiet <= elapsed < quiet + 2.0
+        assert sent < 1024
+        assert await server.gauge("omni_sidecar_lingering_connections") == 0
+
+
+async def test_lingering_connections_count_against_the_pending_cap(tmp_path: Path) -> None:
+    cap = 3
+    with served(
+        tmp_path,
+        "--max-request-head-bytes", "1024", "--max-pending-handshakes", str(cap),
+        "--lingering-time", "60", "--lingering-timeout", "60",
+    ) as server:  # fmt: skip
+        await ready(server)
+        await wait_until(
+            lambda: _equals(server.gauge("omni_sidecar_pending_handshakes"), 0),
+            what="the readiness probe's connection gone",
+        )
+        lingering = [await answered(server.port) for _ in range(cap)]
+        assert [status_of(answer) for _, answer in lingering] == [431] * cap
+        assert await server.gauge("omni_sidecar_lingering_connections") == cap
+        assert await server.gauge("omni_sidecar_pending_handshakes") == 0
+        # The cap is full of lingering sockets: one more connection is closed at once.
+        reader, writer = await open_raw(server.port)
+        assert await read_answer(reader) == b""
+        writer.close()
+        assert await server.rejected("pending_handshakes") == 1
+        # One lingering client closes: its place is free again.
+        first, _ = lingering.pop()
+        first.close()
+        await wait_until(
+            lambda: _equals(server.gauge(lingered("client_closed")), 1), what="one linger ended"
+        )
+        reader, writer = await open_raw(server.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert status_of(await read_answer(reader)) == 200
+        writer.close()
+        for sock, _ in lingering:
+            sock.close()
+        await wait_until(
+            lambda: _equals(server.gauge("omni_sidecar_lingering_connections"), 0),
+            what="every linger ended",
+        )
+        assert await server.gauge(lingered("client_closed")) == cap
+
+
+async def test_an_error_answer_with_the_cap_full_closes_at_once(tmp_path: Path) -> None:
+    """A 503 written while the pending cap is full is not lingered: closed at once (no_room)."""
+    cap = 2
+    with served(
+        tmp_path,
+        "--max-pending-handshakes", str(cap),
+        "--max-sessions", "1", "--admission-timeout", "1",
+    ) as server:  # fmt: skip
+        await ready(server)
+        async with connect(server.ws) as session:  # takes the one session slot
+            await session.send({"type": "session.update", "session": {}})
+            await session.recv_until("session.updated")
+            pending = "omni_sidecar_pending_handshakes"
+            idle = [await open_raw(server.port)]
+            reader, writer = await open_raw(server.port)
+            await wait_until(lambda: _equals(server.gauge(pending), 2), what="both accepted")
+            # Its head complete, this handshake waits (up to 1 s) for a slot ...
+            writer.write(raw_handshake(connection="Upgrade, close"))
+            await wait_until(lambda: _equals(server.gauge(pending), 1), what="its head complete")
+            # ... while a second idle connection fills the pending cap again.
+            idle.append(await open_raw(server.port))
+            await wait_until(lambda: _equals(server.gauge(pending), cap), what="the cap full")
+            answer = await read_answer(reader)
+            writer.close()
+            for _, idle_writer in idle:
+                idle_writer.close()
+        assert status_of(answer) == 503
+        assert await server.gauge(lingered("no_room")) == 1
+        assert await server.gauge("omni_sidecar_lingering_connections") == 0

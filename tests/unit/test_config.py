@@ -84,6 +84,7 @@ class TestDefaults:
         assert s.upstream_close_timeout == 5.0
         assert s.drain_timeout == 30.0
         assert s.handshake_timeout == 10.0
+        assert (s.lingering_time, s.lingering_timeout, s.max_lingering_bytes) == (5.0, 2.0, MIB)
         # On by default: 120 s without a client event closes a session (no slot is held forever).
         assert (s.client_idle_timeout, s.max_session_duration, s.max_sessions_per_ip) == (120, 0, 0)
         assert (s.max_client_frame_rate, s.client_frame_burst) == (200.0, 400.0)

@@ -74,6 +74,8 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_config_reloads": ("counter", {"result": d.CONFIG_RELOAD_RESULTS}),
     "omni_sidecar_rejected_connections": ("counter", {"reason": d.CONNECTION_REJECT_REASONS}),
     "omni_sidecar_pending_handshakes": ("gauge", {}),
+    "omni_sidecar_lingering_connections": ("gauge", {}),
+    "omni_sidecar_lingering_closes": ("counter", {"outcome": d.LINGER_OUTCOMES}),
     "omni_sidecar_audio_delivered_seconds": ("counter", {}),
     "omni_sidecar_audio_lead_at_cancel_seconds": ("histogram", {}),
     "omni_sidecar_playback_acks": ("counter", {}),
