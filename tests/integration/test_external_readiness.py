@@ -597,6 +597,18 @@ async def test_each_pool_upstream_is_probed_on_its_own(tmp_path: Path) -> None:
         assert urlsplit(second.handshakes[0]).path == "/v1/realtime"  # no path: the default
 
 
+@pytest.mark.parametrize(("kind", "said"), [("websocket", "handshake ok"), ("tcp", "connect")])
+async def test_a_child_engine_is_probed_as_engine_probe_says(
+    tmp_path: Path, kind: str, said: str
+) -> None:
+    """A child (here the simulator) takes the same setting: its port, its /v1/realtime."""
+    async with serve(tmp_path, "--engine-kind", "simulator", "--engine-probe", kind) as srv:
+        await srv.wait_ready(f"/readyz 200 with a {kind} probe of the child")
+        detail = await srv.engine_detail()
+        assert f"(probe {kind}: {said}" in detail, detail
+        assert await srv.handshake_status() == 101
+
+
 # -- the probe itself, in process ------------------------------------------------------------
 
 
