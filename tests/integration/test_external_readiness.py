@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
@@ -48,7 +49,11 @@ from engine_launcher.process import UpstreamProbe
 from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import clean_env, cli_argv
 
+if TYPE_CHECKING:
+    from tests.integration.vllm_omni_wheel import VllmOmni
+
 pytestmark = pytest.mark.timeout(90)
+pytest_plugins = ["tests.integration.vllm_omni_wheel"]
 
 #: Defaults of engine.health_failures, engine.health_interval and the probe timeout.
 DETECTION_BOUND = 3 * 2.0 + 2.0
@@ -607,6 +612,101 @@ async def test_a_child_engine_is_probed_as_engine_probe_says(
         detail = await srv.engine_detail()
         assert f"(probe {kind}: {said}" in detail, detail
         assert await srv.handshake_status() == 101
+
+
+@dataclass
+class DuplexSlots:
+    """vLLM-Omni's duplex capacity (``duplex_session.max_sessions``, default 1)."""
+
+    limit: int = 1
+    open: int = 0
+    opened: int = 0
+    refused: int = 0
+
+
+@contextlib.asynccontextmanager
+async def vllm_omni_like_engine(envelope: Any, slots: DuplexSlots) -> AsyncIterator[Seen]:
+    """``/v1/realtime`` taking a connection the way vLLM-Omni's duplex serving layer does.
+
+    Accept, then let the wheel's own ``RealtimeEnvelope`` read the query: a
+    session opens on connect when it says so (``model=`` without
+    ``autostart=0``), else with the first client event; each open session
+    holds one of ``slots.limit`` slots, and one over the limit is refused with
+    ``duplex_session_capacity_exhausted``. No ``/health`` route (404).
+    """
+    seen = Seen()
+
+    async def realtime(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        seen.handshakes.append(request.path_qs)
+        wire = envelope.RealtimeEnvelope.from_query_params(request.query)
+        holds = False
+        try:
+            wants = wire.initial_open_payload() is not None
+            if not wants:
+                message = await ws.receive()
+                if message.type is aiohttp.WSMsgType.TEXT:
+                    wire.first_message(json.loads(message.data))
+                    wants = True
+            if wants and slots.open >= slots.limit:
+                slots.refused += 1
+                await ws.send_json(
+                    {"type": "error", "error": {"code": "resource_exhausted", "message":
+                     f"duplex_session_capacity_exhausted: limit={slots.limit}"}}
+                )  # fmt: skip
+            elif wants:
+                holds = True
+                slots.open += 1
+                slots.opened += 1
+                await ws.send_json({"type": "session.created", "session": {"id": "s"}})
+                async for _message in ws:
+                    pass
+        finally:
+            slots.open -= holds
+            await ws.close()
+            seen.close_codes.append(ws.close_code or 1006)
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/realtime", realtime)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    seen.port = runner.addresses[0][1]
+    try:
+        yield seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_probes_leave_the_only_duplex_slot_free_on_a_vllm_omni_like_engine(
+    tmp_path: Path, vllm_omni: VllmOmni
+) -> None:
+    """Many handshake probes (``model=`` in the upstream URL), then a client gets the slot."""
+    from tests.integration.vllm_omni_wheel import WheelUnavailable, load_realtime_envelope
+
+    try:
+        envelope = load_realtime_envelope(vllm_omni)
+    except WheelUnavailable as exc:
+        pytest.skip(str(exc))
+    slots = DuplexSlots(limit=1)
+    async with vllm_omni_like_engine(envelope, slots) as seen, serve(
+        tmp_path, "--upstream", f"ws://127.0.0.1:{seen.port}/v1/realtime?model=m",
+        "--engine-health-interval", INTERVAL,
+    ) as srv:  # fmt: skip
+        await srv.wait_ready("/readyz 200 via a handshake")
+        assert "probe websocket: GET /health -> 404" in await srv.engine_detail()
+        await wait_until(lambda: len(seen.close_codes) >= 4, timeout=DEADLINE, what="4 probes")
+        assert (slots.opened, slots.refused) == (0, 0)
+        assert set(seen.close_codes) == {1000}
+
+        # The slot is free: a client's session (model= and no autostart=0) opens on connect.
+        url = f"ws://127.0.0.1:{srv.port}/v1/realtime?model=m"
+        async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+            first = await ws.receive_json(timeout=DEADLINE)
+            assert first["type"] == "session.created", first
+        assert (slots.opened, slots.refused) == (1, 0)
 
 
 # -- the probe itself, in process ------------------------------------------------------------
