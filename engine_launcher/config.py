@@ -36,10 +36,12 @@ __all__ = [
     "DEFAULT_VLLM_OMNI_PORT",
     "ENGINE_KINDS",
     "MAX_REPLICAS",
+    "PROBE_KINDS",
     "SETTING_METADATA",
     "EngineConfig",
     "EngineConfigError",
     "EngineKind",
+    "ProbeKind",
     "SettingDoc",
     "setting",
 ]
@@ -115,6 +117,10 @@ EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
 ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
 """Every valid ``kind`` (docs/design.md, Engine supervision)."""
 
+ProbeKind = Literal["auto", "health", "websocket", "tcp"]
+PROBE_KINDS: Final[tuple[str, ...]] = get_args(ProbeKind)
+"""Every valid ``probe`` (docs/design.md, Engine supervision, Readiness probes)."""
+
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_VLLM_OMNI_PORT: Final = 8091
 DEFAULT_STARTUP_TIMEOUT: Final = 1200 * SECONDS
@@ -178,6 +184,12 @@ class EngineConfig:
             for ``external``.
         health_url: The URL polled for readiness and health; ``None`` means
             ``http://HOST:PORT/health``.
+        probe: How readiness and health are probed: ``health`` (``GET``
+            :attr:`health_url` = 200), ``websocket`` (a handshake with
+            ``autostart=0``, closed before any session opens), ``tcp`` (the
+            port accepts) or ``auto`` (``health``; for ``external`` without
+            :attr:`health_url`, a handshake when ``/health`` answers 400, 404,
+            405, 426 or not HTTP).
         simulator_args: Extra flags for the simulator.
         startup_timeout: Seconds to wait for the first healthy answer (the real
             engine may take 20 minutes to load).
@@ -267,6 +279,15 @@ class EngineConfig:
         help="Readiness and health URL. Unset: http://HOST:PORT/health.",
         example='"http://127.0.0.1:8091/health"',
         metavar="URL",
+    )
+    probe: ProbeKind = setting(  # noqa: RUF009 - setting() returns a dataclasses.field
+        "auto",
+        help='Readiness and health probe: "health" (GET health_url = 200), "websocket" (a '
+        "handshake on the realtime URL with autostart=0, closed at once, so no engine "
+        'session opens), "tcp" (the port accepts a connection) or "auto": "health", and '
+        'for "external" without health_url a handshake when /health answers 400, 404, 405, '
+        "426 or not HTTP.",
+        metavar="PROBE",
     )
     simulator_args: tuple[str, ...] = setting(
         (),
@@ -358,6 +379,14 @@ class EngineConfig:
             _check_url("upstream", self.upstream, _WS_SCHEMES)
         if self.health_url is not None:
             _check_url("health_url", self.health_url, _HTTP_SCHEMES)
+        if self.probe not in PROBE_KINDS:
+            raise EngineConfigError(
+                "probe", f"unknown probe {self.probe!r}; expected one of {_or(PROBE_KINDS)}"
+            )
+        if self.health_url is not None and self.probe in ("websocket", "tcp"):
+            raise EngineConfigError(
+                "health_url", f"unused by probe {self.probe!r}", depends_on="probe"
+            )
         for name in ("startup_timeout", "health_interval", "restart_window"):
             object.__setattr__(self, name, _float(name, getattr(self, name), positive=True))
         object.__setattr__(self, "stop_grace", _float("stop_grace", self.stop_grace))

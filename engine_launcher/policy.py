@@ -1,4 +1,5 @@
-"""Pure supervision logic: engine states, their transitions, backoff, restart budget.
+"""Pure supervision logic: engine states, their transitions, backoff, restart budget,
+and what an answer to ``GET /health`` says about an endpoint.
 
 Rule 1: every state change goes through ``EngineStateMachine.apply``, which
 looks the (state, observation) pair up in ``TRANSITIONS``; a missing pair is an
@@ -24,13 +25,16 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "NO_HEALTH_ROUTE_STATUSES",
     "TRANSITIONS",
     "Backoff",
     "EngineState",
     "EngineStateMachine",
+    "HealthVerdict",
     "InvalidTransition",
     "Observation",
     "RestartBudget",
+    "health_verdict",
 ]
 
 
@@ -168,3 +172,42 @@ class RestartBudget:
         """Restarts inside the window; also the backoff attempt number."""
         self._trim(now)
         return len(self._times)
+
+
+# -- readiness answers --------------------------------------------------------------------------
+
+
+class HealthVerdict(enum.Enum):
+    """What one answer to ``GET /health`` says about the endpoint."""
+
+    HEALTHY = "healthy"  # 200
+    NO_HEALTH_ROUTE = "no_health_route"  # the server has no such route: ask another way
+    UNHEALTHY = "unhealthy"  # the route is there and says no (5xx, 401, 3xx …)
+
+
+#: Statuses a server without a health route gives a plain ``GET /health``:
+#: 400 (picows: a GET that is not an upgrade), 404 (no such route), 405 (a
+#: route for another method) and 426 (the ``websockets`` library: Upgrade
+#: Required). None of them says the engine is unwell.
+NO_HEALTH_ROUTE_STATUSES: Final = frozenset({400, 404, 405, 426})
+
+
+def health_verdict(status: int | None) -> HealthVerdict:
+    """Classify one answer to ``GET /health``.
+
+    Args:
+        status: the HTTP status, or ``None`` when the port answered but not
+            with HTTP (garbage, or a close without a status line). A refused
+            or timed-out connection is no answer and never reaches here: it
+            is unhealthy whatever the probe.
+
+    Returns:
+        HEALTHY for 200; NO_HEALTH_ROUTE for :data:`NO_HEALTH_ROUTE_STATUSES`
+        and for a non-HTTP answer; UNHEALTHY for every other status, 5xx
+        included.
+    """
+    if status is None or status in NO_HEALTH_ROUTE_STATUSES:
+        return HealthVerdict.NO_HEALTH_ROUTE
+    if status == 200:
+        return HealthVerdict.HEALTHY
+    return HealthVerdict.UNHEALTHY

@@ -10,9 +10,12 @@ Readiness (docs/design.md, Engine launcher): the HTTP port accepts TCP, then
 is loaded, which can take 8–20 minutes.
 
 An ``external`` engine has no child; :class:`UpstreamProbe` checks it the same
-way on the upstream URL's host and port, and falls back to a WebSocket
-handshake on the upstream URL when ``/health`` is 404 or the port does not
-speak HTTP (an engine behind a WebSocket-only front end).
+way on the upstream URL's host and port, and hands over to a WebSocket
+handshake on the upstream URL when ``/health`` answers 400, 404, 405, 426 or
+not HTTP (a WebSocket-only server: the ``websockets`` library, picows). The
+handshake carries ``autostart=0`` and is closed before any session opens.
+``engine.probe`` picks ``health``, ``websocket`` or ``tcp`` outright, for a
+child engine as well.
 
 Engine output reaches our log line by line with an ``engine:`` prefix (logger
 ``engine_launcher.child``): stdout at INFO, stderr at WARNING, and at ERROR a
@@ -38,15 +41,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import aiohttp
 
-from engine_launcher.config import EngineConfig
+from engine_launcher.config import EngineConfig, ProbeKind
 from engine_launcher.errors import EngineStartError
+from engine_launcher.policy import HealthVerdict, health_verdict
 
 __all__ = [
     "MAX_PROBE_TIMEOUT",
+    "REALTIME_PATH",
     "EngineProcess",
     "HealthProbe",
     "ProbeResult",
@@ -54,6 +59,7 @@ __all__ = [
     "build_argv",
     "free_port",
     "probe_health",
+    "probe_websocket_url",
     "stderr_level",
 ]
 
@@ -161,7 +167,7 @@ async def probe_health(
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=left)) as resp:
             if resp.status == 200:
-                return ProbeResult(True, "health", "200")
+                return ProbeResult(True, "health", f"GET {path} -> 200")
             return ProbeResult(False, "health", f"GET {path} -> {resp.status}")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return ProbeResult(False, "health", f"GET {path}: {exc or type(exc).__name__}")
@@ -198,61 +204,173 @@ class HealthProbe:
 
 
 class UpstreamProbe:
-    """Is an ``external`` engine there? ``GET /health`` first, a WebSocket handshake second.
+    """Is the engine at a WebSocket URL there? By ``GET /health``, a handshake or a connect.
 
-    ``GET /health`` goes to the upstream URL's host and port (``ws`` → ``http``,
-    ``wss`` → ``https``). A 200 is healthy; any other status but 404 is not.
-    A 404, or an answer that is not HTTP, means the endpoint has no health
-    route: then a WebSocket handshake on the upstream URL itself decides, and
-    the socket is closed at once. A refused or timed-out connection is
-    unhealthy without the fallback (the handshake would fail the same way).
+    ``kind`` (``engine.probe``) picks the check:
+
+    - ``health``: ``GET /health`` on the URL's host and port (``ws`` → ``http``,
+      ``wss`` → ``https``) must answer 200.
+    - ``websocket``: a handshake on :attr:`websocket_url` must answer 101.
+    - ``tcp``: the URL's host and port accept a TCP connection.
+    - ``auto``: ``health``, except that an answer saying the server has no
+      health route (:func:`~engine_launcher.policy.health_verdict`: 400, 404,
+      405, 426 or not HTTP) hands over to ``websocket``, for this probe and
+      every later one, so that a WebSocket-only engine logs one refused
+      ``GET`` (its handshake failure) instead of one per poll. 5xx, a refused
+      connection and a timeout are unhealthy without the hand-over.
+
+    The handshake asks for no session: its query is the URL's own with
+    ``autostart=0`` (any ``autostart`` given replaced), so an engine given
+    ``model=`` does not open a default session on connect (docs/engine-protocol.md,
+    Opening a session), and the socket is closed with 1000 right after the
+    101, before any client message, which is what opens one. The engine sees
+    a clean close, not an error.
 
     Args:
-        upstream: the ``ws://``/``wss://`` URL sessions are relayed to.
-        timeout: seconds one probe may take, fallback included.
+        upstream: the ``ws://``/``wss://`` URL sessions are relayed to; a URL
+            without a realtime path (``ws://h:8091``) is handshaken on
+            ``/v1/realtime``, the path clients use.
+        kind: ``auto``, ``health``, ``websocket`` or ``tcp``.
+        timeout: seconds one probe may take, hand-over included (the close
+            after a good handshake gets up to :data:`_CLOSE_WAIT` more).
     """
 
-    def __init__(self, upstream: str, *, timeout: float = MAX_PROBE_TIMEOUT) -> None:
+    def __init__(
+        self, upstream: str, *, kind: ProbeKind = "auto", timeout: float = MAX_PROBE_TIMEOUT
+    ) -> None:
         parts = urlsplit(upstream)
         scheme = "https" if parts.scheme == "wss" else "http"
         self.upstream = upstream
+        self.kind = kind
         self.health_url = f"{scheme}://{parts.netloc}/health"
+        self.websocket_url = probe_websocket_url(upstream)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if parts.scheme == "wss" else 80)
         self.timeout = timeout
+        #: Why ``auto`` handed over to the handshake ("GET /health -> 426"); None before.
+        self.no_health_route: str | None = None
+        self._stage = "health"  # what the probe in flight is doing, for its timeout's detail
         self._session: aiohttp.ClientSession | None = None
 
     async def __call__(self) -> ProbeResult:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        session = self._session
+        self._stage = "tcp" if self.kind == "tcp" else "health"
+        opened: list[aiohttp.ClientWebSocketResponse] = []
         try:
             async with asyncio.timeout(self.timeout):
-                try:
-                    async with session.get(self.health_url, allow_redirects=False) as resp:
-                        if resp.status == 200:
-                            return ProbeResult(True, "health", "200")
-                        if resp.status != 404:
-                            return ProbeResult(
-                                False, "health", f"GET {self.health_url} -> {resp.status}"
-                            )
-                        why = "404"
-                except aiohttp.ClientConnectorError as exc:
-                    return ProbeResult(False, "tcp", f"connect {self.health_url}: {exc}")
-                except (aiohttp.ClientResponseError, aiohttp.ServerDisconnectedError) as exc:
-                    why = f"not HTTP ({type(exc).__name__})"
-                try:
-                    async with session.ws_connect(self.upstream, autoping=False):
-                        return ProbeResult(True, "websocket", f"/health {why}; handshake ok")
-                except (aiohttp.ClientError, OSError) as exc:
-                    return ProbeResult(
-                        False, "websocket", f"/health {why}; handshake to {self.upstream}: {exc}"
-                    )
+                return await self._probe(self._session, opened)
         except TimeoutError:
-            return ProbeResult(False, "health", f"no answer within {self.timeout:.1f} s")
+            return ProbeResult(False, self._stage, f"no answer within {self.timeout:.1f} s")
+        finally:
+            # Outside the deadline, so that the engine gets a close frame, not a dropped socket.
+            for ws in opened:
+                await _close_quietly(ws)
+
+    async def _probe(
+        self, session: aiohttp.ClientSession, opened: list[aiohttp.ClientWebSocketResponse]
+    ) -> ProbeResult:
+        if self.kind == "tcp":
+            return await self._connect()
+        if self.kind == "websocket" or self.no_health_route is not None:
+            return await self._handshake(session, opened)
+        answer = await self._health(session)
+        if isinstance(answer, ProbeResult):
+            return answer
+        log.info(
+            "engine %s has no health route (%s): probing it with a WebSocket handshake on %s",
+            self.upstream,
+            answer,
+            self.websocket_url,
+        )
+        self.no_health_route = answer
+        return await self._handshake(session, opened)
+
+    async def _connect(self) -> ProbeResult:
+        try:
+            _reader, writer = await asyncio.open_connection(self.host, self.port)
+        except OSError as exc:
+            return ProbeResult(False, "tcp", f"connect {self.host}:{self.port}: {exc}")
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+        return ProbeResult(True, "tcp", f"connect {self.host}:{self.port} ok")
+
+    async def _health(self, session: aiohttp.ClientSession) -> ProbeResult | str:
+        """A decided result, or (``auto`` only) why the endpoint has no health route."""
+        status: int | None
+        try:
+            async with session.get(self.health_url, allow_redirects=False) as resp:
+                status = resp.status
+            heard = f"GET /health -> {status}"
+        except aiohttp.ClientConnectorError as exc:
+            return ProbeResult(False, "tcp", f"connect {self.health_url}: {exc}")
+        except (aiohttp.ClientResponseError, aiohttp.ClientOSError) as exc:
+            # A status line that does not parse, or a close (or reset) instead of one.
+            status, heard = None, f"GET /health: not HTTP ({type(exc).__name__})"
+        except aiohttp.ServerDisconnectedError:
+            status, heard = None, "GET /health: not HTTP (closed without an answer)"
+        verdict = health_verdict(status)
+        if verdict is HealthVerdict.HEALTHY:
+            return ProbeResult(True, "health", heard)
+        if verdict is HealthVerdict.NO_HEALTH_ROUTE and self.kind == "auto":
+            return heard
+        return ProbeResult(False, "health", f"{heard} ({self.health_url})")
+
+    async def _handshake(
+        self, session: aiohttp.ClientSession, opened: list[aiohttp.ClientWebSocketResponse]
+    ) -> ProbeResult:
+        """101 is healthy; the caller closes the socket (``opened``) after the deadline."""
+        self._stage = "websocket"
+        why = f"{self.no_health_route}; " if self.no_health_route else ""
+        try:
+            ws = await session.ws_connect(self.websocket_url, autoping=False, autoclose=False)
+        except aiohttp.WSServerHandshakeError as exc:
+            return ProbeResult(
+                False, "websocket", f"{why}handshake on {self.websocket_url} -> {exc.status}"
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            return ProbeResult(False, "websocket", f"{why}handshake on {self.websocket_url}: {exc}")
+        opened.append(ws)
+        return ProbeResult(True, "websocket", f"{why}handshake ok, closed before any session")
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+#: Longest wait for the engine's answer to the probe's close frame (seconds).
+_CLOSE_WAIT: Final = 1.0
+#: The path a handshake probe uses when the upstream URL names none.
+REALTIME_PATH: Final = "/v1/realtime"
+_REALTIME_PATHS: Final = ("/v1/realtime", "/v1/duplex")
+
+
+async def _close_quietly(ws: aiohttp.ClientWebSocketResponse) -> None:
+    """Close 1000 and wait up to :data:`_CLOSE_WAIT` for the engine's close frame."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(_CLOSE_WAIT):
+            await ws.close(code=aiohttp.WSCloseCode.OK)
+    if not ws.closed:  # the close was cut short: drop the connection
+        with contextlib.suppress(Exception):
+            await ws.close(code=aiohttp.WSCloseCode.OK)
+
+
+def probe_websocket_url(upstream: str) -> str:
+    """The URL a handshake probe connects to: ``upstream`` asking for no session.
+
+    A URL whose path does not end in ``/v1/realtime`` or ``/v1/duplex`` gets
+    ``/v1/realtime`` appended (the proxy relays clients to their own path under
+    it). The query keeps the URL's parameters and sets ``autostart=0``.
+    """
+    parts = urlsplit(upstream)
+    path = parts.path.rstrip("/")
+    if not path.endswith(_REALTIME_PATHS):
+        path += REALTIME_PATH
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "autostart"]
+    query.append(("autostart", "0"))
+    return urlunsplit((parts.scheme, parts.netloc, path, urlencode(query), ""))
 
 
 def _url_host(host: str) -> str:

@@ -34,6 +34,10 @@ Detection (docs/design.md, Engine supervision):
   (:class:`~engine_launcher.process.UpstreamProbe`, or ``health_url`` when
   set) and is not served until a probe succeeds, nor after
   ``health_failures`` consecutive failures, until one succeeds again.
+- ``engine.probe`` picks the probe (:func:`default_probe`): ``auto`` (the
+  above), ``health``, ``websocket`` (a handshake with ``autostart=0``, closed
+  before any session opens) or ``tcp``. The READY detail (``/readyz``
+  ``engines[].detail``) names the probe that said so.
 
 The proxy learns about every state change through ``on_state``; it never
 imports this package's internals beyond that callback, ``serving`` and
@@ -61,6 +65,7 @@ from engine_launcher.policy import (
 )
 from engine_launcher.process import (
     MAX_PROBE_TIMEOUT,
+    REALTIME_PATH,
     EngineProcess,
     HealthProbe,
     ProbeResult,
@@ -154,12 +159,21 @@ def _spawn(argv: Sequence[str], env: dict[str, str]) -> EngineChild:
 
 
 def default_probe(config: EngineConfig, port: int | None) -> Probe:
-    """The real probe: ``health_url`` when set, else ``/health`` of the child or upstream."""
+    """The real probe of one run, as ``engine.probe`` picks it.
+
+    ``health`` and ``auto`` ask ``health_url`` when it is set, else
+    ``/health`` of the child or the upstream; for an ``external`` upstream
+    without ``health_url``, ``auto`` hands over to a handshake when ``/health``
+    is missing (:class:`~engine_launcher.process.UpstreamProbe`).
+    ``websocket`` and ``tcp`` ask the upstream URL, or the child's port (its
+    ``/v1/realtime``).
+    """
     timeout = probe_timeout(config)
+    kind = config.probe
     if config.kind == "external":
         assert config.upstream is not None
-        if config.health_url is None:
-            return UpstreamProbe(config.upstream, timeout=timeout)
+        if config.health_url is None or kind in ("websocket", "tcp"):
+            return UpstreamProbe(config.upstream, kind=kind, timeout=timeout)
         health, upstream = urlsplit(config.health_url), urlsplit(config.upstream)
         return HealthProbe(
             health.hostname or upstream.hostname or "127.0.0.1",
@@ -168,6 +182,9 @@ def default_probe(config: EngineConfig, port: int | None) -> Probe:
             timeout=timeout,
         )
     assert port is not None
+    if kind in ("websocket", "tcp"):
+        url = f"ws://{_url_host(config.host)}:{port}{REALTIME_PATH}"
+        return UpstreamProbe(url, kind=kind, timeout=timeout)
     path = (urlsplit(config.health_url).path or "/health") if config.health_url else "/health"
     return HealthProbe(config.host, port, path=path, timeout=timeout)
 
@@ -303,7 +320,10 @@ class Supervisor:
                     if result.ok:
                         first = False
                         self.target = upstream
-                        self._move(Observation.READY, f"attached to {upstream}")
+                        self._move(
+                            Observation.READY,
+                            f"attached to {upstream} (probe {result.stage}: {result.detail})",
+                        )
                     else:
                         # Still STARTING; the detail reaches /readyz ("connect ...: refused").
                         self._move(Observation.HEALTH_FAILED, result.detail)
@@ -323,7 +343,11 @@ class Supervisor:
                 log.info("engine endpoint %s healthy again", self.config.upstream)
                 self.target = self.config.upstream
                 self.machine.state = EngineState.READY
-                self._on_state(EngineState.READY, Observation.HEALTH_OK, "endpoint healthy again")
+                self._on_state(
+                    EngineState.READY,
+                    Observation.HEALTH_OK,
+                    f"endpoint healthy again (probe {result.stage}: {result.detail})",
+                )
             return 0
         failures += 1
         if failures >= self.config.health_failures and self.target is not None:
@@ -395,7 +419,7 @@ class Supervisor:
             try:
                 await process.start()
                 exited = asyncio.ensure_future(process.wait())
-                elapsed = await self._wait_ready(probe, exited)
+                ready = await self._wait_ready(probe, exited)
             except EngineStartError as exc:
                 if self._stop.is_set():
                     self._move(Observation.STOP)
@@ -406,12 +430,16 @@ class Supervisor:
                 await self._stop_process()
                 self._move(cause, str(exc))
                 return cause, str(exc)
-            if elapsed is None:
+            if ready is None:
                 self._move(Observation.STOP)
                 return Observation.STOP, "stop requested"
+            elapsed, first = ready
             self.last_start_seconds = elapsed
             self.target = f"ws://{_url_host(config.host)}:{port}"
-            self._move(Observation.READY, f"ready after {elapsed:.1f} s on port {port}")
+            self._move(
+                Observation.READY,
+                f"ready after {elapsed:.1f} s on port {port} (probe {first.stage}: {first.detail})",
+            )
             self._notifier.status(f"engine ready after {elapsed:.1f} s")
             return await self._monitor(probe, exited)
         finally:
@@ -420,8 +448,10 @@ class Supervisor:
                 await asyncio.gather(exited, return_exceptions=True)
             await probe.aclose()
 
-    async def _wait_ready(self, probe: Probe, exited: asyncio.Future[int]) -> float | None:
-        """Seconds until ready, or None when a stop came first.
+    async def _wait_ready(
+        self, probe: Probe, exited: asyncio.Future[int]
+    ) -> tuple[float, ProbeResult] | None:
+        """Seconds until ready and the good probe, or None when a stop came first.
 
         Raises:
             EngineStartError: the child exited, or ``startup_timeout`` passed first.
@@ -442,7 +472,7 @@ class Supervisor:
                 continue  # exited: reported at the top
             now = self._clock.now()
             if result.ok:
-                return now - started
+                return now - started, result
             if now - started >= timeout:
                 raise EngineStartError(
                     f"engine not ready after {timeout:.0f} s (last probe: {result.detail})"

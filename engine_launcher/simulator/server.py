@@ -110,6 +110,12 @@ def render_metrics(state: SimulatorState) -> str:
     families: list[tuple[str, str, str, list[tuple[str, int | float]]]] = [
         ("sessions_active", "gauge", "Open WebSocket sessions.", [("", s.sessions_active)]),
         ("sessions_total", "counter", "WebSocket sessions accepted.", [("", s.sessions_total)]),
+        (
+            "sessions_opened_total",
+            "counter",
+            "Duplex sessions opened (session.created sent), however opened.",
+            [("", s.sessions_opened)],
+        ),
         ("events_sent_total", "counter", "Server events written.", [("", s.events_sent)]),
         ("sent_bytes_total", "counter", "Bytes of server events written.", [("", s.bytes_sent)]),
         (

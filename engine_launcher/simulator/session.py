@@ -85,6 +85,10 @@ class SimulatorStats:
 
     sessions_active: int = 0
     sessions_total: int = 0
+    #: Sessions opened (``session.created`` sent): on connect with ``model=`` and
+    #: autostart on, or by the first client event. A socket that closes before
+    #: either (a readiness handshake) opens none.
+    sessions_opened: int = 0
     events_sent: int = 0
     bytes_sent: int = 0
     responses_completed: int = 0
@@ -318,6 +322,7 @@ class DuplexSession:
             return
         self.session_id = "duplex-" + self._ids.hex32()
         self.phase = Phase.OPEN
+        self._stats.sessions_opened += 1
         self.emit(
             {
                 "type": "session.created",

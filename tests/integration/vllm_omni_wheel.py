@@ -56,6 +56,7 @@ __all__ = [
     "EngineSession",
     "VllmOmni",
     "load_engine_session",
+    "load_realtime_envelope",
     "load_vllm_omni",
     "run_duplex_session",
     "vllm_omni",
@@ -346,6 +347,35 @@ def load_engine_session(vo: VllmOmni) -> EngineSession:
         )
     except ImportError as exc:
         raise WheelUnavailable(f"the engine's session modules do not import: {exc!r}") from exc
+
+
+# ------------------------------------------ the engine's connection envelope (query parameters)
+
+#: The serving layer's per-connection query policy (``RealtimeEnvelope``: whether
+#: ``?model=`` opens a default session on connect, ``?autostart=0`` / ``?resume=1``).
+#: It imports only modules already extracted; its parent packages are left empty.
+_ENVELOPE_MODULE: Final = "vllm_omni/entrypoints/duplex/realtime_input.py"
+_ENVELOPE_PACKAGES: Final = ("vllm_omni/entrypoints", "vllm_omni/entrypoints/duplex")
+
+
+def load_realtime_envelope(vo: VllmOmni) -> ModuleType:
+    """Extract and import ``vllm_omni.entrypoints.duplex.realtime_input`` next to ``vo``.
+
+    Raises:
+        WheelUnavailable: the module is missing from the wheel or does not import.
+    """
+    with zipfile.ZipFile(vo.wheel) as archive:
+        if _ENVELOPE_MODULE not in archive.namelist():
+            raise WheelUnavailable(f"{vo.wheel.name} has no {_ENVELOPE_MODULE}")
+        archive.extract(_ENVELOPE_MODULE, vo.root)
+    for package in _ENVELOPE_PACKAGES:
+        init = vo.root / package / "__init__.py"
+        if not init.exists():
+            init.write_text("")
+    try:
+        return importlib.import_module("vllm_omni.entrypoints.duplex.realtime_input")
+    except ImportError as exc:
+        raise WheelUnavailable(f"importing {_ENVELOPE_MODULE}: {exc!r}") from exc
 
 
 @pytest.fixture(scope="session")
