@@ -7,6 +7,8 @@
 #   make lint    - ruff check + ruff format --check on the whole tree, mypy --strict
 #                  on the product (tests/test_lint.py runs the same checks)
 #   make pytest  - only the test suite
+#   make test-loaded - the whole suite with every core kept busy beside it
+#                  (scripts/cpu_hog.py): what a loaded CI machine does to timing
 #   make native  - compile the I/O-free core (proxy/core) with mypyc: ~13 % less
 #                  sidecar CPU per event; `make pure` goes back to the Python core
 # Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/unit"`.
@@ -20,7 +22,7 @@ LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 
-.PHONY: help setup serve test lint pytest bench native pure clean
+.PHONY: help setup serve test test-loaded lint pytest bench native pure clean
 
 help:
 	@sed -n '1,/^PYTHON/p' Makefile | sed '$$d'
@@ -50,6 +52,9 @@ lint: $(BIN)/omni-sidecar
 
 pytest: $(BIN)/omni-sidecar
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-loaded: $(BIN)/omni-sidecar
+	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(BIN)/omni-sidecar
 	$(BIN)/python -m pip install -e '.[test,bench]'

@@ -177,8 +177,12 @@ def simulator_engine(*args: str, **overrides: Any) -> EngineConfig:
     values: dict[str, Any] = {
         "kind": "simulator",
         "simulator_args": args,
-        "health_interval": 0.1,
-        "health_failures": 2,
+        # Each probe may take as long as the interval: 100 ms probes timed out twice
+        # in a row on a loaded 2-core machine and failed healthy sessions before the
+        # fault under test. Only the stall test needs fast health detection, and it
+        # asks for it.
+        "health_interval": 500 * MS,
+        "health_failures": 3,
         "stop_grace": 1.0,
         "startup_timeout": 30.0,
     }
@@ -252,12 +256,23 @@ async def test_engine_sigkill_fails_20_sessions_then_restarts(sidecar) -> None:
     assert supervisor.pid in child_pids() and old_pid not in child_pids()
 
 
+#: Fast enough that a stall is detected (2 probes + one probe timeout = 0.75 s) well
+#: inside the test's 2 s bound, slow enough that a loaded machine answers each probe.
+STALL_HEALTH_INTERVAL = 0.25
+
+
 async def test_engine_stall_fails_health_then_sessions_and_restarts(sidecar) -> None:
     """``--stall-after``: sockets go silent and ``/health`` says 503 from the same moment."""
     stall_after = 3.0
     proxy = await sidecar(
         engine=simulator_engine(
-            *PACED, "--stall-after", str(stall_after), "--health-fail-after", str(stall_after)
+            *PACED,
+            "--stall-after",
+            str(stall_after),
+            "--health-fail-after",
+            str(stall_after),
+            health_interval=STALL_HEALTH_INTERVAL,
+            health_failures=2,
         ),
         upstream_close_timeout=0.5,
         close_timeout=1.0,
@@ -276,7 +291,8 @@ async def test_engine_stall_fails_health_then_sessions_and_restarts(sidecar) -> 
     # (an upper bound: chunks come every 200 ms, so the stall is up to 200 ms later).
     silences = [w.closed_at - w.last_engine_event_at for w in watched]  # type: ignore[operator]
     print(
-        f"\nengine stall (health_interval 0.1 s, health_failures 2): sessions closed "
+        f"\nengine stall (health_interval {STALL_HEALTH_INTERVAL:g} s, health_failures 2): "
+        f"sessions closed "
         f"{min(silences) * 1000:.0f}-{max(silences) * 1000:.0f} ms after their last engine event"
     )
     assert max(silences) < 2.0
