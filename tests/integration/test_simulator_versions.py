@@ -161,10 +161,11 @@ def small_bound_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
 async def test_a_stalled_reader_gets_the_three_overflow_events_in_order_then_1000(
     small_bound_sim: SimChild,
 ) -> None:
+    # Read before asking: the overflow may come before a read after it would.
+    before = await sim_metric(small_bound_sim, "vllm_omni_sim_output_overflows_total")
     async with connect(small_bound_sim.ws_url, receive_buffer_bytes=16384) as c:
         await c.send({"type": "session.update", "session": {"modalities": ["audio", "text"]}})
         await ask(c)
-        before = await sim_metric(small_bound_sim, "vllm_omni_sim_output_overflows_total")
 
         async def overflowed() -> bool:
             now = await sim_metric(small_bound_sim, "vllm_omni_sim_output_overflows_total")
