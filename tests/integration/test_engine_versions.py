@@ -19,7 +19,8 @@ from typing import Any, Final
 import aiohttp
 import pytest
 
-from tests.conftest import TIMEOUT_FACTOR
+from engine_launcher.config import EngineConfig
+from tests.conftest import DEADLINE, TIMEOUT_FACTOR
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
@@ -205,3 +206,24 @@ async def test_the_engines_own_overflow_passes_through_intact(
     assert [_comparable(e) for e in events[-3:]] == [_comparable(e) for e in expected[-3:]]
     assert events[-3]["error"]["code"] == "output_backpressure"
     assert c.close_code is not None
+
+
+async def test_a_launched_simulator_takes_its_version_from_engine_simulator_args(
+    sidecar: Any,
+) -> None:
+    """``engine.simulator_args`` (env ``OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS``) carries the
+    version to a simulator the sidecar launches itself: here 0.32 with a tiny engine bound."""
+    flags = (
+        "--engine-version",
+        "0.32",
+        "--max-pending-output-events",
+        "8",
+        "--realtime-factor",
+        "0",
+    )
+    engine = EngineConfig(kind="simulator", simulator_args=flags, startup_timeout=3 * DEADLINE)
+    proxy = await sidecar(engine=engine, playback_ack="off")
+    async with connect(proxy.url) as c:
+        events = await _ask_in_one_burst(c)
+    assert [e["type"] for e in events[-3:]] == ["error", "response.done", "session.closed"]
+    assert events[-3]["error"]["code"] == "output_backpressure"
