@@ -81,6 +81,7 @@ from proxy.config import (
     setting_value,
 )
 from proxy.console import EngineView
+from proxy.core.capabilities import EngineCapabilities
 from proxy.core.session import SessionCore
 from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
@@ -147,9 +148,17 @@ class Sidecar:
     Args:
         settings: the loaded settings.
         environ: for NOTIFY_SOCKET / WATCHDOG_USEC.
+        engine_version: the vllm-omni version preflight found (docs/design.md,
+            Engine capabilities); ``engine.version`` other than auto wins.
     """
 
-    def __init__(self, settings: Settings, *, environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        environ: dict[str, str] | None = None,
+        engine_version: str | None = None,
+    ) -> None:
         self.settings = settings
         self.environ = dict(os.environ if environ is None else environ)
         # *_created samples would become look-alike series (e.g. sessions_created).
@@ -184,8 +193,16 @@ class Sidecar:
             settings.admission_timeout,
             max_sessions_per_ip=settings.max_sessions_per_ip,
         )
+        capabilities = EngineCapabilities.resolve(settings.engine.version, engine_version)
         self.sessions = SessionRegistry(
-            self.metrics, max_total_pending_output_bytes=settings.max_total_pending_output_bytes
+            self.metrics,
+            max_total_pending_output_bytes=settings.max_total_pending_output_bytes,
+            capabilities=capabilities,
+        )
+        log.info(
+            "engine behaviour: vLLM-Omni %s (from %s)",
+            capabilities.version.value,
+            capabilities.source.value,
         )
         self.engine_views = [
             EngineView(
@@ -561,15 +578,22 @@ def validate_runtime(loaded: LoadedSettings) -> None:
         ) from None
 
 
-async def serve(settings: Settings, *, reload: Callable[[], LoadedSettings] | None = None) -> int:
+async def serve(
+    settings: Settings,
+    *,
+    reload: Callable[[], LoadedSettings] | None = None,
+    engine_version: str | None = None,
+) -> int:
     """Run the sidecar with signal handling; the CLI's entry point.
 
     Args:
         settings: The validated settings.
         reload: Loads them again for SIGHUP (the CLI's original file, env and
             flags); without it SIGHUP only logs that reload is unavailable.
+        engine_version: the vllm-omni version preflight found in the engine's
+            interpreter (None: not found or not looked for).
     """
-    sidecar = Sidecar(settings)
+    sidecar = Sidecar(settings, engine_version=engine_version)
     sidecar.reloader = reload
     sidecar.install_signal_handlers()
     tune_gc()

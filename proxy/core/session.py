@@ -61,6 +61,7 @@ __all__ = [
     "SessionSettings",
     "SessionState",
     "SessionStatistics",
+    "is_engine_full",
 ]
 
 CLOSE_NORMAL: Final = 1000
@@ -99,6 +100,17 @@ _PLAYBACK_ACKS: Final = frozenset({"playback.ack", "audio.playback_ack"})
 ENGINE_FULL_CODE: Final = "resource_exhausted"
 #: The engine's own output bound (0.31+): seen, it tells the version.
 _ENGINE_BACKPRESSURE_CODE: Final = "output_backpressure"
+
+
+def _error_code(event: UpstreamEvent) -> object:
+    error = (event.body or {}).get("error")
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def is_engine_full(event: UpstreamEvent) -> bool:
+    """An engine ``error`` {resource_exhausted}: it has no room for another session."""
+    return event.kind is EventKind.ERROR and _error_code(event) == ENGINE_FULL_CODE
+
 
 #: A rate-limited frame less than this many seconds after the previous one
 #: continues the same rate-limit episode (one error per episode).
@@ -512,8 +524,7 @@ class SessionCore:
 
     def _note_engine_error(self, event: UpstreamEvent) -> None:
         """What an engine error says about the engine (passed through either way)."""
-        error = (event.body or {}).get("error")
-        code = error.get("code") if isinstance(error, dict) else None
+        code = _error_code(event)
         if code == ENGINE_FULL_CODE and self.session_id is None and not self.engine_full:
             self.engine_full = True
             self.news = True
