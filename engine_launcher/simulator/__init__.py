@@ -1,15 +1,16 @@
 """CPU stand-in for ``vllm-omni serve MODEL --omni`` (docs/design.md, Simulator).
 
-Speaks the vLLM-Omni 0.30 duplex realtime protocol (docs/engine-protocol.md)
-with real PCM16 audio, including the released
-engines' flaws (unbounded outbox, late audio after a cancel), plus fault knobs
-for tests. Run it with ``python -m engine_launcher.simulator --help``.
+Speaks the vLLM-Omni duplex realtime protocol (docs/engine-protocol.md) with
+real PCM16 audio, as 0.30, 0.31 or 0.32 behaves (``--engine-version``): by
+default the released 0.30 engine's flaws (unbounded outbox, late audio after a
+cancel), or the newer releases' bounded output and cancel/playback rules; plus
+fault knobs for tests. Run it with ``python -m engine_launcher.simulator --help``.
 
 Layout: ``config`` (flags), ``protocol`` (names, errors, ids), ``audio``
 (voice, RMS), ``settings`` (``session.update``), ``conversation`` (input and
 items), ``playback`` (playback ledger, commit policies, what history keeps of
 each reply), ``responses`` (response event builders), ``handlers`` (client event
-dispatch), ``session`` (sans-I/O core), ``connection`` (per-socket tasks),
+dispatch), ``delivery`` (each session's output queue), ``session`` (sans-I/O core), ``connection`` (per-socket tasks),
 ``server`` (aiohttp app and process lifecycle).
 """
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from engine_launcher.simulator.delivery import DEFAULT_OUTPUT_LIMITS, OutputLimits
 from engine_launcher.simulator.playback import COMMIT_ALL_ON_DONE, PLAYBACK_COMMIT_POLICIES
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_MODEL",
     "DEFAULT_PORT",
+    "ENGINE_VERSIONS",
+    "SESSION_MODES",
     "EventNaming",
     "SimulatorConfig",
     "build_parser",
@@ -27,6 +30,12 @@ __all__ = [
 ]
 
 EventNaming = Literal["ga", "beta"]
+
+#: vLLM-Omni versions whose behaviour ``--engine-version`` reproduces, oldest first.
+ENGINE_VERSIONS: Final = ("0.30", "0.31", "0.32")
+#: ``--session-mode``: ``duplex`` (a model served with ``session_mode: duplex``) or
+#: ``realtime`` (the plain OpenAI-style /v1/realtime handler of 0.31 and later).
+SESSION_MODES: Final = ("duplex", "realtime")
 
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8091
@@ -66,6 +75,13 @@ class SimulatorConfig:
     playback_commit_policy: str = COMMIT_ALL_ON_DONE
     supports_audio_truncate: bool = False
     generation_speed: float = DEFAULT_GENERATION_SPEED
+    engine_version: str = ENGINE_VERSIONS[0]
+    max_pending_output_bytes: int | None = None
+    max_pending_output_events: int | None = None
+    output_reserve_bytes: int | None = None
+    output_reserve_events: int | None = None
+    max_sessions: int | None = None
+    session_mode: str = "duplex"
 
     def __post_init__(self) -> None:
         # Validate here so a bad value fails at start-up with a message that
@@ -91,10 +107,67 @@ class SimulatorConfig:
             )
         if self.event_names not in ("ga", "beta"):
             raise ValueError(f"--event-names must be ga or beta, got {self.event_names!r}")
+        if self.engine_version not in ENGINE_VERSIONS:
+            raise ValueError(
+                f"--engine-version must be one of {', '.join(ENGINE_VERSIONS)}, "
+                f"got {self.engine_version!r}"
+            )
+        if self.session_mode not in SESSION_MODES:
+            raise ValueError(
+                f"--session-mode must be duplex or realtime, got {self.session_mode!r}"
+            )
+        if self.session_mode == "realtime" and not self.at_least("0.31"):
+            raise ValueError("--session-mode realtime needs --engine-version 0.31 or later")
+        if self.max_sessions is not None and self.max_sessions <= 0:
+            raise ValueError(f"--max-sessions must be positive, got {self.max_sessions}")
+        bounds = {
+            "max_pending_output_bytes": self.max_pending_output_bytes,
+            "max_pending_output_events": self.max_pending_output_events,
+            "output_reserve_bytes": self.output_reserve_bytes,
+            "output_reserve_events": self.output_reserve_events,
+        }
+        for name, value in bounds.items():
+            flag = "--" + name.replace("_", "-")
+            if value is None:
+                continue
+            if not self.at_least("0.31"):
+                # 0.30 has no output bound at all: a bound there would be a lie.
+                raise ValueError(f"{flag} needs --engine-version 0.31 or later")
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
         for name in ("startup_delay", "crash_after", "health_fail_after", "stall_after"):
             value = getattr(self, name)
             if value is not None and (value < 0 or not math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+    def at_least(self, version: str) -> bool:
+        """Whether ``--engine-version`` is ``version`` or newer (``"0.31"``)."""
+        return ENGINE_VERSIONS.index(self.engine_version) >= ENGINE_VERSIONS.index(version)
+
+    @property
+    def output_limits(self) -> OutputLimits | None:
+        """Bounds of each session's queued output: ``None`` (unbounded) on 0.30.
+
+        0.31 and later always bound it; unset flags take the engine's defaults.
+        """
+        if not self.at_least("0.31"):
+            return None
+        d = DEFAULT_OUTPUT_LIMITS
+        return OutputLimits(
+            max_bytes=self.max_pending_output_bytes or d.max_bytes,
+            max_events=self.max_pending_output_events or d.max_events,
+            reserve_bytes=self.output_reserve_bytes or d.reserve_bytes,
+            reserve_events=self.output_reserve_events or d.reserve_events,
+        )
+
+    @property
+    def late_audio(self) -> int:
+        """Audio deltas of a cancelled response still sent after the cancel.
+
+        ``--late-audio-chunks`` on 0.30; 0.31 and later produce none and remove
+        what was queued.
+        """
+        return self.late_audio_chunks if not self.at_least("0.31") else 0
 
     @property
     def chunks_per_response(self) -> int:
@@ -134,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m engine_launcher.simulator",
         description=(
-            "CPU stand-in for `vllm-omni serve MODEL --omni`: speaks the vLLM-Omni 0.30 "
-            "duplex realtime protocol with generated PCM16 audio."
+            "CPU stand-in for `vllm-omni serve MODEL --omni`: speaks the vLLM-Omni "
+            "duplex realtime protocol with generated PCM16 audio, as 0.30, 0.31 or 0.32 "
+            "behaves (--engine-version)."
         ),
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help="bind address (default %(default)s)")
@@ -169,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--late-audio-chunks",
         type=int,
         default=DEFAULT_LATE_AUDIO_CHUNKS,
-        help="audio deltas of a cancelled response still sent after the cancel "
-        "(the released engines' flaw; default %(default)s)",
+        help="0.30: audio deltas of a cancelled response still sent after the cancel "
+        "(the released engine's flaw; default %(default)s); 0.31+ send none",
     )
     parser.add_argument("--audio", dest="audio_path", help="WAV file (PCM16) used as the voice")
     parser.add_argument(
@@ -196,6 +270,69 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="X",
         help="produce audio X times faster than real time: one chunk every chunk_ms/X "
         "(times --realtime-factor); 4 sends a 2 s reply in 0.5 s (default %(default)s)",
+    )
+    version = parser.add_argument_group("engine version")
+    version.add_argument(
+        "--engine-version",
+        choices=ENGINE_VERSIONS,
+        default=ENGINE_VERSIONS[0],
+        help="behave like this vLLM-Omni release (default %(default)s). "
+        "0.30: output queued without bound, --late-audio-chunks of a cancelled response "
+        "still sent, server_event_seq numbered as produced. "
+        "0.31: output bounded per session (the four bounds below, always on): overflow "
+        "sends error{rate_limit_error, output_backpressure}, a failed response.done "
+        "{output_backpressure}, session.closed{output_backpressure} and closes 1000; "
+        "events are numbered when sent, and a cancel removes its queued audio (no late "
+        "audio, no seq gap); a playback.ack's truncate flag is ignored. "
+        "0.32: as 0.31, plus truncate: true on playback.ack cuts history at committed_ms; "
+        "a truncating ack or conversation.item.truncate naming no item that produced "
+        "audio is bad_event; ack errors carry no event_id; playback_ack_too_late is not "
+        "raised for replies without text; the capacity error carries retryable: true",
+    )
+    version.add_argument(
+        "--max-pending-output-bytes",
+        type=int,
+        metavar="N",
+        help="0.31+: bytes of queued output per session, base64 audio plus JSON "
+        f"(default {DEFAULT_OUTPUT_LIMITS.max_bytes})",
+    )
+    version.add_argument(
+        "--max-pending-output-events",
+        type=int,
+        metavar="N",
+        help=f"0.31+: queued events per session (default {DEFAULT_OUTPUT_LIMITS.max_events})",
+    )
+    version.add_argument(
+        "--output-reserve-bytes",
+        type=int,
+        metavar="N",
+        help="0.31+: extra bytes only error and response.done may use "
+        f"(default {DEFAULT_OUTPUT_LIMITS.reserve_bytes})",
+    )
+    version.add_argument(
+        "--output-reserve-events",
+        type=int,
+        metavar="N",
+        help="0.31+: extra events only error and response.done may use "
+        f"(default {DEFAULT_OUTPUT_LIMITS.reserve_events})",
+    )
+    version.add_argument(
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        help="duplex_session.max_sessions: a session opened beyond N open ones gets "
+        "error{rate_limit_error, resource_exhausted, 'duplex_session_capacity_exhausted: "
+        "limit=N'} (0.32: retryable: true) and close 1000 (default: no limit)",
+    )
+    version.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default="duplex",
+        help="duplex (default): the duplex session handler. realtime (0.31+): a model "
+        "served without session_mode duplex: /v1/realtime opens at once, events carry no "
+        "server_event_seq, and playback.ack, barge_in, turn.signal, input.cancel, "
+        "session.resume, output_audio_buffer.clear (and the other duplex-only events) are "
+        "answered with error invalid_event",
     )
     playback = parser.add_argument_group("playback ledger and history")
     playback.add_argument(
@@ -279,6 +416,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
             playback_commit_policy=ns.playback_commit_policy,
             supports_audio_truncate=ns.supports_audio_truncate,
             generation_speed=ns.generation_speed,
+            engine_version=ns.engine_version,
+            max_pending_output_bytes=ns.max_pending_output_bytes,
+            max_pending_output_events=ns.max_pending_output_events,
+            output_reserve_bytes=ns.output_reserve_bytes,
+            output_reserve_events=ns.output_reserve_events,
+            max_sessions=ns.max_sessions,
+            session_mode=ns.session_mode,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -3,14 +3,16 @@
 - reader: ``ws.receive()`` → ``session.receive_*``;
 - producer: paces audio chunks of the active response (and the optional
   ``response.listen`` timer);
-- sender: drains the outbox and awaits each ``send_str``.
+- sender: takes the session's next frame and awaits each ``send_str``.
 
-The outbox is deliberately an UNBOUNDED ``asyncio.Queue``: the released engines
-(docs/engine-protocol.md, Late audio after a cancel) queue every event without limit and send
-strictly FIFO, so a
-slow client makes the server's memory grow and late audio reaches the client
-ahead of the cancel terminal. The simulator reproduces that; bounding it is
-the sidecar's job.
+The frames wait in the session's own output queue (``delivery.OutputQueue``).
+On 0.30 it is deliberately UNBOUNDED: the released engine
+(docs/engine-protocol.md, Late audio after a cancel) queues every event
+without limit and sends strictly FIFO, so a slow client makes the server's
+memory grow and late audio reaches the client ahead of the cancel terminal.
+On 0.31 and later it is bounded and a client that reads too slowly loses its
+session (``output_backpressure``); a reader that stops reading therefore
+makes the engine close the session, not wait.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from engine_launcher.simulator.protocol import MAX_CLIENT_MESSAGE_BYTES
 from engine_launcher.simulator.session import (
     CloseFrame,
     DuplexSession,
-    Outgoing,
     Phase,
+    SessionSlots,
     SimulatorStats,
 )
 
@@ -60,6 +62,7 @@ class SimulatorState:
         stalled: set by ``--stall-after``; every socket stops reading and sending.
         listening_since: loop time when the port was bound (``None`` before).
         created: unix time reported as the model's ``created``.
+        slots: open sessions against ``--max-sessions``.
     """
 
     config: SimulatorConfig
@@ -70,9 +73,11 @@ class SimulatorState:
     created: int = 0
     sessions: set[SessionRunner] = field(default_factory=set)
     no_sessions: asyncio.Event = field(default_factory=asyncio.Event)
+    slots: SessionSlots = field(init=False)
 
     def __post_init__(self) -> None:
         self.no_sessions.set()
+        self.slots = SessionSlots(self.config.max_sessions)
 
     def add(self, runner: SessionRunner) -> None:
         """Track a live socket (for shutdown and ``sessions_active``)."""
@@ -116,11 +121,12 @@ class SessionRunner:
         self._ws = ws
         self._session = session
         self._state = state
-        # Unbounded on purpose (module docstring): the engine flaw under test.
-        self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self._output_ready = asyncio.Event()
         self._responses: asyncio.Queue[str] = asyncio.Queue()
         self._wake = asyncio.Event()
-        self._queued_bytes = 0
+        # What this socket's queue last added to the process-wide gauges.
+        self._counted_events = 0
+        self._counted_bytes = 0
 
     async def run(self) -> None:
         """Serve the socket until it closes; never raises for ordinary endings."""
@@ -140,8 +146,11 @@ class SessionRunner:
             )
         finally:
             self._state.discard(self)
-            self._state.stats.outbox_events -= self._outbox.qsize()
-            self._state.stats.outbox_bytes -= self._queued_bytes
+            if self._session.holds_slot:
+                self._session.holds_slot = False
+                self._state.slots.release()
+            self._state.stats.outbox_events -= self._counted_events
+            self._state.stats.outbox_bytes -= self._counted_bytes
             if not self._ws.closed:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(CLOSE_TIMEOUT):
@@ -160,17 +169,20 @@ class SessionRunner:
     # ------------------------------------------------------------ internals
 
     def _flush(self) -> None:
-        """Move what the core produced into the outbox and the producer's queue."""
-        stats = self._state.stats
-        for item in self._session.events_to_send():
-            self._outbox.put_nowait(item)
-            stats.outbox_events += 1
-            if isinstance(item, str):
-                self._queued_bytes += len(item)
-                stats.outbox_bytes += len(item)
+        """Wake the sender for what the core queued; hand new responses to the producer."""
+        self._count_queued()
+        self._output_ready.set()
         for response_id in self._session.responses_to_start():
             self._responses.put_nowait(response_id)
         self._wake.set()
+
+    def _count_queued(self) -> None:
+        """Bring the process-wide queue gauges up to date with this session's queue."""
+        stats = self._state.stats
+        events, size = self._session.queued_events, self._session.queued_bytes
+        stats.outbox_events += events - self._counted_events
+        stats.outbox_bytes += size - self._counted_bytes
+        self._counted_events, self._counted_bytes = events, size
 
     async def _stall_gate(self) -> None:
         """Park forever once ``--stall-after`` fired (sockets stay open)."""
@@ -211,8 +223,12 @@ class SessionRunner:
         ws = self._ws
         stats = self._state.stats
         while True:
-            item = await self._outbox.get()
-            stats.outbox_events -= 1
+            item = self._session.next_outgoing()
+            if item is None:
+                self._output_ready.clear()
+                await self._output_ready.wait()
+                continue
+            self._count_queued()
             await self._stall_gate()
             if isinstance(item, CloseFrame):
                 # A client that never answers the close frame costs at most
@@ -221,8 +237,6 @@ class SessionRunner:
                     async with asyncio.timeout(CLOSE_TIMEOUT):
                         await ws.close(code=item.code, message=item.reason.encode()[:123])
                 raise _SessionEnded
-            self._queued_bytes -= len(item)
-            stats.outbox_bytes -= len(item)
             try:
                 await ws.send_str(item)
             except ConnectionError:

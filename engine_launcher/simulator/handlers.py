@@ -306,6 +306,11 @@ def on_item_truncate(s: DuplexSession, event: Payload) -> None:
             event,
         )
         return
+    if s.config.at_least("0.32") and record.generated_ms <= 0:
+        s.error(
+            "bad_event", "conversation.item.truncate requires an item that produced audio", event
+        )
+        return
     record.cap(audio_end_ms)
     truncated = record.truncate(audio_end_ms)
     internal = {
@@ -326,7 +331,7 @@ def on_item_truncate(s: DuplexSession, event: Payload) -> None:
         }
     )
     ack = {"item_id": item_id, "played_ms": audio_end_ms, "committed_ms": audio_end_ms}
-    on_playback_ack(s, {**ack, "type": "playback.ack", "truncate": True})
+    _apply_playback_ack(s, {**ack, "type": "playback.ack", "truncate": True}, hard=True)
 
 
 def _ack_target(s: DuplexSession, event: Payload) -> tuple[str | None, str | None]:
@@ -348,7 +353,17 @@ def _ack_target(s: DuplexSession, event: Payload) -> tuple[str | None, str | Non
 
 
 def on_playback_ack(s: DuplexSession, event: Payload) -> None:
-    """Apply a client playback report to the ledger and history (docs/design.md, Simulator).
+    """A client's ``playback.ack``: its ``truncate`` flag counts on 0.30 and 0.32.
+
+    0.31 drops the flag as it parses the event (a truncating ack is a plain
+    ack there); 0.30 is kept as the simulator always modelled it (the flag counts).
+    """
+    hard = event.get("truncate") is True and s.config.engine_version != "0.31"
+    _apply_playback_ack(s, event, hard=hard)
+
+
+def _apply_playback_ack(s: DuplexSession, event: Payload, *, hard: bool) -> None:
+    """Apply a playback report to the ledger and history (docs/design.md, Simulator).
 
     ``played_ms``/``committed_ms`` are cumulative ms of the response's audio
     (``committed_ms`` defaults to ``played_ms``); both only move forward,
@@ -359,10 +374,21 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
     ``playback_item_mismatch`` (item_id is not ``item_<response_id>``),
     ``playback_item_not_found`` (no such reply), ``playback_ack_too_late`` (a
     later user turn was committed before the reply held a history position).
+
+    0.32: the errors carry no ``event_id``; a truncating ack naming no reply
+    that produced audio is ``bad_event``; ``playback_ack_too_late`` is not
+    raised for a reply without text.
+
+    Args:
+        s: the session.
+        event: the ack (a client's, or the one ``conversation.item.truncate`` implies).
+        hard: apply it as a truncation.
     """
+    # 0.32 answers an ack's errors without the ack's event_id.
+    echo: Payload | None = None if s.config.at_least("0.32") else event
     played = event.get("played_ms", event.get("audio_ms", 0))
     if isinstance(played, bool) or not isinstance(played, int | float):
-        s.error("bad_event", "playback.ack requires played_ms", event)
+        s.error("bad_event", "playback.ack requires played_ms", echo)
         return
     committed_raw = event.get("committed_ms")
     committed = (
@@ -377,7 +403,7 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
             s.error(
                 "playback_item_mismatch",
                 "playback.ack item_id must match item_<response_id>.",
-                event,
+                echo,
             )
             return
         record = s.records.get(response_id)
@@ -385,14 +411,20 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
             s.error(
                 "playback_item_not_found",
                 f"No assistant response item is registered for {response_id}.",
-                event,
+                echo,
             )
             return
-        if not record.reserved and not record.in_history and s.turn_id > record.turn_id:
+        audio_only = s.config.at_least("0.32") and record.ended and not record.full_text.strip()
+        if (
+            not record.reserved
+            and not record.in_history
+            and s.turn_id > record.turn_id
+            and not audio_only
+        ):
             s.error(
                 "playback_ack_too_late",
                 "playback.ack arrived after a later user input was committed.",
-                event,
+                echo,
             )
             return
         record.reserved = True
@@ -400,10 +432,16 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
         s.error(
             "playback_item_not_found",
             "playback.ack requires a response-owned assistant item.",
-            event,
+            echo,
         )
         return
-    hard = event.get("truncate") is True
+    if hard and s.config.at_least("0.32") and (record is None or record.generated_ms <= 0):
+        s.error(
+            "bad_event",
+            "playback.ack truncate requires one identifiable item that produced audio",
+            None,
+        )
+        return
     cursor = record.cursor if record is not None else s.current
     cursor.acknowledge(int(played), committed)
     history_committed = False

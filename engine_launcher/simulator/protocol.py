@@ -20,6 +20,8 @@ __all__ = [
     "ERROR_TYPES",
     "GA_NAMES",
     "MAX_CLIENT_MESSAGE_BYTES",
+    "OPENAI_CLIENT_EVENTS",
+    "OPENAI_UNHANDLED_EVENTS",
     "AudioEventNames",
     "IdFactory",
     "dumps",
@@ -75,6 +77,26 @@ CLIENT_ALIASES: Final[dict[str, str]] = {
     "signal_turn": "turn.signal",
     "audio.playback_ack": "playback.ack",
 }
+
+# --session-mode realtime (0.31+): the plain realtime handler validates client
+# events against the OpenAI Realtime schema, with no aliases. These it handles;
+OPENAI_CLIENT_EVENTS: Final = frozenset(
+    {
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "input_audio_buffer.clear",
+        "response.create",
+        "response.cancel",
+        "conversation.item.create",
+        "conversation.item.delete",
+        "conversation.item.retrieve",
+        "conversation.item.truncate",
+    }
+)
+# these pass the schema but are answered "Unknown event type" (with the event_id);
+# every other type fails the schema (invalid_event without an event_id).
+OPENAI_UNHANDLED_EVENTS: Final = frozenset({"output_audio_buffer.clear"})
 
 _RATE_LIMIT: Final = "rate_limit_error"
 _SERVER: Final = "server_error"

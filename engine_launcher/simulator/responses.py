@@ -250,6 +250,27 @@ class ResponseEvents:
             },
         }
 
+    @property
+    def audio_delta_type(self) -> str:
+        """The audio delta event name in use (GA or beta)."""
+        return self._names.audio_delta
+
+    def failed(self, resp: ResponseState, record: AssistantRecord, *, reason: str) -> Payload:
+        """``response.done`` of a response the engine failed (0.31+ output overflow).
+
+        Only the terminal: the engine converts the response's ending into a
+        failed one and sends nothing else of it.
+        """
+        meta = {
+            "epoch": resp.epoch,
+            "turn_id": resp.turn_id,
+            "committed": False,
+            "status": "failed",
+            "status_details": {"type": "failed", "reason": reason},
+            "playback": record.cursor.as_dict(),
+        }
+        return self._done(resp, "failed", {"type": "failed", "reason": reason}, meta)
+
     def completed(
         self, resp: ResponseState, record: AssistantRecord, *, committed: bool
     ) -> list[Payload]:

@@ -127,17 +127,35 @@ def render_metrics(state: SimulatorState) -> str:
             "Audio deltas sent after their response was cancelled.",
             [("", s.late_audio_events)],
         ),
+        (
+            "removed_audio_events_total",
+            "counter",
+            "Queued audio deltas removed by a cancel or clear (0.31+).",
+            [("", s.removed_audio_events)],
+        ),
+        (
+            "output_overflows_total",
+            "counter",
+            "Sessions closed for output_backpressure (0.31+).",
+            [("", s.output_overflows)],
+        ),
+        (
+            "capacity_rejections_total",
+            "counter",
+            "Session opens refused with resource_exhausted (--max-sessions).",
+            [("", s.capacity_rejections)],
+        ),
         ("errors_total", "counter", "Error events sent.", [("", s.errors_sent)]),
         (
             "outbox_events",
             "gauge",
-            "Events queued in the unbounded outboxes.",
+            "Events queued in the sessions' output queues.",
             [("", s.outbox_events)],
         ),
         (
             "outbox_bytes",
             "gauge",
-            "Bytes queued in the unbounded outboxes.",
+            "Bytes queued in the sessions' output queues.",
             [("", s.outbox_bytes)],
         ),
         (
@@ -193,6 +211,8 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
     """WebSocket ``/v1/realtime`` and ``/v1/duplex``: one duplex session per socket."""
     state = request.app[STATE_KEY]
     query = request.query
+    if state.config.session_mode == "realtime":
+        return await _plain_realtime(request, state)
     if request.path == "/v1/realtime" and is_false_flag(query.get("duplex")):
         # docs/engine-protocol.md, Routes: a duplex server does not mount the turn-based handler.
         ws = web.WebSocketResponse()
@@ -203,7 +223,9 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=TRANSPORT_MAX_MESSAGE_BYTES, autoping=True)
     await ws.prepare(request)
     model = query.get("model") or None
-    session = DuplexSession(state.config, state.bank, state.stats, handlers=HANDLERS, model=model)
+    session = DuplexSession(
+        state.config, state.bank, state.stats, handlers=HANDLERS, model=model, slots=state.slots
+    )
     # docs/engine-protocol.md, Opening a session: with model= and autostart not disabled, the
     # session opens
     # before any client message (the pitfall the proxy avoids with autostart=0).
@@ -213,6 +235,32 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
         and not truthy(query.get("resume"))
     ):
         session.open()
+    await SessionRunner(ws, session, state).run()
+    return ws
+
+
+async def _plain_realtime(request: web.Request, state: SimulatorState) -> web.StreamResponse:
+    """``--session-mode realtime``: no duplex handler is mounted (0.31 and later).
+
+    ``/v1/realtime`` opens a session at once (``session.created``, no
+    ``server_event_seq`` on anything) and answers duplex-only client events
+    with ``invalid_event``; asking for duplex (``?duplex=1``, ``/v1/duplex``)
+    is refused with the engine's flat ``unsupported`` error.
+    """
+    ws = web.WebSocketResponse(max_msg_size=TRANSPORT_MAX_MESSAGE_BYTES, autoping=True)
+    await ws.prepare(request)
+    if request.path == "/v1/duplex":
+        await ws.send_str(flat_error("Duplex API is not available", "unsupported"))
+        await ws.close()
+        return ws
+    if truthy(request.query.get("duplex")):
+        await ws.send_str(flat_error("VAD realtime is not enabled", "unsupported"))
+        await ws.close(code=1008)
+        return ws
+    session = DuplexSession(
+        state.config, state.bank, state.stats, handlers=HANDLERS, model=request.query.get("model")
+    )
+    session.open()
     await SessionRunner(ws, session, state).run()
     return ws
 
@@ -325,7 +373,8 @@ async def serve(
         logger.info(
             "omni engine simulator listening on http://%s:%d (model=%s, chunk_ms=%d, "
             "realtime_factor=%g, generation_speed=%g, event_names=%s, "
-            "playback_commit_policy=%s, supports_audio_truncate=%s)",
+            "playback_commit_policy=%s, supports_audio_truncate=%s, engine_version=%s, "
+            "session_mode=%s)",
             config.host,
             port,
             config.model,
@@ -335,6 +384,8 @@ async def serve(
             config.event_names,
             config.playback_commit_policy,
             config.supports_audio_truncate,
+            config.engine_version,
+            config.session_mode,
         )
         if on_listening is not None:
             on_listening(port)

@@ -3,9 +3,12 @@
 Like websockets' ``Protocol``, :class:`DuplexSession` does no I/O and never
 reads a clock: the server shell feeds it client frames (``receive_*``), asks it
 to produce the next audio chunk when the pace says so (``produce_*``), and
-drains what it must send (``events_to_send``) in order. Because the drained
-list is sent strictly FIFO, stamping ``event_id`` and ``server_event_seq`` at
-emit time is the same as stamping at send time, as the engine's journal does.
+takes what it must send one frame at a time (``next_outgoing``) in order.
+Output goes through the session's :class:`~engine_launcher.simulator.delivery.OutputQueue`:
+on 0.30 every event is numbered (``event_id``, ``server_event_seq``) as it is
+produced and queued without bound; on 0.31 and later it is numbered when
+taken for sending, the queue is bounded, and overflow fails the session
+(``output_backpressure``).
 
 Phases: AWAITING_OPEN (no session yet) → OPEN → CLOSED (``session.closed``
 queued; nothing else is emitted afterwards). What each client event does is
@@ -25,9 +28,12 @@ import orjson
 from engine_launcher.simulator.audio import AudioBank
 from engine_launcher.simulator.config import SimulatorConfig
 from engine_launcher.simulator.conversation import Conversation, InputBuffer
+from engine_launcher.simulator.delivery import OutputEntry, OutputOverflow, OutputQueue
 from engine_launcher.simulator.playback import ACK_ONLY, AssistantRecord, PlaybackCursor
 from engine_launcher.simulator.protocol import (
     CLIENT_ALIASES,
+    OPENAI_CLIENT_EVENTS,
+    OPENAI_UNHANDLED_EVENTS,
     IdFactory,
     dumps,
     error_payload,
@@ -39,6 +45,7 @@ from engine_launcher.simulator.settings import SessionSettings
 __all__ = [
     "MAX_ASSISTANT_RECORDS",
     "OPENING_EVENTS",
+    "OUTPUT_BACKPRESSURE",
     "CloseFrame",
     "DuplexSession",
     "Outgoing",
@@ -51,6 +58,13 @@ __all__ = [
 OPENING_EVENTS: Final = frozenset({"session.update", "session.resume"})
 
 Payload = dict[str, Any]
+
+#: ``error.code``, failed ``response.done`` reason and ``session.closed`` reason of
+#: an output overflow (0.31 and later).
+OUTPUT_BACKPRESSURE: Final = "output_backpressure"
+
+# Events that may use the output reserve (0.31 and later).
+_RESERVE_TYPES: Final = frozenset({"error", "response.done"})
 
 #: Assistant replies whose playback ledger and history text one session keeps
 #: (unit: replies). When a session exceeds it, the oldest reply is forgotten: it
@@ -79,6 +93,31 @@ class CloseFrame:
 Outgoing = str | CloseFrame
 
 
+class SessionSlots:
+    """``duplex_session.max_sessions``: open sessions of one process (no I/O).
+
+    Args:
+        limit: most open sessions; ``None`` means no limit.
+    """
+
+    __slots__ = ("limit", "taken")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def take(self) -> bool:
+        """Claim a slot for a session being opened; ``False`` when full."""
+        if self.limit is not None and self.taken >= self.limit:
+            return False
+        self.taken += 1
+        return True
+
+    def release(self) -> None:
+        """Give back a slot claimed by :meth:`take`."""
+        self.taken -= 1
+
+
 @dataclass(slots=True)
 class SimulatorStats:
     """Process-wide counters, shared by all sessions (rendered by ``/metrics``)."""
@@ -90,6 +129,9 @@ class SimulatorStats:
     responses_completed: int = 0
     responses_cancelled: int = 0
     late_audio_events: int = 0
+    removed_audio_events: int = 0
+    output_overflows: int = 0
+    capacity_rejections: int = 0
     errors_sent: int = 0
     outbox_events: int = 0
     outbox_bytes: int = 0
@@ -132,8 +174,12 @@ class DuplexSession:
         *,
         handlers: Mapping[str, Callable[[DuplexSession, dict[str, Any]], None]],
         model: str | None = None,
+        slots: SessionSlots | None = None,
     ) -> None:
         self.config = config
+        self._slots = slots
+        #: Whether this session holds one of ``slots`` (the shell gives it back).
+        self.holds_slot = False
         #: Client event type -> handler (``handlers.HANDLERS``); passed in so that
         #: this module, which the handlers operate on, does not import them.
         self._handlers = handlers
@@ -144,7 +190,10 @@ class DuplexSession:
         self._event_ids = IdFactory(deterministic=config.deterministic)
         self._builder = ResponseEvents(names_for(config.event_names), bank)
         self._seq = 0
-        self._out: list[Outgoing] = []
+        self._out = OutputQueue(config.output_limits)
+        self._bounded = config.at_least("0.31")
+        self._numbered = config.session_mode == "duplex"
+        self._output_failed = False
         self._new_responses: list[str] = []
         self.phase = Phase.AWAITING_OPEN
         self.session_id = ""
@@ -237,9 +286,37 @@ class DuplexSession:
             "pending": pending,
         }
 
+    @property
+    def queued_events(self) -> int:
+        """Events waiting in the output queue."""
+        return self._out.events
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting in the output queue."""
+        return self._out.bytes
+
+    def next_outgoing(self) -> Outgoing | None:
+        """Take the next frame to send (numbered now on 0.31+), or ``None`` when idle.
+
+        A :class:`CloseFrame` is always the last item ever returned.
+        """
+        item = self._out.pop()
+        if isinstance(item, OutputEntry):
+            if item.text is not None:
+                return item.text
+            assert item.payload is not None
+            return self._stamp(item.payload)
+        if item is None or isinstance(item, CloseFrame | str):
+            return item  # a close, or a frame sent outside the journal
+        assert isinstance(item, dict)
+        return self._stamp(item)
+
     def events_to_send(self) -> list[Outgoing]:
-        """Drain the frames to send, in order. A :class:`CloseFrame` is always last."""
-        out, self._out = self._out, []
+        """Take every frame to send, in order. A :class:`CloseFrame` is always last."""
+        out: list[Outgoing] = []
+        while (item := self.next_outgoing()) is not None:
+            out.append(item)
         return out
 
     def responses_to_start(self) -> list[str]:
@@ -249,22 +326,84 @@ class DuplexSession:
 
     # ----------------------------------------------------------------- emitting
 
+    def _stamp(self, payload: Payload) -> str:
+        """Number ``payload`` (``event_id``, ``server_event_seq``) and serialize it."""
+        payload["event_id"] = "event_" + self._event_ids.hex32()
+        # docs/engine-protocol.md, Conventions: session.created is not journaled and has no seq.
+        # The plain realtime handler (--session-mode realtime) numbers nothing.
+        if self._numbered and payload["type"] != "session.created":
+            self._seq += 1
+            payload["server_event_seq"] = self._seq
+        return dumps(payload)
+
     def emit(self, payload: Payload) -> None:
-        """Stamp ``payload`` with ``event_id`` and ``server_event_seq`` and queue it."""
+        """Queue ``payload``; on 0.30 it is numbered now, on 0.31+ when taken for sending."""
         if self.phase is Phase.CLOSED:
             # session.closed is always the last event (docs/engine-protocol.md, Server events).
             return
-        payload["event_id"] = "event_" + self._event_ids.hex32()
-        # docs/engine-protocol.md, Conventions: session.created is not journaled and has no seq.
-        if payload["type"] != "session.created":
-            self._seq += 1
-            payload["server_event_seq"] = self._seq
-        if payload["type"] == "error":
+        kind = payload["type"]
+        if kind == "error":
             self._stats.errors_sent += 1
-        self._out.append(dumps(payload))
+        if not self._bounded:
+            text = self._stamp(payload)
+            self._out.put(OutputEntry(text=text, payload=None, size=len(text)))
+            return
+        if kind == "session.closed":
+            self._out.put_final(payload)  # its own slot, outside the bounds
+            return
+        if self._output_failed and kind not in _RESERVE_TYPES:
+            return  # after an overflow only the failure's own events go in
+        if kind == "output_audio_buffer.cleared" and isinstance(payload.get("response_id"), str):
+            # The engine removes a cleared response's queued audio as the clear passes.
+            self._stats.removed_audio_events += self._out.remove_audio(payload["response_id"])
+        audio_of: str | None = None
+        delta = payload.get("delta")
+        if kind == self._builder.audio_delta_type and isinstance(delta, str):
+            audio_of = payload.get("response_id")
+            # Count base64 audio by its characters, without serializing it twice.
+            size = len(delta) + len(dumps({**payload, "delta": ""}))
+        else:
+            size = len(dumps(payload))
+        try:
+            self._out.put(
+                OutputEntry(text=None, payload=payload, size=size, audio_of=audio_of),
+                may_reserve=kind in _RESERVE_TYPES,
+            )
+        except OutputOverflow:
+            self._fail_output()
+
+    def _fail_output(self) -> None:
+        """0.31+: the client reads too slowly; fail the response and close the session.
+
+        Like the engine: the failed response's queued audio is removed, then
+        ``error{rate_limit_error, output_backpressure}`` (no ``event_id``) and a
+        failed ``response.done{output_backpressure}`` go into the reserve (left
+        out if even that is full), then ``session.closed{output_backpressure}``
+        and close 1000. What was queued before stays in order ahead of them.
+        The session cannot be resumed.
+        """
+        if self._output_failed:
+            return
+        self._output_failed = True
+        self._stats.output_overflows += 1
+        resp = self.active
+        if resp is not None:
+            self._stats.removed_audio_events += self._out.remove_audio(resp.response_id)
+        self.emit(
+            error_payload(OUTPUT_BACKPRESSURE, "duplex session pending output limit exceeded")
+        )
+        if resp is not None:
+            record = self._record(resp)
+            record.end(ACK_ONLY, late=True, cancelled=False)
+            self.emit(self._builder.failed(resp, record, reason=OUTPUT_BACKPRESSURE))
+            self.active = None
+        self.request_close(OUTPUT_BACKPRESSURE, 1000)
 
     def error(self, code: str, message: str, event: Payload | None = None) -> None:
-        """Queue an ``error`` envelope, echoing the client event's ``event_id``."""
+        """Queue an ``error`` envelope, echoing the client event's ``event_id``.
+
+        Pass ``event=None`` for errors that name no client event.
+        """
         client_id = event.get("event_id") if event is not None else None
         self.emit(error_payload(code, message, client_id if isinstance(client_id, str) else None))
 
@@ -316,6 +455,11 @@ class DuplexSession:
         """Open the session: ``session.created`` (no seq) then ``session.updated``."""
         if self.phase is not Phase.AWAITING_OPEN:
             return
+        if self._slots is not None:
+            if not self._slots.take():
+                self._reject_capacity(self._slots.limit or 0)
+                return
+            self.holds_slot = True
         self.session_id = "duplex-" + self._ids.hex32()
         self.phase = Phase.OPEN
         self.emit(
@@ -327,8 +471,28 @@ class DuplexSession:
             }
         )
         # docs/engine-protocol.md, Server events: session.created is immediately followed by
-        # session.updated.
-        self.emit({"type": "session.updated", "session": self.session_object()})
+        # session.updated (the plain realtime handler sends session.created alone).
+        if self._numbered:
+            self.emit({"type": "session.updated", "session": self.session_object()})
+
+    def _reject_capacity(self, limit: int) -> None:
+        """``duplex_session.max_sessions`` reached: the open is refused, then close 1000.
+
+        The engine sends the error outside the session journal (no
+        ``server_event_seq``) and its handler returns, which closes the socket
+        normally. 0.32 marks the error ``retryable``.
+        """
+        self._stats.capacity_rejections += 1
+        self._stats.errors_sent += 1
+        payload = error_payload(
+            "resource_exhausted", f"duplex_session_capacity_exhausted: limit={limit}"
+        )
+        if self.config.at_least("0.32"):
+            payload["error"]["retryable"] = True
+        payload["event_id"] = "event_" + self._event_ids.hex32()
+        self._out.put_final(dumps(payload))
+        self._out.put_final(CloseFrame(1000, ""))
+        self.phase = Phase.CLOSED
 
     # ------------------------------------------------------------------ feeding
 
@@ -345,6 +509,9 @@ class DuplexSession:
             self.error("bad_event", "event must be an object with a string type")
             return
         event_type: str = event["type"]
+        if not self._numbered and event_type not in OPENAI_CLIENT_EVENTS:
+            self._invalid_event(event, event_type)
+            return
         kind = CLIENT_ALIASES.get(event_type, event_type)
         if self.phase is Phase.AWAITING_OPEN and kind not in OPENING_EVENTS:
             # docs/engine-protocol.md, Opening a session: any other first message opens a default
@@ -356,6 +523,24 @@ class DuplexSession:
             self.error("unknown_event", f"unknown event type {event_type!r}", event)
             return
         handler(self, event)
+
+    def _invalid_event(self, event: Payload, event_type: str) -> None:
+        """``--session-mode realtime``: a client event outside the OpenAI Realtime handler.
+
+        Duplex-only events (``playback.ack``, ``barge_in``, ``turn.signal``,
+        ``input.cancel``, ``session.resume``, aliases ...) fail its schema and are
+        answered without the client's ``event_id``; ``output_audio_buffer.clear``
+        passes the schema and is answered as an unknown type, with it.
+        """
+        known = event_type in OPENAI_UNHANDLED_EVENTS
+        client_id = event.get("event_id") if known else None
+        message = (
+            f"Unknown event type: {event_type}" if known else "Invalid or unrecognized client event"
+        )
+        payload = error_payload("invalid_event", message)
+        payload["error"]["param"] = None
+        payload["error"]["event_id"] = client_id if isinstance(client_id, str) else None
+        self.emit(payload)
 
     def receive_binary(self) -> None:
         """Binary frames are not part of the protocol (docs/engine-protocol.md, Framing and
@@ -370,7 +555,7 @@ class DuplexSession:
         """No first message within the open deadline: ``config_timeout``, then close."""
         if self.phase is Phase.AWAITING_OPEN:
             self.error("config_timeout", "no first message received in time")
-            self._out.append(CloseFrame(1000, "config_timeout"))
+            self._out.put_final(CloseFrame(1000, "config_timeout"))
             self.phase = Phase.CLOSED
 
     def request_close(self, reason: str, code: int) -> None:
@@ -382,7 +567,7 @@ class DuplexSession:
             internal = {"type": "session.closed", "session_id": self.session_id, "reason": reason}
             self.emit({**internal, "event": dict(internal)})
         self.active = None
-        self._out.append(CloseFrame(code, reason))
+        self._out.put_final(CloseFrame(code, reason))
         self.phase = Phase.CLOSED
 
     # --------------------------------------------------------------- responses
@@ -483,7 +668,12 @@ class DuplexSession:
         # and queued is still delivered ahead of the cancelled response.done,
         # and never more than the response had left.
         record = self._record(resp)
-        late = min(self.config.late_audio_chunks, resp.remaining)
+        # 0.31 and later remove the cancelled response's audio that is still
+        # queued and produce no more: no late audio, and (numbered when sent)
+        # no gap in server_event_seq.
+        if self._bounded:
+            self._stats.removed_audio_events += self._out.remove_audio(resp.response_id)
+        late = min(self.config.late_audio, resp.remaining)
         for _ in range(late):
             for payload in self._builder.chunk(resp, self.session_id, record):
                 self.emit(payload)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.conftest import DEADLINE
 
@@ -31,8 +32,10 @@ async def _session_frames(url: str) -> list[str]:
     return frames
 
 
-async def test_response_is_byte_identical_through_the_proxy(simulator, sidecar) -> None:
-    sim = await simulator("--realtime-factor", "0", "--deterministic")
+@pytest.mark.parametrize("version", ["0.30", "0.31", "0.32"])
+async def test_response_is_byte_identical_through_the_proxy(simulator, sidecar, version) -> None:
+    """On every simulated engine release (``--engine-version``)."""
+    sim = await simulator("--realtime-factor", "0", "--deterministic", "--engine-version", version)
     # Acks on the client's behalf would add engine answers (and server_event_seq
     # numbers) the sidecar then hides: this test is about the relay alone.
     proxy = await sidecar(upstream=sim.ws_url, playback_ack="off")
