@@ -47,6 +47,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any, Final
@@ -251,8 +252,15 @@ class Sidecar:
         return None
 
     def _engines(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
         return [
-            {**view.snapshot()[0], "engine": index, "draining": self.router.draining[index]}
+            {
+                **view.snapshot()[0],
+                "engine": index,
+                "draining": self.router.draining[index],
+                # Seconds it still admits nothing after saying it is full (0: admits).
+                "engine_full_for_seconds": round(max(0.0, self.router.full_until[index] - now), 3),
+            }
             for index, view in enumerate(self.engine_views)
         ]
 
