@@ -208,11 +208,25 @@ async def _one_turn(c: Any) -> None:
     await c.recv_until(lambda e: e["type"] == "response.done" and rid_of(e) == rid)
 
 
+async def _ledger(proxy: Any) -> dict[str, Any]:
+    (session,) = (await admin_json(proxy, "/debug/sessions"))["sessions"]
+    return dict(session["playback"])
+
+
 async def test_a_session_that_says_duplex_0_is_never_acked(plain_sim: Any, sidecar: Any) -> None:
     proxy = await sidecar(upstream=plain_sim.ws_url)
     async with connect(proxy.url + "?duplex=0") as c:
         await c.recv_until("session.created")
         await _one_turn(c)
+        ledger = await _ledger(proxy)
+        assert ledger["acking"] is False and ledger["capabilities"]["duplex_acks"] is False
+
+        async def all_played() -> bool:
+            items = (await _ledger(proxy))["items"]
+            return bool(items) and all(i["played_ms"] >= i["delivered_ms"] for i in items)
+
+        # Every ack a duplex session would get is due by now; one more turn offers a ride.
+        await wait_until(all_played, what="the reply played out (heard estimate)")
         await _one_turn(c)
     assert "error" not in c.types()
     assert proxy.metric("omni_sidecar_playback_acks_total") == 0
@@ -246,6 +260,28 @@ async def test_invalid_event_to_the_first_ack_stops_the_acks(plain_sim: Any, sid
 # -- a full engine ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("link", ["picows", "aiohttp"])
+async def test_the_wait_for_the_first_frame_ends_when_it_comes(
+    engine: ScriptedEngine, sidecar: Any, link: str
+) -> None:
+    """An engine that takes its time to open: the upgrade follows its first frame
+    at once (not engine_open_wait later), and that frame is relayed first."""
+    proxy = await sidecar(upstream=engine.ws_url, engine_open_wait=10.0, upstream_client=link)
+    async with aiohttp.ClientSession() as http:
+        upgrade = asyncio.ensure_future(http.ws_connect(f"{proxy.url}?model={MODEL}"))
+        conn = await engine.next_connection()
+        await asyncio.sleep(0)  # let the handshake start waiting (it must wake on the frame)
+        assert not upgrade.done(), "upgraded before the engine said anything"
+        sent = time.monotonic()
+        await conn.send({"type": "session.created", "session": {"id": "s1"}})
+        ws = await asyncio.wait_for(upgrade, DEADLINE)
+        took = time.monotonic() - sent
+        first = await ws.receive(timeout=DEADLINE)
+        await ws.close()
+    assert took < 5.0, f"the handshake waited {took:.1f} s for a frame that had come"
+    assert first.json()["type"] == "session.created"
+
+
 async def _handshake(url: str) -> tuple[int, dict[str, str], float]:
     """(HTTP status, headers, seconds) of one WebSocket handshake; 101 when it upgraded."""
     started = time.monotonic()
@@ -270,10 +306,13 @@ async def full_sim(simulator: Any) -> Any:
 async def test_a_full_engine_is_answered_503_before_the_upgrade_then_not_touched(
     full_sim: Any, sidecar: Any
 ) -> None:
-    proxy = await sidecar(upstream=full_sim.ws_url, engine_full_backoff=30.0)
+    proxy = await sidecar(upstream=full_sim.ws_url, engine_full_backoff=30.0, engine_open_wait=10.0)
     url = f"{proxy.url}?model={MODEL}"  # the engine opens at connect
+    started = time.monotonic()
     async with connect(url) as holder:
-        await holder.recv_until("session.created")
+        # An engine with room: its session.created ends the wait at once, and is relayed.
+        assert time.monotonic() - started < 5.0, "the handshake waited out engine_open_wait"
+        assert (await holder.recv())["type"] == "session.created"
         connects = proxy.metric("omni_sidecar_upstream_connects_total")
         status, headers, took = await _handshake(url)
         assert status == 503 and headers["Retry-After"] in {str(n) for n in range(25, 31)}
