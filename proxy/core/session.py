@@ -364,12 +364,12 @@ class SessionCore:
             self.client_close_requested = True
             self.upstream_close_sent = True
         elif event.type in _PLAYBACK_ACKS:
-            if not self.playback.on_client_ack(event.event_id):
+            if not self.playback.on_client_ack(event.event_id, now):
                 return ClientDecision(event, forward=False)  # playback_ack = always
         elif event.type == "conversation.item.truncate":
             item_id = (event.body or {}).get("item_id")
             self.playback.on_client_truncate(
-                item_id if isinstance(item_id, str) else None, event.event_id
+                item_id if isinstance(item_id, str) else None, event.event_id, now
             )
         return ClientDecision(event, forward=True)
 
@@ -447,7 +447,7 @@ class SessionCore:
             return event
         rid = event.response_id
         playback = self.playback
-        if playback.awaiting_answers and playback.swallow(event):
+        if playback.awaiting_answers and playback.swallow(event, now):
             # It answers the sidecar's own ack: the client never asked for it.
             self._count_drop(DropReason.PLAYBACK_ANSWER, event.size)
             return event

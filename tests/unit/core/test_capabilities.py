@@ -26,7 +26,7 @@ from proxy.core.capabilities import (
     parse_version,
     session_is_duplex,
 )
-from proxy.core.playback import AckErrorCode, AckMode, PlaybackSettings
+from proxy.core.playback import ANSWER_TIMEOUT, AckErrorCode, AckMode, PlaybackSettings
 from proxy.core.session import DropReason
 from tests.unit.core.helpers import (
     SessionPair,
@@ -258,6 +258,22 @@ class TestAnswersByOrder:
             ack_error("playback_ack_too_late"),
         )
         assert types(p.deliver()) == ["conversation.item.truncated", "playback.acknowledged"]
+        assert p.core.playback.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
+
+    def test_a_frame_never_answered_is_forgotten_after_the_answer_timeout(self) -> None:
+        p = pair(V032)
+        # The client truncates; the engine answers with a code we do not know,
+        # without event_id: that frame stays in flight...
+        truncate = {"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": 0}
+        p.client(dumps(truncate))
+        p.upstream(ack_error("something_new"))
+        assert types(p.deliver()) == ["error"]
+        p.tick(ANSWER_TIMEOUT + 1)
+        # ...but not for ever: our next ack's error is still taken for ours.
+        playing(p)
+        own_ack(p)
+        p.upstream(ack_error("playback_ack_too_late"))
+        assert types(p.deliver()) == []
         assert p.core.playback.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
 
     def test_in_flight_is_bounded(self) -> None:
