@@ -364,3 +364,33 @@ async def test_without_the_wait_the_error_reaches_the_client(full_sim: Any, side
             await asyncio.wait_for(second.recv_until_closed(), DEADLINE)
         status, _headers, _took = await _handshake(url)
         assert status == 101, "no backoff: the engine is asked again"
+
+
+async def test_the_next_session_goes_to_another_replica(simulator: Any, sidecar: Any) -> None:
+    """Two engines; the first is full (a session held on it directly, which the
+    sidecar cannot count): the session placed there is refused 503, the next one
+    goes to the second replica without touching the first."""
+    args = ("--engine-version", "0.32", "--max-sessions", "1", "--realtime-factor", "0")
+    full, free = await simulator(*args, "--model", MODEL), await simulator(*args, "--model", MODEL)
+    engine = EngineConfig(
+        kind="external", upstreams=(full.ws_url, free.ws_url), health_interval=0.2
+    )
+    proxy = await sidecar(engine=engine, engine_full_backoff=30.0)
+    await wait_until(
+        lambda: proxy.sidecar.router.states == ["ready", "ready"], what="both upstreams ready"
+    )
+    url = f"{proxy.url}?model={MODEL}"
+    async with connect(f"{full.ws_url}?model={MODEL}") as direct:
+        await direct.recv_until("session.created")
+        status, headers, _took = await _handshake(url)  # placed on replica 0: full
+        assert status == 503 and "Retry-After" in headers
+        connects = proxy.metric("omni_sidecar_upstream_connects_total")
+        async with connect(url) as placed:
+            await placed.recv_until("session.created")
+            (session,) = (await admin_json(proxy, "/debug/sessions"))["sessions"]
+            assert session["engine"] == 1
+        assert proxy.metric("omni_sidecar_upstream_connects_total") == connects + 1
+        engines = (await admin_json(proxy, "/debug/summary"))["engines"]
+        assert (
+            engines[0]["engine_full_for_seconds"] > 0 and engines[1]["engine_full_for_seconds"] == 0
+        )
