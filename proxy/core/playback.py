@@ -30,7 +30,8 @@ I/O-free: time is passed in. One ledger per session (docs/design.md, Playback).
 - **Answers matched by order**: the engine answers acks and truncations in
   the order it got them, and its ack errors carry no ``event_id``. The ledger
   keeps every ack and truncation in flight, the client's and its own, in the
-  order sent (``MAX_OUTSTANDING``, oldest forgotten); each answer
+  order sent (``MAX_OUTSTANDING``, oldest forgotten, and any unanswered
+  for ``ANSWER_TIMEOUT``); each answer
   (``playback.acknowledged``, ``conversation.item.truncated``, an ack error)
   settles the oldest one, or the one its ``event_id`` names. Answers to the
   sidecar's own frames are not shown to the client (their errors are counted
@@ -56,6 +57,7 @@ from proxy.core.ratelimit import BYTES_PER_SAMPLE
 
 __all__ = [
     "ACK_EVENT_PREFIX",
+    "ANSWER_TIMEOUT",
     "AckErrorCode",
     "AckMode",
     "ItemPlayback",
@@ -77,6 +79,11 @@ MAX_CLIENT_TRUNCATED: Final = 256
 #: Acks/truncations (ours and the client's) awaiting the engine's answer
 #: (oldest forgotten beyond).
 MAX_OUTSTANDING: Final = 256
+#: Seconds after which an unanswered ack or truncation is forgotten: the
+#: engine answers within milliseconds, and one it never answers (an error
+#: code we do not know, without event_id) must not shift every later answer
+#: onto the wrong frame for the rest of the session.
+ANSWER_TIMEOUT: Final = 10.0
 
 
 class AckMode(enum.Enum):
@@ -108,7 +115,7 @@ _ANSWER_CODES: Final = {code.value: code for code in AckErrorCode if code is not
 class _Awaited:
     """One ack or truncation sent to the engine and not answered yet."""
 
-    __slots__ = ("event_id", "item_id", "item_truncate", "own", "truncated", "truncates")
+    __slots__ = ("event_id", "item_id", "item_truncate", "own", "sent_at", "truncated", "truncates")
 
     def __init__(
         self,
@@ -118,8 +125,10 @@ class _Awaited:
         truncates: bool,
         event_id: str | None,
         item_id: str | None,
+        sent_at: float,
     ) -> None:
         self.own = own
+        self.sent_at = sent_at
         #: conversation.item.truncate: answered truncated, then acknowledged.
         self.item_truncate = item_truncate
         #: It truncates history (that, or a playback.ack with truncate: true).
@@ -247,20 +256,27 @@ class PlaybackLedger:
         if isinstance(rate, int) and rate > 0:
             self.output_rate = rate
 
-    def on_client_ack(self, event_id: str | None = None) -> bool:
+    def on_client_ack(self, event_id: str | None = None, now: float = 0.0) -> bool:
         """The client sent ``playback.ack``. Returns whether to forward it."""
         if self.settings.ack is AckMode.ALWAYS:
             return False
         self.client_acks = True
         self.acking = False
-        self._await(own=False, item_truncate=False, truncates=False, event_id=event_id)
+        self._await(own=False, item_truncate=False, truncates=False, event_id=event_id, now=now)
         return True
 
-    def on_client_truncate(self, item_id: str | None, event_id: str | None = None) -> None:
+    def on_client_truncate(
+        self, item_id: str | None, event_id: str | None = None, now: float = 0.0
+    ) -> None:
         """The client sent ``conversation.item.truncate`` itself (it is forwarded)."""
         self.truncations_client += 1
         self._await(
-            own=False, item_truncate=True, truncates=True, event_id=event_id, item_id=item_id
+            own=False,
+            item_truncate=True,
+            truncates=True,
+            event_id=event_id,
+            item_id=item_id,
+            now=now,
         )
         if item_id is None:
             return
@@ -268,7 +284,7 @@ class PlaybackLedger:
         if len(self._client_truncated) > MAX_CLIENT_TRUNCATED:
             self._client_truncated.popitem(last=False)
 
-    def swallow(self, event: UpstreamEvent) -> bool:
+    def swallow(self, event: UpstreamEvent, now: float = 0.0) -> bool:
         """Settle an engine answer to an ack or truncation in flight.
 
         Returns:
@@ -278,6 +294,7 @@ class PlaybackLedger:
         """
         if not self.awaiting_answers:
             return False
+        self._expire(now)
         kind = event.type
         body = event.body
         if kind == "playback.acknowledged":
@@ -316,6 +333,7 @@ class PlaybackLedger:
         item_truncate: bool,
         truncates: bool,
         event_id: str | None,
+        now: float,
         item_id: str | None = None,
     ) -> None:
         awaited = self._awaited
@@ -326,11 +344,19 @@ class PlaybackLedger:
                 truncates=truncates,
                 event_id=event_id,
                 item_id=item_id,
+                sent_at=now,
             )
         )
         if len(awaited) > MAX_OUTSTANDING:
             awaited.popleft()
         self.awaiting_answers = True
+
+    def _expire(self, now: float) -> None:
+        """Forget frames unanswered for ``ANSWER_TIMEOUT`` (oldest first)."""
+        awaited = self._awaited
+        while awaited and now - awaited[0].sent_at > ANSWER_TIMEOUT:
+            awaited.popleft()
+        self.awaiting_answers = bool(awaited)
 
     def _settle(self, event_id: str | None) -> _Awaited | None:
         """Remove and return the frame an answer settles: the one ``event_id``
@@ -522,6 +548,7 @@ class PlaybackLedger:
                 truncates=True,
                 event_id=event_id,
                 item_id=item.item_id,
+                now=now,
             )
             return [
                 orjson.dumps(
@@ -548,7 +575,7 @@ class PlaybackLedger:
         item.last_ack_at = now
         self.acks_sent += 1
         event_id = self._next_event_id()
-        self._await(own=True, item_truncate=False, truncates=truncate, event_id=event_id)
+        self._await(own=True, item_truncate=False, truncates=truncate, event_id=event_id, now=now)
         body: dict[str, Any] = {
             "type": "playback.ack",
             "event_id": event_id,
