@@ -200,11 +200,6 @@ class Sidecar:
             max_total_pending_output_bytes=settings.max_total_pending_output_bytes,
             capabilities=capabilities,
         )
-        log.info(
-            "engine behaviour: vLLM-Omni %s (from %s)",
-            capabilities.version.value,
-            capabilities.source.value,
-        )
         self.engine_views = [
             EngineView(
                 settings.engine.kind,
@@ -354,14 +349,17 @@ class Sidecar:
         engine = ", ".join(t for t in self.router.targets if t is not None) or "?"
         kind = self.settings.engine.kind
         if listen is not None:
+            behaviour = self.sessions.capabilities.current
             log.info(
                 "omni-sidecar ready: clients %s/v1/realtime, admin %s/metrics, engine %s at %s "
-                "(core: %s)",
+                "(core: %s; engine behaviour: vLLM-Omni %s from %s)",
                 _url(*listen, scheme="ws"),
                 _url(*admin) if admin else "-",
                 kind,
                 engine,
                 CORE_BUILD,
+                behaviour.version.value,
+                behaviour.source.value,
             )
         self.notifier.notify("READY=1", f"STATUS=serving; engine {kind} ready")
 
