@@ -187,7 +187,13 @@ def test_the_engine_package_version_comes_with_the_checks(installed: Any, tmp_pa
     assert version == "0.30.0"
     assert by_name(results)["vllm"].reason == "vllm-omni 0.30.0 with vllm 0.30.2"
     assert preflight.engine_package_version(minicpmo()) == "0.30.0"
-    assert preflight.run_checks_and_version(EngineConfig(), environ=env)[1] is None, "simulator"
+    assert preflight.run_checks_and_version(EngineConfig(), environ=env)[1] == "0.30", "simulator"
+    simulated = EngineConfig(simulator_args=("--engine-version", "0.32", "--realtime-factor", "0"))
+    assert preflight.engine_package_version(simulated) == "0.32"
+    simulated = EngineConfig(simulator_args=("--engine-version=0.31",))
+    assert preflight.engine_package_version(simulated) == "0.31"
+    external = EngineConfig(kind="external", upstream="ws://127.0.0.1:9")
+    assert preflight.engine_package_version(external) is None
 
 
 def test_installed_main_prints_one_line_per_check(
