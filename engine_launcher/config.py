@@ -345,7 +345,8 @@ class EngineConfig:
     version: EngineVersionSetting = setting(  # noqa: RUF009 - a dataclasses.field
         "auto",
         help='vLLM-Omni behaviour to expect: "0.30", "0.31", "0.32", or "auto": the '
-        "vllm-omni package in the engine's interpreter (preflight, kind vllm-omni), else "
+        "vllm-omni package in the engine's interpreter (preflight; for the simulator its "
+        "--engine-version), else "
         "what sessions see on the wire, else 0.30's (docs/design.md, Engine capabilities). "
         "Shown in /debug/summary and omni_sidecar_engine_info.",
         metavar="VERSION",
