@@ -326,6 +326,9 @@ async def test_a_full_engine_is_answered_503_before_the_upgrade_then_not_touched
         assert proxy.metric("omni_sidecar_sessions_rejected_total", rejected) == 2
         ready = await admin_json(proxy, "/debug/summary")
         assert ready["sessions"]["rejected"]["engine_capacity"] == 2
+        async with aiohttp.ClientSession() as http, http.get(f"{proxy.http_url}/readyz") as resp:
+            assert resp.status == 503 and "Retry-After" in resp.headers
+            assert (await resp.json())["reason"] == "engine_capacity"
         print(f"\nfull engine: 503 in {took * 1000:.1f} ms; refused within backoff in "
               f"{took_again * 1000:.1f} ms")  # fmt: skip
         assert "error" not in holder.types()
