@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_STOP_GRACE",
     "DEFAULT_VLLM_OMNI_PORT",
     "ENGINE_KINDS",
+    "ENGINE_VERSIONS",
     "MAX_REPLICAS",
     "PROBE_KINDS",
     "SETTING_METADATA",
@@ -42,6 +43,7 @@ __all__ = [
     "EngineConfigError",
     "EngineKind",
     "ProbeKind",
+    "EngineVersionSetting",
     "SettingDoc",
     "setting",
 ]
@@ -116,6 +118,9 @@ def setting(default: _T, **doc: Any) -> _T:
 EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
 ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
 """Every valid ``kind`` (docs/design.md, Engine supervision)."""
+EngineVersionSetting = Literal["auto", "0.30", "0.31", "0.32"]
+ENGINE_VERSIONS: Final[tuple[str, ...]] = get_args(EngineVersionSetting)
+"""Every valid ``version`` (docs/design.md, Engine capabilities)."""
 
 ProbeKind = Literal["auto", "health", "websocket", "tcp"]
 PROBE_KINDS: Final[tuple[str, ...]] = get_args(ProbeKind)
@@ -203,6 +208,8 @@ class EngineConfig:
         gpus: ``"0,1"`` or ``"auto"``: one engine per GPU, pinned with
             ``CUDA_VISIBLE_DEVICES``; overrides :attr:`replicas`.
         upstreams: For ``external``: one engine per URL; overrides :attr:`replicas`.
+        version: The vLLM-Omni behaviour to expect (``0.30``, ``0.31``,
+            ``0.32``); ``auto`` asks preflight, then what sessions see.
 
     Raises:
         EngineConfigError: A field has an invalid value.
@@ -356,11 +363,25 @@ class EngineConfig:
         example='["ws://10.0.0.5:8091", "ws://10.0.0.6:8091"]',
         metavar="URLS",
     )
+    version: EngineVersionSetting = setting(  # noqa: RUF009 - a dataclasses.field
+        "auto",
+        help='vLLM-Omni behaviour to expect: "0.30", "0.31", "0.32", or "auto": the '
+        "vllm-omni package in the engine's interpreter (preflight; for the simulator its "
+        "--engine-version), else "
+        "what sessions see on the wire, else 0.30's (docs/design.md, Engine capabilities). "
+        "Shown in /debug/summary and omni_sidecar_engine_info.",
+        metavar="VERSION",
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise EngineConfigError(
                 "kind", f"unknown engine kind {self.kind!r}; expected one of {_or(ENGINE_KINDS)}"
+            )
+        if self.version not in ENGINE_VERSIONS:
+            raise EngineConfigError(
+                "version",
+                f"unknown engine version {self.version!r}; expected one of {_or(ENGINE_VERSIONS)}",
             )
         for name in ("model", "deploy_config", "python"):
             _check_optional_text(name, getattr(self, name))

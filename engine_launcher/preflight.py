@@ -71,9 +71,11 @@ __all__ = [
     "add_preflight_arguments",
     "cheap_checks",
     "engine_config_from_file",
+    "engine_package_version",
     "main_preflight",
     "read_deploy_spec",
     "run_checks",
+    "run_checks_and_version",
     "scan_deploy_yaml",
 ]
 
@@ -190,11 +192,22 @@ def run_checks(
     Only the GPU checks import torch (and only for ``kind = "vllm-omni"``); with
     ``engine.python`` set to another interpreter, that one is asked instead.
     """
+    return run_checks_and_version(config, port_check=port_check, environ=environ)[0]
+
+
+def run_checks_and_version(
+    config: EngineConfig, *, port_check: bool = True, environ: Mapping[str, str] | None = None
+) -> tuple[list[CheckResult], str | None]:
+    """:func:`run_checks`, and the engine's vllm-omni version (one look at its interpreter).
+
+    The version tells the sidecar which engine behaviour to expect
+    (docs/design.md, Engine capabilities); see :func:`engine_package_version`.
+    """
     env = _environ(environ)
     interpreter = _Interpreter(config, gpus=config.kind == "vllm-omni")
     deploy, deploy_path = _check_deploy_config(config, interpreter)
     gpus_result, gpus = _check_gpus(config, env, interpreter)
-    return [
+    results = [
         _check_port(config, port_check),
         deploy,
         _check_model(config, env),
@@ -202,6 +215,38 @@ def run_checks(
         gpus_result,
         _check_gpu_memory(config, env, deploy_path, gpus),
     ]
+    return results, _package_version(config, interpreter)
+
+
+def engine_package_version(config: EngineConfig) -> str | None:
+    """The ``vllm-omni`` version in the engine's interpreter (None: not installed, that
+    interpreter cannot be run, or a kind whose version cannot be known: external,
+    command). For the built-in simulator, the release it stands in for
+    (``--engine-version`` in ``engine.simulator_args``, 0.30 by default)."""
+    return _package_version(config, _Interpreter(config, gpus=False))
+
+
+#: The simulator's release when ``simulator_args`` name none (its own default).
+_SIMULATOR_DEFAULT_VERSION: Final = "0.30"
+
+
+def _package_version(config: EngineConfig, interpreter: _Interpreter) -> str | None:
+    if config.kind == "simulator":
+        return _simulator_version(config.simulator_args)
+    if config.kind != "vllm-omni" or interpreter.error is not None:
+        return None
+    return interpreter.version("vllm-omni")
+
+
+def _simulator_version(args: tuple[str, ...]) -> str:
+    """``--engine-version X`` / ``--engine-version=X`` of the simulator's flags (last wins)."""
+    found = _SIMULATOR_DEFAULT_VERSION
+    for index, arg in enumerate(args):
+        if arg == "--engine-version" and index + 1 < len(args):
+            found = args[index + 1]
+        elif arg.startswith("--engine-version="):
+            found = arg.partition("=")[2]
+    return found
 
 
 def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,13 +18,17 @@ from prometheus_client import (
 from metrics.folded import FoldedHistogram
 
 __all__ = [
+    "ACK_ERROR_CODES",
+    "CAPABILITY_SOURCES",
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
     "DIRECTIONS",
     "DROP_REASONS",
+    "ENGINE_FULL_KINDS",
     "ENGINE_REPLICAS",
     "ENGINE_RESTART_REASONS",
     "ENGINE_STATES",
+    "ENGINE_VERSIONS",
     "EVENT_KINDS",
     "LINGER_OUTCOMES",
     "OVERFLOW_POLICIES",
@@ -80,6 +84,9 @@ REJECT_REASONS: Final = (
     "not_ready",
     "draining",
     "upstream_unavailable",
+    # the engine said it is full (resource_exhausted at open), or did so within
+    # engine_full_backoff (docs/design.md, Engine capabilities).
+    "engine_capacity",
 )
 #: Connections or HTTP requests refused at the client listener's edge, before
 #: any session exists (docs/security.md): proxy/edge.py, proxy/handshake.py,
@@ -125,6 +132,25 @@ ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
 ENGINE_REPLICAS: Final = tuple(str(index) for index in range(64))
 #: A SIGHUP reload either applied (its live part) or was rejected (old config kept).
 CONFIG_RELOAD_RESULTS: Final = ("applied", "rejected")
+#: engine_info's ``version``: proxy.core.capabilities.EngineVersion values.
+ENGINE_VERSIONS: Final = ("unknown", "0.30", "0.31", "0.32")
+#: engine_info's ``source``: proxy.core.capabilities.CapabilitySource values.
+CAPABILITY_SOURCES: Final = ("unknown", "wire", "preflight", "config")
+#: engine_ack_errors_total's ``code``: proxy.core.playback.AckErrorCode values
+#: (the engine's code when it is one of these, else "other").
+ACK_ERROR_CODES: Final = (
+    "playback_ack_too_late",
+    "playback_item_not_found",
+    "playback_item_mismatch",
+    "bad_event",
+    "invalid_event",
+    "item_not_found",
+    "other",
+)
+#: engine_full_total's ``kind``: where the sidecar saw the engine's
+#: resource_exhausted: before the client's upgrade (answered 503) or in the
+#: session (passed on to the client).
+ENGINE_FULL_KINDS: Final = ("handshake", "session")
 
 # Buckets, in seconds.
 #: Time an event waits in the output buffer: sub-ms when the client keeps up,
@@ -424,6 +450,27 @@ class SidecarMetrics:
             ["result"],
             registry=registry,
         )
+        self.engine_info = Info(
+            f"{p}_engine",
+            "The engine behaviour the sidecar expects (docs/design.md, Engine capabilities): "
+            "version and where it came from.",
+            registry=registry,
+        )
+        self.engine_info.info({"version": "unknown", "source": "unknown"})
+        self.engine_ack_errors = Counter(
+            f"{p}_engine_ack_errors",
+            "Engine errors answering the sidecar's own playback acks and truncations (not "
+            "shown to the client), by code.",
+            ["code"],
+            registry=registry,
+        )
+        self.engine_full = Counter(
+            f"{p}_engine_full",
+            "Sessions the engine refused as full (resource_exhausted at open), by where the "
+            "sidecar saw it: handshake (answered 503) or session (passed on).",
+            ["kind"],
+            registry=registry,
+        )
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
         # core: "mypyc" (make native) or "python"; both values are ours.
         self.build.info({"version": version, "core": core_build})
@@ -463,6 +510,16 @@ class SidecarMetrics:
                 family.labels(engine)
         for source in TRUNCATION_SOURCES:
             self.truncations.labels(source)
+        for code in ACK_ERROR_CODES:
+            self.engine_ack_errors.labels(code)
+        for kind in ENGINE_FULL_KINDS:
+            self.engine_full.labels(kind)
+
+    def set_engine_info(self, version: str, source: str) -> None:
+        """``engine_info``: one of ENGINE_VERSIONS, one of CAPABILITY_SOURCES."""
+        if version not in ENGINE_VERSIONS or source not in CAPABILITY_SOURCES:
+            raise ValueError(f"not our label values: {version!r}, {source!r}")
+        self.engine_info.info({"version": version, "source": source})
 
     def set_engine_state(self, state: str) -> None:
         for known in ENGINE_STATES:

@@ -193,7 +193,8 @@ async def _drain_engine(request: web.Request) -> web.Response:
     if index >= router.count:
         raise web.HTTPNotFound(text=f"no engine replica {index} (there are {router.count})")
     began = state.drain_engine(index)
-    return _json({"began": began, **router.views()[index]}, status=202 if began else 409)
+    views = router.views(time.monotonic())
+    return _json({"began": began, **views[index]}, status=202 if began else 409)
 
 
 def build_admin_app(state: ProxyState) -> web.Application:

@@ -14,6 +14,15 @@ completes, so a client never gets a socket that leads nowhere. With an engine
 pool the session is first placed on a replica (proxy/placement.py;
 docs/design.md, Engine pool): none admits → 503 ``not_ready``, all full → 503
 ``capacity`` with ``Retry-After``.
+
+A full engine accepts the socket and then sends ``error`` {resource_exhausted}
+(docs/design.md, Engine capabilities). When the engine opens the session at
+connect (``?model=`` without ``autostart=0``) that error is its first frame:
+the handshake waits up to ``engine_open_wait`` for it and answers 503
+``engine_capacity`` with ``Retry-After`` before the client's upgrade. Said
+later (the engine opens on the client's first frame) it is passed on to the
+client. Either way the replica admits no new session for
+``engine_full_backoff`` seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import socket
 import time
 import uuid
@@ -38,8 +48,10 @@ from proxy import compat
 from proxy.auth import AuthPolicy, load_api_keys, offered_subprotocols
 from proxy.config import Settings
 from proxy.core.buffer import BufferLimits
+from proxy.core.capabilities import opens_at_connect, session_is_duplex
+from proxy.core.events import classify_upstream
 from proxy.core.playback import AckMode, PlaybackSettings
-from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings
+from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings, is_engine_full
 from proxy.edge import EdgeGuard, EdgeLimits, client_address
 from proxy.frame_writer import AiohttpWriterAdapter
 from proxy.handshake import validate_upgrade, wants_websocket
@@ -207,6 +219,27 @@ class ProxyState:
         )
         self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
         self.metrics.lingering_connections.set_function(lambda: self.edge.lingering)
+        self.registry.on_engine_full = self.engine_full
+
+    def engine_full(self, engine: int | None) -> None:
+        """The engine (replica ``engine``) said it has no room: admit nothing there a while."""
+        backoff = self.settings.engine_full_backoff
+        if backoff <= 0 or self.router is None:
+            return
+        index = 0 if engine is None else engine
+        self.router.mark_full(index, time.monotonic() + backoff)
+        log.warning(
+            "engine %d refused a session as full; no new session goes there for %.1f s",
+            index,
+            backoff,
+        )
+
+    def retry_after(self) -> str:
+        """``Retry-After`` for an engine_capacity refusal: when the backoff ends."""
+        wait = self.settings.engine_full_backoff
+        if self.router is not None:
+            wait = self.router.retry_after(time.monotonic()) or wait
+        return str(max(1, math.ceil(wait)))
 
     def reject_connection(self, reason: str, status: int, address: str) -> None:
         """Count and log one connection or request refused at the edge (docs/security.md)."""
@@ -301,13 +334,14 @@ async def _readyz(request: web.Request) -> web.Response:
     router = state.router
     if router is not None:
         # Every replica's state; 200 while at least one admits (docs/design.md, Engine pool).
-        body["engines"] = router.views()
-        placed = router.refusal()
+        now = time.monotonic()
+        body["engines"] = router.views(now)
+        placed = router.refusal(now)
         if refusal is None and placed is not None:
             return web.json_response(
                 {"status": "not_ready", "reason": placed[0], "detail": placed[1], **body},
                 status=503,
-                headers={"Retry-After": "1" if placed[0] == "capacity" else "5"},
+                headers={"Retry-After": _retry_after(state, placed[0])},
             )
     if refusal is not None:
         return web.json_response(
@@ -417,17 +451,23 @@ def _check_auth(request: web.Request, state: ProxyState) -> web.Response | None:
     return _json_error(result.status, result.reason, result.message, **headers)
 
 
+def _retry_after(state: ProxyState, reason: str) -> str:
+    if reason == "engine_capacity":
+        return state.retry_after()
+    return "1" if reason == "capacity" else "5"
+
+
 async def _run_session(request: web.Request, state: ProxyState) -> web.StreamResponse:
     router = state.router
     if router is None:
         return await _run_placed(request, state, None)
-    engine = router.choose(state.registry.pending_by_engine(router.count))
+    now = time.monotonic()
+    engine = router.choose(state.registry.pending_by_engine(router.count), now)
     if engine is None:
-        reason, message = router.refusal() or ("capacity", "every engine replica is full")
+        reason, message = router.refusal(now) or ("capacity", "every engine replica is full")
         state.metrics.sessions_rejected.labels(reason).inc()
         _log_refused(client_address(request), 503, reason)
-        retry = "1" if reason == "capacity" else "5"
-        return _json_error(503, reason, message, **{"Retry-After": retry})
+        return _json_error(503, reason, message, **{"Retry-After": _retry_after(state, reason)})
     # The slot is held from here, across the upstream connect, until the session ends.
     router.take(engine)
     try:
@@ -467,6 +507,27 @@ async def _run_placed(
         log.warning("upstream connect to %s failed: %s", url, exc or type(exc).__name__)
         return _json_error(502, "upstream_unavailable", f"cannot reach the engine: {exc}")
     metrics.upstream_connect.observe(time.monotonic() - started)
+    upstream_query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    if settings.engine_open_wait > 0 and opens_at_connect(upstream_query):
+        # The engine opens the session now: a full one says so as its first frame.
+        left = settings.handshake_timeout - (time.monotonic() - started)
+        first = await upstream.first_text(max(0.0, min(settings.engine_open_wait, left)))
+        if first is not None and is_engine_full(classify_upstream(first)):
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(settings.close_timeout):
+                    await upstream.close()
+            metrics.engine_full.labels("handshake").inc()
+            metrics.sessions_rejected.labels("engine_capacity").inc()
+            state.engine_full(engine)
+            _log_refused(client_address(request), 503, "engine_capacity")
+            return _json_error(
+                503,
+                "engine_capacity",
+                "the engine has no room for another session",
+                **{"Retry-After": _retry_after(state, "engine_capacity")},
+            )
+    duplex = session_is_duplex(urlsplit(url).path, upstream_query)
+    capabilities = state.registry.capabilities.current.for_session(duplex=duplex)
 
     client = web.WebSocketResponse(
         protocols=_CLIENT_SUBPROTOCOLS,
@@ -489,7 +550,9 @@ async def _run_placed(
         client=client,
         client_protocol=protocol,
         upstream=upstream,
-        core=SessionCore(state.session_settings, new_event_id=new_event_id),
+        core=SessionCore(
+            state.session_settings, new_event_id=new_event_id, capabilities=capabilities
+        ),
         observer=observer,
         close_timeout=settings.close_timeout,
         drain_timeout=settings.drain_timeout,

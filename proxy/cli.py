@@ -20,7 +20,7 @@ from engine_launcher.preflight import (
     CheckStatus,
     add_preflight_arguments,
     main_preflight,
-    run_checks,
+    run_checks_and_version,
 )
 from proxy import probe
 from proxy.config import (
@@ -221,9 +221,11 @@ def _serve(ns: argparse.Namespace) -> int:
         _config_error(exc)
         return EXIT_CONFIG
     configure_logging(loaded.settings.log_level, loaded.settings.log_format)
+    engine_version: str | None = None
     if loaded.settings.engine.kind != "external":
         # Say why before a long model load fails, not after: the same checks as preflight.
-        failures = [r for r in run_checks(loaded.settings.engine) if r.status is CheckStatus.FAIL]
+        results, engine_version = run_checks_and_version(loaded.settings.engine)
+        failures = [r for r in results if r.status is CheckStatus.FAIL]
         for result in failures:
             logging.getLogger("omni_sidecar").error("preflight: %s", result.line())
         if failures:
@@ -236,7 +238,7 @@ def _serve(ns: argparse.Namespace) -> int:
         return load(flags, os.environ, path)
 
     try:
-        return asyncio.run(serve(loaded.settings, reload=reload))
+        return asyncio.run(serve(loaded.settings, reload=reload, engine_version=engine_version))
     except ConfigError as exc:  # found while building the app (e.g. an empty keys file)
         _config_error(exc)
         return EXIT_CONFIG

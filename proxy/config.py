@@ -372,6 +372,27 @@ class Settings:
         live=True,
         section=_ADMISSION,
     )
+    engine_open_wait: float = setting(
+        2 * SECONDS,
+        help="Seconds the handshake waits for the engine's first frame when the engine opens "
+        "the session at connect (?model= without autostart=0): a full engine's error "
+        "{resource_exhausted} is then answered 503 engine_capacity + Retry-After before the "
+        "client's upgrade. Within handshake_timeout; 0 = upgrade at once, pass the error on.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_ADMISSION,
+    )
+    engine_full_backoff: float = setting(
+        5 * SECONDS,
+        help="Seconds an engine replica that said it is full (resource_exhausted at open) "
+        "gets no new session: they go to another replica, or get 503 engine_capacity + "
+        "Retry-After without an upstream connect. 0 = off.",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_ADMISSION,
+    )
     max_client_message_bytes: int = setting(
         15 * MIB,
         help="Largest client frame; a larger one closes the session with 1009.",

@@ -20,16 +20,24 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from metrics import SidecarMetrics
 from proxy.core.buffer import Entry
+from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.events import EventKind, UpstreamEvent
 
 if TYPE_CHECKING:
     from proxy.core.session import SessionCore
 
-__all__ = ["LIFECYCLE_EVENTS", "RECENT_CLOSED_SESSIONS", "SessionObserver", "SessionRegistry"]
+__all__ = [
+    "LIFECYCLE_EVENTS",
+    "RECENT_CLOSED_SESSIONS",
+    "CapabilityBook",
+    "SessionObserver",
+    "SessionRegistry",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +68,64 @@ LIFECYCLE_EVENTS: Final = 50
 RECENT_CLOSED_SESSIONS: Final = 100
 
 
+class CapabilityBook:
+    """The process's engine capabilities (docs/design.md, Engine capabilities) and their gauge.
+
+    New sessions start from :attr:`current`; what a session learns on the wire
+    comes back through :meth:`learn` (never over config or preflight).
+
+    Args:
+        metrics: ``omni_sidecar_engine_info`` is kept equal to :attr:`current`.
+        initial: from ``engine.version`` and preflight.
+    """
+
+    def __init__(self, metrics: SidecarMetrics, initial: EngineCapabilities) -> None:
+        self._metrics = metrics
+        self.current = initial
+        self._export()
+
+    def learn(self, version: EngineVersion) -> bool:
+        """A session saw ``version``'s behaviour. Returns whether that changed anything."""
+        learned = self.current.learn(version)
+        if learned is self.current:
+            return False
+        log.info(
+            "the engine behaves like vLLM-Omni %s (seen on the wire; was %s from %s)",
+            version.value,
+            self.current.version.value,
+            self.current.source.value,
+        )
+        self.current = learned
+        self._export()
+        return True
+
+    def _export(self) -> None:
+        self._metrics.set_engine_info(self.current.version.value, self.current.source.value)
+
+
 class SessionRegistry:
     """Live relays and the process-wide pending-output total.
 
     Args:
         metrics: where to report.
         max_total_pending_output_bytes: above this, the largest session is shed.
+        capabilities: what the engine does, as far as known at start.
     """
 
-    def __init__(self, metrics: SidecarMetrics, *, max_total_pending_output_bytes: int) -> None:
+    def __init__(
+        self,
+        metrics: SidecarMetrics,
+        *,
+        max_total_pending_output_bytes: int,
+        capabilities: EngineCapabilities | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.capabilities = CapabilityBook(
+            metrics, capabilities if capabilities is not None else EngineCapabilities()
+        )
+        #: Called with a session's engine replica (None: the one engine) when
+        #: that engine refused the session as full (set by proxy.app.ProxyState).
+        self.on_engine_full: Callable[[int | None], None] = lambda engine: None
         self.max_total = max_total_pending_output_bytes
         self.relays: dict[str, Relay] = {}
         self._observers: dict[str, SessionObserver] = {}
@@ -286,6 +342,7 @@ class SessionObserver:
         "_cancels_seen",
         "_core",
         "_delay",
+        "_engine_full_seen",
         "_flushed",
         "_key",
         "_last_pending",
@@ -344,6 +401,7 @@ class SessionObserver:
         self.u2c_bytes = 0
         self._core: SessionCore | None = None
         self._playback_seen: tuple[float, int, int, int, int] = (0.0, 0, 0, 0, 0)
+        self._engine_full_seen = False
         self._flushed = (0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
@@ -491,6 +549,12 @@ class SessionObserver:
             m.cancel_to_silence.observe(value)
         for value in first:
             m.first_audio.observe(value)
+        if core.engine_full and not self._engine_full_seen:
+            # Passed on to the client; new sessions keep off that engine a while.
+            self._engine_full_seen = True
+            m.engine_full.labels("session").inc()
+            self.note("engine_full", "the engine refused the session: no room")
+            self._registry.on_engine_full(self.engine)
         self._export_playback(core)
 
     def _export_playback(self, core: SessionCore) -> None:
@@ -499,6 +563,12 @@ class SessionObserver:
         m = self._m
         for value in playback.take_lead_observations():
             m.audio_lead_at_cancel.observe(value)
+        for code in playback.take_own_errors():
+            m.engine_ack_errors.labels(code.value).inc()
+        learned = playback.take_learned()
+        if learned is not None:
+            self.note("engine_behaviour", f"behaves like vLLM-Omni {learned.value}")
+            self._registry.capabilities.learn(learned)
         seen = self._playback_seen
         now = (
             playback.audio_sent,

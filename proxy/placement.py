@@ -15,6 +15,10 @@ Rules:
   lowest index, so the choice is deterministic.
 - Slots are taken at placement, before the upstream connect awaits, so two
   handshakes racing each other never both see the same free slot.
+- A replica whose engine said it is full (``error`` {resource_exhausted} at
+  open) admits nothing until ``mark_full``'s deadline (``engine_full_backoff``
+  seconds later): the next session goes to another replica, or is refused
+  ``engine_capacity`` without touching the full engine. Time is passed in.
 
 Bound: one entry per replica, ``engine.replicas`` ≤ ``MAX_REPLICAS`` (64).
 """
@@ -78,6 +82,8 @@ class Router:
         self.targets: list[str | None] = [None] * count
         self.draining = [False] * count
         self.sessions = [0] * count
+        #: Until when (monotonic seconds) each replica's engine is taken as full.
+        self.full_until = [0.0] * count
         self._on_release = on_release or (lambda index: None)
 
     def update(self, index: int, state: str, target: str | None, detail: str = "") -> None:
@@ -95,28 +101,48 @@ class Router:
     def full(self, index: int) -> bool:
         return 0 < self.max_per_engine <= self.sessions[index]
 
-    def loads(self, pending_bytes: Sequence[int] = ()) -> list[ReplicaLoad]:
+    def mark_full(self, index: int, until: float) -> None:
+        """Replica ``index``'s engine said it is full: admit nothing there until ``until``."""
+        self.full_until[index] = max(self.full_until[index], until)
+
+    def backing_off(self, index: int, now: float) -> bool:
+        """Its engine said it is full, less than ``engine_full_backoff`` ago."""
+        return self.full_until[index] > now
+
+    def retry_after(self, now: float) -> float:
+        """Seconds until the first serving replica's engine-full backoff ends (0: none)."""
+        waits = [
+            self.full_until[k] - now
+            for k in range(self.count)
+            if self.serving(k) and self.backing_off(k, now)
+        ]
+        return min(waits, default=0.0)
+
+    def loads(self, pending_bytes: Sequence[int] = (), now: float = 0.0) -> list[ReplicaLoad]:
         return [
             ReplicaLoad(
                 index=k,
-                admitting=self.serving(k),
+                admitting=self.serving(k) and not self.backing_off(k, now),
                 sessions=self.sessions[k],
                 pending_bytes=pending_bytes[k] if k < len(pending_bytes) else 0,
             )
             for k in range(self.count)
         ]
 
-    def choose(self, pending_bytes: Sequence[int] = ()) -> int | None:
-        return choose(self.loads(pending_bytes), self.max_per_engine)
+    def choose(self, pending_bytes: Sequence[int] = (), now: float = 0.0) -> int | None:
+        return choose(self.loads(pending_bytes, now), self.max_per_engine)
 
-    def refusal(self) -> tuple[str, str] | None:
-        """Why no session can be placed now: ``not_ready`` or ``capacity``; None if one can."""
+    def refusal(self, now: float = 0.0) -> tuple[str, str] | None:
+        """Why no session can be placed now: ``not_ready``, ``capacity`` or
+        ``engine_capacity`` (every replica with room said it is full); None if one can."""
         serving = [k for k in range(self.count) if self.serving(k)]
         if not serving:
             states = ", ".join(self._state_word(k) for k in range(self.count))
             return "not_ready", f"no engine replica admits sessions ({states})"
         if all(self.full(k) for k in serving):
             return "capacity", "every engine replica is full"
+        if all(self.full(k) or self.backing_off(k, now) for k in serving):
+            return "engine_capacity", "the engine said it has no room for another session"
         return None
 
     def take(self, index: int) -> None:
@@ -126,16 +152,21 @@ class Router:
         self.sessions[index] -= 1
         self._on_release(index)
 
-    def views(self) -> list[dict[str, Any]]:
+    def views(self, now: float = 0.0) -> list[dict[str, Any]]:
         """Each replica's state for ``/readyz`` and the console."""
         return [
             {
                 "engine": k,
                 "state": "draining" if self.draining[k] else self.states[k],
-                "admitting": self.serving(k) and not self.full(k),
+                "admitting": self.serving(k) and not self.full(k) and not self.backing_off(k, now),
                 "sessions": self.sessions[k],
                 "max_sessions": self.max_per_engine,
                 **({"detail": self.details[k]} if self.details[k] else {}),
+                **(
+                    {"engine_full_for_seconds": round(self.full_until[k] - now, 3)}
+                    if self.backing_off(k, now)
+                    else {}
+                ),
             }
             for k in range(self.count)
         ]

@@ -47,6 +47,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any, Final
@@ -81,6 +82,7 @@ from proxy.config import (
     setting_value,
 )
 from proxy.console import EngineView
+from proxy.core.capabilities import EngineCapabilities
 from proxy.core.session import SessionCore
 from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
@@ -147,9 +149,17 @@ class Sidecar:
     Args:
         settings: the loaded settings.
         environ: for NOTIFY_SOCKET / WATCHDOG_USEC.
+        engine_version: the vllm-omni version preflight found (docs/design.md,
+            Engine capabilities); ``engine.version`` other than auto wins.
     """
 
-    def __init__(self, settings: Settings, *, environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        environ: dict[str, str] | None = None,
+        engine_version: str | None = None,
+    ) -> None:
         self.settings = settings
         self.environ = dict(os.environ if environ is None else environ)
         # *_created samples would become look-alike series (e.g. sessions_created).
@@ -184,8 +194,11 @@ class Sidecar:
             settings.admission_timeout,
             max_sessions_per_ip=settings.max_sessions_per_ip,
         )
+        capabilities = EngineCapabilities.resolve(settings.engine.version, engine_version)
         self.sessions = SessionRegistry(
-            self.metrics, max_total_pending_output_bytes=settings.max_total_pending_output_bytes
+            self.metrics,
+            max_total_pending_output_bytes=settings.max_total_pending_output_bytes,
+            capabilities=capabilities,
         )
         self.engine_views = [
             EngineView(
@@ -234,8 +247,15 @@ class Sidecar:
         return None
 
     def _engines(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
         return [
-            {**view.snapshot()[0], "engine": index, "draining": self.router.draining[index]}
+            {
+                **view.snapshot()[0],
+                "engine": index,
+                "draining": self.router.draining[index],
+                # Seconds it still admits nothing after saying it is full (0: admits).
+                "engine_full_for_seconds": round(max(0.0, self.router.full_until[index] - now), 3),
+            }
             for index, view in enumerate(self.engine_views)
         ]
 
@@ -329,14 +349,17 @@ class Sidecar:
         engine = ", ".join(t for t in self.router.targets if t is not None) or "?"
         kind = self.settings.engine.kind
         if listen is not None:
+            behaviour = self.sessions.capabilities.current
             log.info(
                 "omni-sidecar ready: clients %s/v1/realtime, admin %s/metrics, engine %s at %s "
-                "(core: %s)",
+                "(core: %s; engine behaviour: vLLM-Omni %s from %s)",
                 _url(*listen, scheme="ws"),
                 _url(*admin) if admin else "-",
                 kind,
                 engine,
                 CORE_BUILD,
+                behaviour.version.value,
+                behaviour.source.value,
             )
         self.notifier.notify("READY=1", f"STATUS=serving; engine {kind} ready")
 
@@ -561,15 +584,22 @@ def validate_runtime(loaded: LoadedSettings) -> None:
         ) from None
 
 
-async def serve(settings: Settings, *, reload: Callable[[], LoadedSettings] | None = None) -> int:
+async def serve(
+    settings: Settings,
+    *,
+    reload: Callable[[], LoadedSettings] | None = None,
+    engine_version: str | None = None,
+) -> int:
     """Run the sidecar with signal handling; the CLI's entry point.
 
     Args:
         settings: The validated settings.
         reload: Loads them again for SIGHUP (the CLI's original file, env and
             flags); without it SIGHUP only logs that reload is unavailable.
+        engine_version: the vllm-omni version preflight found in the engine's
+            interpreter (None: not found or not looked for).
     """
-    sidecar = Sidecar(settings)
+    sidecar = Sidecar(settings, engine_version=engine_version)
     sidecar.reloader = reload
     sidecar.install_signal_handlers()
     tune_gc()

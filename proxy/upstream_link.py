@@ -104,6 +104,15 @@ class UpstreamLink(Protocol):
     def send_nowait(self, text: str) -> None:
         """Queue a text frame without waiting (only when ``sends_without_waiting``)."""
 
+    async def first_text(self, timeout: float) -> str | None:
+        """The engine's first text frame, without taking it (``run`` hands it over first).
+
+        Returns:
+            It, once it arrived within ``timeout`` seconds (before ``run``);
+            None when nothing came in time, the first frame is not text, or
+            the connection ended without one.
+        """
+
     async def run(self, handler: UpstreamHandler) -> bool:
         """Hand engine frames to ``handler`` until the connection ends.
 
@@ -248,6 +257,8 @@ class PicowsUpstreamLink(picows.WSListener):
         #: Messages that arrived before run() (the engine's session.created):
         #: reading pauses at the first one, so at most one socket read is held.
         self._early: list[tuple[picows.WSMsgType, bytes]] = []
+        #: first_text() waits on it for the first of those.
+        self._first: asyncio.Future[None] | None = None
         self._fragments: list[bytes] | None = None
         self._fragment_kind: picows.WSMsgType = _TEXT
         self._fragment_bytes = 0
@@ -336,6 +347,12 @@ class PicowsUpstreamLink(picows.WSListener):
     def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
         self._disconnected = True
         self._resume()
+        self._first_arrived()
+
+    def _first_arrived(self) -> None:
+        first = self._first
+        if first is not None and not first.done():
+            first.set_result(None)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -405,6 +422,7 @@ class PicowsUpstreamLink(picows.WSListener):
             self._early.append((kind, payload))
             if self.transport is not None:
                 self.transport.underlying_transport.pause_reading()
+            self._first_arrived()
             return
         self.backlog.waiting = 0
         if kind == _TEXT:
@@ -469,6 +487,23 @@ class PicowsUpstreamLink(picows.WSListener):
             return self._out_bytes + int(underlying.get_write_buffer_size())
         except (AttributeError, RuntimeError, OSError):  # pragma: no cover - closed transport
             return 0
+
+    async def first_text(self, timeout: float) -> str | None:
+        if not self._early and not self._disconnected and self._handler is None:
+            self._first = self._loop.create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._first
+            except TimeoutError:
+                return None
+            finally:
+                self._first = None
+        if not self._early or self._early[0][0] != _TEXT:
+            return None
+        try:
+            return self._early[0][1].decode("utf-8")
+        except UnicodeDecodeError:
+            return None  # run() fails the link with 1007
 
     async def run(self, handler: UpstreamHandler) -> bool:
         transport = self.transport
@@ -570,7 +605,7 @@ class AiohttpUpstreamLink:
         log: the session's logger.
     """
 
-    __slots__ = ("_log", "_upstream", "backlog", "on_drained")
+    __slots__ = ("_held", "_log", "_upstream", "backlog", "on_drained")
 
     #: aiohttp's send is a coroutine: the relay's tasks send, awaiting each.
     sends_without_waiting = False
@@ -582,6 +617,8 @@ class AiohttpUpstreamLink:
         self._log = log
         self.backlog: Sized = compat.upstream_backlog(upstream)
         self.on_drained: Callable[[], None] | None = None  # aiohttp's send drains itself
+        #: The first message, read by first_text() before run().
+        self._held: aiohttp.WSMessage | None = None
 
     @property
     def closed(self) -> bool:
@@ -606,8 +643,20 @@ class AiohttpUpstreamLink:
     async def wait_drained(self) -> None:
         return None
 
+    async def first_text(self, timeout: float) -> str | None:
+        if self._held is None:
+            try:
+                async with asyncio.timeout(timeout):
+                    self._held = await self._upstream.receive()
+            except TimeoutError:
+                return None
+        held = self._held
+        return held.data if held.type is aiohttp.WSMsgType.TEXT else None
+
     async def run(self, handler: UpstreamHandler) -> bool:
-        return await read_messages(self._upstream, self, handler)
+        held, self._held = self._held, None
+        source: _MessageSource = self._upstream if held is None else _Held(self._upstream, held)
+        return await read_messages(source, self, handler)
 
     async def send(self, text: str) -> None:
         if self._upstream.closed:
@@ -641,6 +690,26 @@ class _MessageSource(Protocol):
     def close_code(self) -> int | None: ...
 
     async def receive(self) -> aiohttp.WSMessage: ...
+
+
+class _Held:
+    """A message source whose first message was read already (first_text)."""
+
+    __slots__ = ("_first", "_source")
+
+    def __init__(self, source: _MessageSource, first: aiohttp.WSMessage) -> None:
+        self._source = source
+        self._first: aiohttp.WSMessage | None = first
+
+    @property
+    def close_code(self) -> int | None:
+        return self._source.close_code
+
+    async def receive(self) -> aiohttp.WSMessage:
+        first, self._first = self._first, None
+        if first is not None:
+            return first
+        return await self._source.receive()
 
 
 class _MessageSink(Protocol):

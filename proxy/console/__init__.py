@@ -202,6 +202,8 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         "ready": refusal is None,
         "not_ready_reason": None if refusal is None else refusal[1],
         "engines": state.engines(),
+        # docs/design.md, Engine capabilities: what the sidecar expects of the engine.
+        "engine_capabilities": registry.capabilities.current.view(),
         "sessions": {
             "live": len(registry.relays),
             "limit": admission.max_sessions,

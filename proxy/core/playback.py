@@ -24,24 +24,41 @@ I/O-free: time is passed in. One ledger per session (docs/design.md, Playback).
   is cancelled and the client did not truncate it itself, the engine is told
   where the user stopped hearing: ``conversation.item.truncate`` when the
   engine announced ``supports_audio_truncate``, else a final ``playback.ack``
-  with ``truncate: true``.
+  with ``truncate: true``. An engine that needs a truncated item to have
+  produced audio (0.32, ``EngineCapabilities.truncate_needs_audio_item``) is
+  sent a truncation only for an item whose audio the client was sent.
+- **Answers matched by order**: the engine answers acks and truncations in
+  the order it got them, and its ack errors carry no ``event_id``. The ledger
+  keeps every ack and truncation in flight, the client's and its own, in the
+  order sent (``MAX_OUTSTANDING``, oldest forgotten, and any unanswered
+  for ``ANSWER_TIMEOUT``); each answer
+  (``playback.acknowledged``, ``conversation.item.truncated``, an ack error)
+  settles the oldest one, or the one its ``event_id`` names. Answers to the
+  sidecar's own frames are not shown to the client (their errors are counted
+  by code, :class:`AckErrorCode`); answers to the client's own reach it.
+- **Non-duplex sessions** take no acks (``EngineCapabilities.duplex_acks``):
+  none is sent when the session is known to be non-duplex from its URL, and
+  none after the engine answered one of ours ``invalid_event``.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
 
+from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.events import UpstreamEvent
 from proxy.core.ratelimit import BYTES_PER_SAMPLE
 
 __all__ = [
     "ACK_EVENT_PREFIX",
+    "ANSWER_TIMEOUT",
+    "AckErrorCode",
     "AckMode",
     "ItemPlayback",
     "PlaybackLedger",
@@ -59,14 +76,66 @@ _G711_RATE: Final = 8_000
 MAX_ITEMS: Final = 64
 #: Items the client truncated itself, remembered per session (oldest dropped).
 MAX_CLIENT_TRUNCATED: Final = 256
-#: Our acks/truncations awaiting the engine's answer (oldest forgotten beyond).
+#: Acks/truncations (ours and the client's) awaiting the engine's answer
+#: (oldest forgotten beyond).
 MAX_OUTSTANDING: Final = 256
+#: Seconds after which an unanswered ack or truncation is forgotten: the
+#: engine answers within milliseconds, and one it never answers (an error
+#: code we do not know, without event_id) must not shift every later answer
+#: onto the wrong frame for the rest of the session.
+ANSWER_TIMEOUT: Final = 10.0
 
 
 class AckMode(enum.Enum):
     AUTO = "auto"
     OFF = "off"
     ALWAYS = "always"
+
+
+class AckErrorCode(enum.Enum):
+    """Engine errors that answer an ack or a truncation (``engine_ack_errors_total{code}``).
+
+    All but ``OTHER`` may come without an ``event_id`` and are then matched
+    by order; ``OTHER`` is any other code of an error that named our frame.
+    """
+
+    PLAYBACK_ACK_TOO_LATE = "playback_ack_too_late"
+    PLAYBACK_ITEM_NOT_FOUND = "playback_item_not_found"
+    PLAYBACK_ITEM_MISMATCH = "playback_item_mismatch"
+    BAD_EVENT = "bad_event"
+    INVALID_EVENT = "invalid_event"
+    ITEM_NOT_FOUND = "item_not_found"
+    OTHER = "other"
+
+
+#: Error codes that answer an ack or a truncation even without an ``event_id``.
+_ANSWER_CODES: Final = {code.value: code for code in AckErrorCode if code is not AckErrorCode.OTHER}
+
+
+class _Awaited:
+    """One ack or truncation sent to the engine and not answered yet."""
+
+    __slots__ = ("event_id", "item_id", "item_truncate", "own", "sent_at", "truncated", "truncates")
+
+    def __init__(
+        self,
+        *,
+        own: bool,
+        item_truncate: bool,
+        truncates: bool,
+        event_id: str | None,
+        item_id: str | None,
+        sent_at: float,
+    ) -> None:
+        self.own = own
+        self.sent_at = sent_at
+        #: conversation.item.truncate: answered truncated, then acknowledged.
+        self.item_truncate = item_truncate
+        #: It truncates history (that, or a playback.ack with truncate: true).
+        self.truncates = truncates
+        self.event_id = event_id
+        self.item_id = item_id
+        self.truncated = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,35 +190,45 @@ class PlaybackLedger:
 
     Args:
         settings: pacing and ack settings.
+        capabilities: what the session's engine does (acks at all, truncation rule).
     """
 
-    def __init__(self, settings: PlaybackSettings) -> None:
+    def __init__(
+        self, settings: PlaybackSettings, capabilities: EngineCapabilities | None = None
+    ) -> None:
         self.settings = settings
+        self.capabilities = capabilities if capabilities is not None else EngineCapabilities()
         self.items: OrderedDict[str, ItemPlayback] = OrderedDict()
         #: The client sent a playback.ack of its own.
         self.client_acks = False
-        #: The sidecar acks for this session now (``auto`` until the client acks).
-        self.acking = settings.ack is not AckMode.OFF
-        #: Some of our acks or truncations have not been answered yet (kept
-        #: current on every change: the engine reader checks it per event).
+        #: The sidecar acks for this session now (``auto`` until the client acks;
+        #: never in a non-duplex session).
+        self.acking = settings.ack is not AckMode.OFF and self.capabilities.duplex_acks
+        #: Acks or truncations (ours or the client's) have not been answered yet
+        #: (kept current on every change: the engine reader checks it per event).
         self.awaiting_answers = False
         self._client_truncated: OrderedDict[str, None] = OrderedDict()
         self.supports_truncate = False
         self.output_format: str | None = None
         self.output_rate: int | None = None
-        self._own_acks_outstanding = 0
-        self._own_truncates: OrderedDict[str, None] = OrderedDict()
-        #: event_id -> "ack" | "truncate" of our frames not answered yet (bounded:
-        #: the oldest is forgotten beyond MAX_OUTSTANDING).
-        self._own: OrderedDict[str, str] = OrderedDict()
+        #: Acks and truncations in flight, oldest first (see the module docstring).
+        self._awaited: deque[_Awaited] = deque()
         self._ack_seq = 0
+        #: Behaviour the wire showed that the capabilities did not expect (the
+        #: shell takes it with take_learned()).
+        self._learned: EngineVersion | None = None
         # statistics (plain counters; the shell exports them)
         self.audio_sent = 0.0
         self.acks_sent = 0
         self.truncations_sidecar = 0
         self.truncations_client = 0
+        #: Truncations not sent: the item produced no audio (truncate_needs_audio_item).
+        self.truncations_skipped = 0
         self.paced_bound_releases = 0
         self.lead_at_cancel: list[float] = []
+        #: Errors answering our own frames, hidden from the client, by code.
+        self.own_errors: dict[AckErrorCode, int] = {}
+        self._own_errors_new: list[AckErrorCode] = []
 
     # -- what the engine and the client say ---------------------------------------------
 
@@ -177,66 +256,153 @@ class PlaybackLedger:
         if isinstance(rate, int) and rate > 0:
             self.output_rate = rate
 
-    def on_client_ack(self) -> bool:
+    def on_client_ack(self, event_id: str | None = None, now: float = 0.0) -> bool:
         """The client sent ``playback.ack``. Returns whether to forward it."""
         if self.settings.ack is AckMode.ALWAYS:
             return False
         self.client_acks = True
         self.acking = False
+        self._await(own=False, item_truncate=False, truncates=False, event_id=event_id, now=now)
         return True
 
-    def on_client_truncate(self, item_id: str | None) -> None:
-        """The client sent ``conversation.item.truncate`` itself."""
+    def on_client_truncate(
+        self, item_id: str | None, event_id: str | None = None, now: float = 0.0
+    ) -> None:
+        """The client sent ``conversation.item.truncate`` itself (it is forwarded)."""
         self.truncations_client += 1
+        self._await(
+            own=False,
+            item_truncate=True,
+            truncates=True,
+            event_id=event_id,
+            item_id=item_id,
+            now=now,
+        )
         if item_id is None:
             return
         self._client_truncated[item_id] = None
         if len(self._client_truncated) > MAX_CLIENT_TRUNCATED:
             self._client_truncated.popitem(last=False)
 
-    def swallow(self, event: UpstreamEvent) -> bool:
-        """An engine answer to one of the sidecar's own acks or truncations.
+    def swallow(self, event: UpstreamEvent, now: float = 0.0) -> bool:
+        """Settle an engine answer to an ack or truncation in flight.
 
-        The client never asked for it, so it is not shown to the client.
+        Returns:
+            True when it answers one of the sidecar's own: the client never
+            asked for it, so it is not shown to the client. An answer to the
+            client's own frame, or to nothing in flight, returns False.
         """
         if not self.awaiting_answers:
             return False
+        self._expire(now)
         kind = event.type
-        if kind == "playback.acknowledged" and self._own_acks_outstanding > 0:
-            self._answered("ack")
-            return True
         body = event.body
+        if kind == "playback.acknowledged":
+            entry = self._settle(None)
+            return entry is not None and entry.own
         if kind == "conversation.item.truncated" and body is not None:
             item_id = body.get("item_id")
-            if isinstance(item_id, str) and item_id in self._own_truncates:
-                del self._own_truncates[item_id]
-                self._answered("truncate")
-                return True
-        if kind == "error" and body is not None:
-            error = body.get("error")
-            echoed = error.get("event_id") if isinstance(error, dict) else None
-            if isinstance(echoed, str) and echoed in self._own:
-                kind = self._own.pop(echoed)
-                self._answered("truncate_error" if kind == "truncate" else kind)
-                self._note_outstanding()
-                return True
-        return False
+            for awaited in self._awaited:
+                if awaited.item_truncate and not awaited.truncated and awaited.item_id == item_id:
+                    awaited.truncated = True  # its playback.acknowledged follows
+                    return awaited.own
+            return False
+        if kind != "error" or body is None:
+            return False
+        error = body.get("error")
+        if not isinstance(error, dict):
+            return False
+        code = error.get("code")
+        echoed = error.get("event_id")
+        if isinstance(echoed, str) and echoed:
+            entry = self._settle(echoed)
+        elif isinstance(code, str) and code in _ANSWER_CODES:
+            entry = self._settle(None)  # no event_id: it answers the oldest in flight
+        else:
+            return False
+        if entry is None or not entry.own:
+            return False
+        known = _ANSWER_CODES.get(code) if isinstance(code, str) else None
+        self._own_error(entry, known or AckErrorCode.OTHER)
+        return True
 
-    def _note_outstanding(self) -> None:
-        self.awaiting_answers = bool(self._own) or self._own_acks_outstanding > 0
+    def _await(
+        self,
+        *,
+        own: bool,
+        item_truncate: bool,
+        truncates: bool,
+        event_id: str | None,
+        now: float,
+        item_id: str | None = None,
+    ) -> None:
+        awaited = self._awaited
+        awaited.append(
+            _Awaited(
+                own=own,
+                item_truncate=item_truncate,
+                truncates=truncates,
+                event_id=event_id,
+                item_id=item_id,
+                sent_at=now,
+            )
+        )
+        if len(awaited) > MAX_OUTSTANDING:
+            awaited.popleft()
+        self.awaiting_answers = True
 
-    def _answered(self, what: str) -> None:
-        # A truncate is answered twice on success (conversation.item.truncated,
-        # then playback.acknowledged); an error answers it once, so the
-        # acknowledgement it would have had is not awaited any more either.
-        if what in ("ack", "truncate_error"):
-            self._own_acks_outstanding = max(0, self._own_acks_outstanding - 1)
-        what = "truncate" if what == "truncate_error" else what
-        for event_id, kind in self._own.items():
-            if kind == what:
-                del self._own[event_id]
-                break
-        self._note_outstanding()
+    def _expire(self, now: float) -> None:
+        """Forget frames unanswered for ``ANSWER_TIMEOUT`` (oldest first)."""
+        awaited = self._awaited
+        while awaited and now - awaited[0].sent_at > ANSWER_TIMEOUT:
+            awaited.popleft()
+        self.awaiting_answers = bool(awaited)
+
+    def _settle(self, event_id: str | None) -> _Awaited | None:
+        """Remove and return the frame an answer settles: the one ``event_id``
+        names, else the oldest in flight (None: none)."""
+        awaited = self._awaited
+        entry: _Awaited | None = None
+        if event_id is None:
+            entry = awaited.popleft() if awaited else None
+        else:
+            for candidate in awaited:
+                if candidate.event_id == event_id:
+                    entry = candidate
+                    awaited.remove(candidate)
+                    break
+        self.awaiting_answers = bool(awaited)
+        return entry
+
+    def _own_error(self, entry: _Awaited, code: AckErrorCode) -> None:
+        """One of our frames failed: count it; learn what the failure says."""
+        self.own_errors[code] = self.own_errors.get(code, 0) + 1
+        self._own_errors_new.append(code)
+        if code is AckErrorCode.INVALID_EVENT:
+            # A non-duplex session: it refuses every ack; send it no more.
+            self.capabilities = self.capabilities.for_session(duplex=False)
+            self.acking = False
+        elif code is AckErrorCode.BAD_EVENT and entry.truncates:
+            self.learn(EngineVersion.V0_32)
+
+    def learn(self, version: EngineVersion) -> None:
+        """The wire showed ``version``'s behaviour (the session adapts at once)."""
+        learned = self.capabilities.learn(version)
+        if learned is not self.capabilities:
+            self.capabilities = learned
+            self._learned = version
+
+    def take_learned(self) -> EngineVersion | None:
+        """Behaviour newly seen on the wire since the last call (for the shell)."""
+        learned, self._learned = self._learned, None
+        return learned
+
+    def take_own_errors(self) -> list[AckErrorCode]:
+        """Codes of our frames' errors since the last call (for the metric)."""
+        if not self._own_errors_new:
+            return []
+        out, self._own_errors_new = self._own_errors_new, []
+        return out
 
     # -- audio released to the client ---------------------------------------------------
 
@@ -359,26 +525,36 @@ class PlaybackLedger:
             return []
         self.lead_at_cancel.append(item.lead(now))
         played = item.played(now)
+        relayed = item.sent
         # What is in the client but unheard will not be played (the client
         # clears it, or the pacing kept it short): the item ends here.
         item.sent = played
         item.finished = True
         if item.item_id is not None and item.item_id in self._client_truncated:
             return []
+        if self.capabilities.truncate_needs_audio_item and not relayed > 0:
+            # The engine refuses (bad_event) to truncate an item that produced no audio.
+            self.truncations_skipped += 1
+            return []
         played_ms = round(played * 1000)
         if self.supports_truncate and item.item_id is not None:
             self.truncations_sidecar += 1
             # vLLM-Omni answers with conversation.item.truncated and then a
             # playback.acknowledged {truncate: true}: both are ours to hide.
-            self._own_acks_outstanding += 1
-            self._own_truncates[item.item_id] = None
-            if len(self._own_truncates) > MAX_OUTSTANDING:
-                self._own_truncates.popitem(last=False)
+            event_id = self._next_event_id()
+            self._await(
+                own=True,
+                item_truncate=True,
+                truncates=True,
+                event_id=event_id,
+                item_id=item.item_id,
+                now=now,
+            )
             return [
                 orjson.dumps(
                     {
                         "type": "conversation.item.truncate",
-                        "event_id": self._track("truncate"),
+                        "event_id": event_id,
                         "item_id": item.item_id,
                         "content_index": 0,
                         "audio_end_ms": played_ms,
@@ -390,26 +566,19 @@ class PlaybackLedger:
         self.truncations_sidecar += 1
         return [self._ack(item, played_ms, now, truncate=True)]
 
-    def _track(self, kind: str) -> str:
-        """A fresh event_id for one of our frames, remembered until answered."""
+    def _next_event_id(self) -> str:
         self._ack_seq += 1
-        event_id = f"{ACK_EVENT_PREFIX}{self._ack_seq}"
-        self._own[event_id] = kind
-        if len(self._own) > MAX_OUTSTANDING:
-            _, dropped = self._own.popitem(last=False)
-            if dropped == "ack":
-                self._own_acks_outstanding = max(0, self._own_acks_outstanding - 1)
-        self.awaiting_answers = True
-        return event_id
+        return f"{ACK_EVENT_PREFIX}{self._ack_seq}"
 
     def _ack(self, item: ItemPlayback, played_ms: int, now: float, *, truncate: bool) -> str:
         item.acked_ms = played_ms
         item.last_ack_at = now
         self.acks_sent += 1
-        self._own_acks_outstanding += 1
+        event_id = self._next_event_id()
+        self._await(own=True, item_truncate=False, truncates=truncate, event_id=event_id, now=now)
         body: dict[str, Any] = {
             "type": "playback.ack",
-            "event_id": self._track("ack"),
+            "event_id": event_id,
             "response_id": item.response_id,
             "played_ms": played_ms,
             "committed_ms": played_ms,
@@ -427,7 +596,14 @@ class PlaybackLedger:
             "acking": self.acking,
             "client_acks": self.client_acks,
             "acks_sent": self.acks_sent,
-            "truncations": {"client": self.truncations_client, "sidecar": self.truncations_sidecar},
+            "truncations": {
+                "client": self.truncations_client,
+                "sidecar": self.truncations_sidecar,
+                "skipped_no_audio": self.truncations_skipped,
+            },
+            "awaiting_answers": len(self._awaited),
+            "own_errors": {code.value: n for code, n in self.own_errors.items()},
+            "capabilities": self.capabilities.view(),
             "items": [
                 {
                     "response_id": item.response_id,

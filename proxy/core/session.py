@@ -34,6 +34,7 @@ from typing import Final, NamedTuple
 
 from proxy.core import notices
 from proxy.core.buffer import BufferLimits, BufferStatistics, Entry, Offer, OutputBuffer
+from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.events import (
     ClientEvent,
     ClientKind,
@@ -51,6 +52,7 @@ __all__ = [
     "CLOSE_GOING_AWAY",
     "CLOSE_NORMAL",
     "CLOSE_POLICY_VIOLATION",
+    "ENGINE_FULL_CODE",
     "ClientDecision",
     "DropReason",
     "Outcome",
@@ -59,6 +61,7 @@ __all__ = [
     "SessionSettings",
     "SessionState",
     "SessionStatistics",
+    "is_engine_full",
 ]
 
 CLOSE_NORMAL: Final = 1000
@@ -90,6 +93,24 @@ _MAX_PENDING_CREATES: Final = 64
 
 #: Client playback acknowledgements (vLLM-Omni's name and its alias).
 _PLAYBACK_ACKS: Final = frozenset({"playback.ack", "audio.playback_ack"})
+
+#: The engine's error when it has no room for one more session (0.31+; the
+#: message says which limit: duplex_session_capacity_exhausted, or
+#: replica_capacity_exhausted with replica placement).
+ENGINE_FULL_CODE: Final = "resource_exhausted"
+#: The engine's own output bound (0.31+): seen, it tells the version.
+_ENGINE_BACKPRESSURE_CODE: Final = "output_backpressure"
+
+
+def _error_code(event: UpstreamEvent) -> object:
+    error = (event.body or {}).get("error")
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def is_engine_full(event: UpstreamEvent) -> bool:
+    """An engine ``error`` {resource_exhausted}: it has no room for another session."""
+    return event.kind is EventKind.ERROR and _error_code(event) == ENGINE_FULL_CODE
+
 
 #: A rate-limited frame less than this many seconds after the previous one
 #: continues the same rate-limit episode (one error per episode).
@@ -195,9 +216,16 @@ class SessionCore:
     Args:
         settings: limits and policy.
         new_event_id: returns a fresh ``event_id`` for events the proxy writes.
+        capabilities: what this session's engine does (proxy.core.capabilities).
     """
 
-    def __init__(self, settings: SessionSettings, *, new_event_id: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        settings: SessionSettings,
+        *,
+        new_event_id: Callable[[], str],
+        capabilities: EngineCapabilities | None = None,
+    ) -> None:
         self.settings = settings
         self._new_id = new_event_id
         self.buffer = OutputBuffer(settings.buffer)
@@ -241,7 +269,11 @@ class SessionCore:
         self._frame_bucket = TokenBucket(rate, settings.client_frame_burst or 2 * rate)
         self._limited_since: float | None = None
         self._last_limited = 0.0
-        self.playback = PlaybackLedger(settings.playback)
+        self.playback = PlaybackLedger(settings.playback, capabilities)
+        #: The engine refused to open this session: it is full (``error``
+        #: {resource_exhausted} before ``session.created``). Passed through to
+        #: the client; the shell keeps new sessions off that engine a while.
+        self.engine_full = False
         #: An engine frame larger than this can never be queued (the whole budget).
         self._max_frame_bytes = settings.buffer.max_pending_output_bytes
         #: While pacing holds the next audio delta back: when it may go.
@@ -332,11 +364,13 @@ class SessionCore:
             self.client_close_requested = True
             self.upstream_close_sent = True
         elif event.type in _PLAYBACK_ACKS:
-            if not self.playback.on_client_ack():
+            if not self.playback.on_client_ack(event.event_id, now):
                 return ClientDecision(event, forward=False)  # playback_ack = always
         elif event.type == "conversation.item.truncate":
             item_id = (event.body or {}).get("item_id")
-            self.playback.on_client_truncate(item_id if isinstance(item_id, str) else None)
+            self.playback.on_client_truncate(
+                item_id if isinstance(item_id, str) else None, event.event_id, now
+            )
         return ClientDecision(event, forward=True)
 
     def reject_client_frame(
@@ -413,7 +447,7 @@ class SessionCore:
             return event
         rid = event.response_id
         playback = self.playback
-        if playback.awaiting_answers and playback.swallow(event):
+        if playback.awaiting_answers and playback.swallow(event, now):
             # It answers the sidecar's own ack: the client never asked for it.
             self._count_drop(DropReason.PLAYBACK_ANSWER, event.size)
             return event
@@ -430,6 +464,7 @@ class SessionCore:
                 self._cancel(rid, now)
         elif kind is EventKind.ERROR:
             self._forget_rejected_create(event)
+            self._note_engine_error(event)
         elif kind is EventKind.RESPONSE_DONE:
             if rid is not None and event.status in ("cancelled", "failed"):
                 self._cancel(rid, now)
@@ -486,6 +521,16 @@ class SessionCore:
             if self.ledger.is_open(candidate) or self.ledger.cancelled_at(candidate) is not None:
                 return candidate
         return None
+
+    def _note_engine_error(self, event: UpstreamEvent) -> None:
+        """What an engine error says about the engine (passed through either way)."""
+        code = _error_code(event)
+        if code == ENGINE_FULL_CODE and self.session_id is None and not self.engine_full:
+            self.engine_full = True
+            self.news = True
+        elif code == _ENGINE_BACKPRESSURE_CODE:
+            self.playback.learn(EngineVersion.V0_31)
+            self.news = True
 
     def _closed_outcome(self) -> Outcome:
         return Outcome.CLIENT_CLOSED if self.client_close_requested else Outcome.UPSTREAM_CLOSED

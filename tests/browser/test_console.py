@@ -143,6 +143,12 @@ async def test_page_loads_clean_and_asks_only_the_admin_listener(
             "[...document.querySelectorAll('#engines tbody td')].map(td => td.textContent)"
         )
         assert engine_row[:2] == ["external", "ready"]
+        # docs/design.md, Engine capabilities: an external engine of no known release.
+        behaviour = await page.evaluate(
+            "[...document.querySelectorAll('#totals dt')]"
+            ".find(dt => dt.textContent === 'engine behaviour').nextElementSibling.textContent"
+        )
+        assert behaviour == "unknown (as 0.30) (unknown)"
 
         shot = tmp_path / "console.png"
         await page.screenshot(shot, full_page=True)

@@ -151,6 +151,25 @@ async def test_serve_with_the_builtin_simulator_probe_then_sigterm(tmp_path: Pat
     assert "engine_launcher.simulator" not in cmdline(children[0])
 
 
+async def test_serve_expects_the_behaviour_of_the_release_preflight_found(tmp_path: Path) -> None:
+    """docs/design.md, Engine capabilities: serve's preflight reads the engine's release
+    (here the simulator's --engine-version) and the process shows it."""
+    args = _FAST_SIMULATOR + " --engine-version 0.32"
+    async with serve(tmp_path, "--engine-simulator-args", args) as srv:
+        await srv.wait_ready()
+        metrics_url = f"http://127.0.0.1:{srv.admin_port}/metrics"
+        summary_url = f"http://127.0.0.1:{srv.admin_port}/debug/summary"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(metrics_url) as resp:
+                text = await resp.text()
+            async with http.get(summary_url) as resp:
+                summary = await resp.json()
+        assert await srv.terminate() == 0, srv.log_tail()
+    assert 'omni_sidecar_engine_info{source="preflight",version="0.32"} 1.0' in text
+    assert summary["engine_capabilities"]["truncate_needs_audio_item"] is True
+    assert "engine behaviour: vLLM-Omni 0.32 from preflight" in srv.log.read_text()
+
+
 async def test_print_config_shows_values_and_their_sources(tmp_path: Path) -> None:
     config = tmp_path / "sidecar.toml"
     config.write_text('max_pending_output_bytes = 1048576\n[engine]\nkind = "simulator"\n')

@@ -150,20 +150,12 @@ async def test_the_sidecars_acks_and_truncations_surface_no_error(
 
 
 async def test_a_user_turn_committed_while_the_reply_plays_surfaces_no_ack_error(
-    playback_sim: SimChild, sidecar: Any, request: pytest.FixtureRequest
+    playback_sim: SimChild, sidecar: Any
 ) -> None:
     """Duplex: the user commits a turn while the reply still plays; the sidecar's next ack
     for that reply is then too late for the engine (``playback_ack_too_late``). The
-    sidecar must keep that answer to its own ack from the client."""
-    if playback_sim.version == "0.32":  # type: ignore[attr-defined]
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="0.32 sends playback_ack_too_late for the sidecar's own ack without "
-                "the ack's event_id, and the sidecar, which recognises its answers by that "
-                "event_id, lets the error reach the client (the sidecar's fix)",
-            )
-        )
+    sidecar must keep that answer to its own ack from the client, also on 0.32, which
+    sends it without the ack's event_id (matched by order: docs/design.md, Playback)."""
     proxy = await sidecar(upstream=playback_sim.ws_url)
     async with connect(proxy.url) as c:
         await c.send({"type": "session.update", "session": {"modalities": ["audio", "text"]}})
@@ -177,6 +169,8 @@ async def test_a_user_turn_committed_while_the_reply_plays_surfaces_no_ack_error
         await c.recv_until("rate_limits.updated")
     assert proxy.metric("omni_sidecar_playback_acks_total") >= 1
     assert [e for e in c.events if e["type"] == "error"] == []
+    late = {"code": "playback_ack_too_late"}
+    assert proxy.metric("omni_sidecar_engine_ack_errors_total", late) >= 1, "it was answered"
 
 
 @pytest.fixture(scope="module", params=VERSIONS)

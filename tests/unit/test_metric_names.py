@@ -37,6 +37,7 @@ ALLOWED_LABELS = frozenset(
         "result",
         "source",
         "engine",
+        "code",
     }
 )
 
@@ -82,6 +83,13 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_truncations": ("counter", {"source": d.TRUNCATION_SOURCES}),
     "omni_sidecar_paced_bound_releases": ("counter", {}),
     "omni_sidecar_build": ("info", {"version": (), "core": d.CORE_BUILDS}),
+    # docs/design.md, Engine capabilities.
+    "omni_sidecar_engine": (
+        "info",
+        {"version": d.ENGINE_VERSIONS, "source": d.CAPABILITY_SOURCES},
+    ),
+    "omni_sidecar_engine_ack_errors": ("counter", {"code": d.ACK_ERROR_CODES}),
+    "omni_sidecar_engine_full": ("counter", {"kind": d.ENGINE_FULL_KINDS}),
 }
 
 #: The original design's metrics, verbatim (exposition names, with their labels).
@@ -224,6 +232,7 @@ NOT_YET_IN_DESIGN: dict[str, tuple[str, ...]] = {
         "playback_answer",
     ),
     "SESSION_OUTCOMES": ("rate_limited",),
+    "REJECT_REASONS": ("engine_capacity",),
 }
 
 
@@ -241,6 +250,12 @@ def test_core_enums_match_the_label_enums() -> None:
     assert tuple(o.value for o in Outcome) == d.SESSION_OUTCOMES
     assert {p.value for p in OverflowPolicy} <= set(d.OVERFLOW_POLICIES)
     assert tuple(s.value for s in EngineState) == d.ENGINE_STATES
+    from proxy.core.capabilities import CapabilitySource, EngineVersion
+    from proxy.core.playback import AckErrorCode
+
+    assert tuple(v.value for v in EngineVersion) == d.ENGINE_VERSIONS
+    assert tuple(s.value for s in CapabilitySource) == d.CAPABILITY_SOURCES
+    assert tuple(c.value for c in AckErrorCode) == d.ACK_ERROR_CODES
 
 
 def test_every_sample_has_the_prefix(exposition: str) -> None:
@@ -346,6 +361,31 @@ def test_build_info_carries_the_version_and_the_core_build(registry: CollectorRe
     compiled = CollectorRegistry()
     SidecarMetrics(compiled, version="1", core_build="mypyc", process_metrics=False)
     assert compiled.get_sample_value("omni_sidecar_build_info", {"version": "1", "core": "mypyc"})
+
+
+def test_engine_info_takes_only_our_label_values(registry: CollectorRegistry) -> None:
+    assert (
+        registry.get_sample_value(
+            "omni_sidecar_engine_info", {"version": "unknown", "source": "unknown"}
+        )
+        == 1.0
+    )
+    metrics = SidecarMetrics(CollectorRegistry(), process_metrics=False)
+    metrics.set_engine_info("0.32", "preflight")
+    assert (
+        metrics.registry.get_sample_value(
+            "omni_sidecar_engine_info", {"version": "0.32", "source": "preflight"}
+        )
+        == 1.0
+    )
+    assert (
+        metrics.registry.get_sample_value(
+            "omni_sidecar_engine_info", {"version": "unknown", "source": "unknown"}
+        )
+        is None
+    ), "one series at a time"
+    with pytest.raises(ValueError):
+        metrics.set_engine_info("0.32.0rc1", "preflight")  # a wire/package string
 
 
 def test_engine_state_is_one_hot() -> None:

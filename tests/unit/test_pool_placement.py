@@ -102,3 +102,28 @@ def test_sixty_sessions_spread_evenly_and_pending_bytes_break_ties() -> None:
 def test_a_router_needs_a_replica() -> None:
     with pytest.raises(ValueError, match="count"):
         Router(0)
+
+
+def test_a_replica_whose_engine_said_full_admits_nothing_until_its_backoff_ends() -> None:
+    router = ready_router(2)
+    router.mark_full(0, until=105.0)
+    assert router.choose(now=100.0) == 1, "the next session goes to the other replica"
+    assert router.views(100.0)[0]["admitting"] is False
+    assert router.views(100.0)[0]["engine_full_for_seconds"] == 5.0
+    router.mark_full(1, until=103.0)
+    assert router.choose(now=100.0) is None
+    assert router.refusal(100.0) == (
+        "engine_capacity",
+        "the engine said it has no room for another session",
+    )
+    assert router.retry_after(100.0) == 3.0, "the first backoff to end"
+    assert router.choose(now=103.0) == 1, "its backoff is over"
+    assert router.refusal(105.0) is None and router.choose(now=105.0) == 0
+    assert "engine_full_for_seconds" not in router.views(105.0)[0]
+
+
+def test_a_full_count_is_capacity_not_engine_capacity() -> None:
+    router = ready_router(1, max_per_engine=1)
+    router.take(0)
+    router.mark_full(0, until=10.0)
+    assert router.refusal(5.0) == ("capacity", "every engine replica is full")

@@ -78,6 +78,15 @@
 
   // -- summary ---------------------------------------------------------------------------
 
+  // docs/design.md, Engine capabilities: "vLLM-Omni 0.32 (preflight): bounded output, ...".
+  function engineBehaviour(c) {
+    if (!c) return "–";
+    const flags = ["bounded_output", "drops_cancelled_audio", "truncate_needs_audio_item"]
+      .filter((k) => c[k]).map((k) => k.replace(/_/g, " "));
+    const head = c.version === "unknown" ? "unknown (as 0.30)" : "vLLM-Omni " + c.version;
+    return head + " (" + c.source + ")" + (flags.length ? ": " + flags.join(", ") : "");
+  }
+
   function renderSummary(s) {
     const prev = state.previous;
     const dt = prev ? s.monotonic - prev.monotonic : 0;
@@ -87,7 +96,9 @@
     tbody.replaceChildren(...s.engines.map((e) => {
       const tr = el("tr");
       tr.appendChild(el("td", e.kind));
-      tr.appendChild(el("td", e.state, "state-" + e.state));
+      // A replica whose engine said it is full admits nothing for engine_full_backoff.
+      const full = e.engine_full_for_seconds > 0 ? " (full, " + duration(e.engine_full_for_seconds) + ")" : "";
+      tr.appendChild(el("td", e.state + full, "state-" + e.state));
       tr.appendChild(el("td", duration(e.uptime_seconds)));
       tr.appendChild(el("td", e.restarts));
       const failure = e.last_failure ? e.last_failure + " (" + clock(e.last_failure_at) + ")" : "–";
@@ -115,6 +126,7 @@
       ["sessions started", s.sessions.started],
       ["sessions rejected", sum(s.sessions.rejected)],
       ["ready", s.ready ? "yes" : "no: " + (s.not_ready_reason || "")],
+      ["engine behaviour", engineBehaviour(s.engine_capabilities)],
     ];
     $("totals").replaceChildren(...rows.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.core.buffer import BufferLimits, Entry
+from proxy.core.capabilities import EngineCapabilities
 from proxy.core.events import UpstreamEvent, classify_upstream
 from proxy.core.session import ClientDecision, OverflowPolicy, SessionCore, SessionSettings
 
@@ -359,6 +360,7 @@ class SessionPair:
     """
 
     settings: SessionSettings = field(default_factory=make_settings)
+    capabilities: EngineCapabilities | None = None
     now: float = 0.0
     core: SessionCore = field(init=False)
     deliveries: list[Delivered] = field(default_factory=list)
@@ -367,7 +369,11 @@ class SessionPair:
 
     def __post_init__(self) -> None:
         ids = itertools.count(1)
-        self.core = SessionCore(self.settings, new_event_id=lambda: f"event_proxy_{next(ids)}")
+        self.core = SessionCore(
+            self.settings,
+            new_event_id=lambda: f"event_proxy_{next(ids)}",
+            capabilities=self.capabilities,
+        )
 
     def tick(self, seconds: float) -> None:
         self.now += seconds

@@ -180,6 +180,22 @@ def test_installed_all_pass(installed: Any, tmp_path: Path) -> None:
     assert "vllm" not in sys.modules and "vllm_omni" not in sys.modules
 
 
+def test_the_engine_package_version_comes_with_the_checks(installed: Any, tmp_path: Path) -> None:
+    """docs/design.md, Engine capabilities: the sidecar expects this version's behaviour."""
+    env = hf_cache(tmp_path, "openbmb/MiniCPM-o-4_5")
+    results, version = preflight.run_checks_and_version(minicpmo(), environ=env)
+    assert version == "0.30.0"
+    assert by_name(results)["vllm"].reason == "vllm-omni 0.30.0 with vllm 0.30.2"
+    assert preflight.engine_package_version(minicpmo()) == "0.30.0"
+    assert preflight.run_checks_and_version(EngineConfig(), environ=env)[1] == "0.30", "simulator"
+    simulated = EngineConfig(simulator_args=("--engine-version", "0.32", "--realtime-factor", "0"))
+    assert preflight.engine_package_version(simulated) == "0.32"
+    simulated = EngineConfig(simulator_args=("--engine-version=0.31",))
+    assert preflight.engine_package_version(simulated) == "0.31"
+    external = EngineConfig(kind="external", upstream="ws://127.0.0.1:9")
+    assert preflight.engine_package_version(external) is None
+
+
 def test_installed_main_prints_one_line_per_check(
     installed: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -404,6 +420,7 @@ def test_another_engine_python_is_asked_not_ours(not_installed: None, tmp_path: 
     assert results["vllm"].reason == "vllm-omni 0.30.0 with vllm 0.30.2"
     assert results["gpus"].reason == "1 visible: 0: 78.0 GiB free of 80.0 GiB"
     assert "torch" not in sys.modules  # ours was never imported
+    assert preflight.engine_package_version(config) == "0.30.0", "theirs, not ours"
     # The same interpreter as ours is ours: nothing installed, so it fails.
     same = by_name(run_checks(minicpmo(python=sys.executable), environ={}))
     assert same["vllm"].status is FAIL
