@@ -35,6 +35,7 @@ pytest.importorskip(
 )
 uvicorn = pytest.importorskip("uvicorn")
 
+from proxy.core.session import DropReason
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port
 from tests.integration.helpers import pcm16_b64
 from tests.integration.vllm_omni_wheel import run_duplex_session
@@ -159,16 +160,20 @@ async def test_duplex_client_session_through_the_sidecar(
     stale = [e for e in after if e["type"] == AUDIO_DELTA and e["response_id"] == run.cancelled_id]
     assert stale == []
     assert real_server.engine.late_audio_sent >= 1  # the engine did queue some
-    dropped = proxy.metric("omni_sidecar_dropped_events_total", {"reason": "late_audio"})
+    removed = {
+        reason.value: proxy.metric("omni_sidecar_dropped_events_total", {"reason": reason.value})
+        for reason in DropReason
+    }
+    dropped = removed[DropReason.LATE_AUDIO.value]
     if RELEASE.removes_cancelled_audio:
         assert dropped == 0  # the engine removed it before numbering: nothing reached us
     else:
         assert dropped >= 1  # delivered by the engine, removed by the sidecar
+    # DuplexClient sends no playback.ack: the sidecar acks for it and hides the answers.
+    assert removed[DropReason.PLAYBACK_ANSWER.value] >= 1
     # The engine numbers without gaps; every frame the sidecar removed (late audio,
-    # the answers to its own playback.acks) was numbered: one gap each, no others.
-    answers = proxy.metric("omni_sidecar_dropped_events_total", {"reason": "playback_answer"})
-    assert answers >= 1  # DuplexClient sends no playback.ack: the sidecar acks for it
-    assert len(_seq_gaps(received)) == dropped + answers
+    # answers to its own acks, ...) was numbered: one gap each, no others.
+    assert len(_seq_gaps(received)) == sum(removed.values())
 
     # Acks went through the sidecar into the real handler's journal.
     seqs = [e["server_event_seq"] for e in received if "server_event_seq" in e]
