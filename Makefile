@@ -66,8 +66,8 @@ native: $(BIN)/omni-sidecar
 pure: $(BIN)/omni-sidecar
 	$(BIN)/python scripts/native_core.py clean
 
-# The heavier tier against the real vLLM-Omni serving layer (own venv, ~9 GB):
-#   make test-real-engine
+# The heavier tier against the real vLLM-Omni serving layer (own venv per release, ~9 GB):
+#   make test-real-engine [VLLM_OMNI=0.32.0rc1]
 include mk/real-engine.mk
 
 clean:

@@ -1,4 +1,7 @@
-"""A stand-in engine under vLLM-Omni 0.30's real serving layer (heavy test tier).
+"""A stand-in engine under vLLM-Omni's real serving layer (heavy test tier).
+
+Runs against vllm-omni 0.30.0 and 0.32.0rc1 (``make test-real-engine
+VLLM_OMNI=...``); ``RELEASE`` says which one is installed and what it does.
 
 vLLM-Omni's own CPU tests exercise ``OmniDuplexSessionHandler`` by building a
 ``DuplexOmni`` without running its constructor and handing it an engine object
@@ -16,10 +19,17 @@ everything above the model is the released code:
   session runner does.
 
 Only the model is replaced: a response is ``chunks`` PCM16 audio units paced
-``interval_s`` apart. Like the released engines (docs/engine-protocol.md, Late audio after a cancel)
-a cancel
-does not remove audio already produced: ``late_chunks`` more deltas of the
-cancelled response are delivered before its ``response.done`` (cancelled).
+``interval_s`` apart. A cancel finds ``late_chunks`` more deltas of the
+cancelled response already produced and queued ahead of its ``response.done``
+(cancelled). What happens to them is the release's own code:
+
+- 0.30 (docs/engine-protocol.md, Late audio after a cancel): the handle's
+  outbox is an unbounded queue, so they are delivered, numbered, to the client;
+- 0.31 and later: the engine hands each session a bounded
+  ``DuplexOutputBuffer`` (``open_session_async(output_buffer=...)``) and, on an
+  accepted cancel, the session runner removes the response's queued audio from
+  it (``invalidate``) before the handler numbers anything. The stand-in makes
+  that same call; the buffer and the handler's ``output_guard`` are released code.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import vllm_omni
+from packaging.version import Version
 from vllm_omni.config.stage_config import DuplexSessionRuntimeConfig
 from vllm_omni.engine.duplex import commands as duplex_commands
 from vllm_omni.engine.duplex import events as duplex_events
@@ -49,9 +61,34 @@ from vllm_omni.engine.duplex.messages import (
 from vllm_omni.entrypoints.duplex.serving import OmniDuplexSessionHandler
 from vllm_omni.entrypoints.duplex_omni import DuplexOmni
 
-__all__ = ["Pace", "StandInEngine", "build_app", "build_omni"]
+__all__ = ["RELEASE", "Pace", "Release", "StandInEngine", "build_app", "build_omni"]
 
 WORDS: Final = ("Hello", " from", " the", " stand-in", " engine", ".")
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The installed vLLM-Omni release and the serving-layer behaviour it ships."""
+
+    version: str
+    #: 0.31+: per-session ``DuplexOutputBuffer``; a cancel removes the response's
+    #: queued audio before it is numbered (no late audio, no ``server_event_seq`` gap).
+    removes_cancelled_audio: bool
+    #: 0.32+: ``playback.ack`` keeps ``truncate: true`` (0.30/0.31 parse it away).
+    keeps_ack_truncate: bool
+
+    @classmethod
+    def installed(cls) -> Release:
+        """Read ``vllm_omni.__version__``."""
+        version = Version(vllm_omni.__version__)
+        return cls(
+            version=vllm_omni.__version__,
+            removes_cancelled_audio=version >= Version("0.31.0rc1"),
+            keeps_ack_truncate=version >= Version("0.32.0rc1"),
+        )
+
+
+RELEASE: Final = Release.installed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +122,8 @@ class _Session:
     produced: int = 0
     producer: asyncio.Task[None] | None = None
     closed: bool = False
+    #: 0.31+: the handle's bounded output, given at open (None on 0.30).
+    output: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -103,6 +142,9 @@ class StandInEngine:
         self.omni: DuplexOmni | None = None
         self.sessions: dict[str, _Session] = {}
         self.commands: list[tuple[str, Any]] = []
+        #: ``AckPlayback`` commands as the real serving layer parsed them.
+        self.acks: list[Any] = []
+        #: Deltas of cancelled responses queued after the cancel arrived.
         self.late_audio_sent = 0
         self._audio = _tone(pace.chunk_ms, pace.sample_rate)
 
@@ -112,12 +154,23 @@ class StandInEngine:
         return True
 
     async def open_session_async(
-        self, session_id: str, session_config: DuplexSessionConfig, **_: Any
+        self,
+        session_id: str,
+        session_config: DuplexSessionConfig,
+        *,
+        output_buffer: Any = None,
+        **_: Any,
     ) -> DuplexControlResultMessage:
+        if (output_buffer is not None) != RELEASE.removes_cancelled_audio:
+            raise AssertionError(
+                f"vllm-omni {RELEASE.version} passed output_buffer={output_buffer!r} at open"
+            )
         state = projection.RealtimeProjectionState(
             session_id=session_id, model=session_config.model, initial_session_update=True
         )
-        session = _Session(session_id=session_id, config=session_config, state=state)
+        session = _Session(
+            session_id=session_id, config=session_config, state=state, output=output_buffer
+        )
         self.sessions[session_id] = session
         public = self._public_session(session)
         # The runner's first event; the projection adds the session.updated that follows.
@@ -181,6 +234,11 @@ class StandInEngine:
         assert self.omni is not None
         for event in events:
             bound = dataclasses.replace(event, session_id=s.session_id, epoch=s.epoch)
+            if s.output is not None and not isinstance(bound, duplex_events.SessionClosed):
+                # 0.31+: the session manager puts output straight into the
+                # handle's buffer; only the closing notice travels as a message.
+                s.output.put(bound)
+                continue
             self.omni._route_engine_message(
                 DuplexSessionEventMessage(session_id=s.session_id, event=bound)
             )
@@ -216,6 +274,7 @@ class StandInEngine:
             public = {**self._public_session(s), **dict(command.patch)}
             self._project(s, {"type": "session.updated", "session": public})
         elif isinstance(command, c.AckPlayback):
+            self.acks.append(command)
             details = {
                 "type": "playback.acknowledged",
                 "session_id": s.session_id,
@@ -225,6 +284,8 @@ class StandInEngine:
                 "committed_ms": command.committed_ms
                 if command.committed_ms is not None
                 else command.played_ms,
+                # As the released ledgers: echo the flag the parser left on the command.
+                "truncate": getattr(command, "truncate", False) is True,
             }
             self._emit(s, [duplex_events.PlaybackAcknowledged(details=details)])
         elif isinstance(command, c.CloseSession):
@@ -322,11 +383,14 @@ class StandInEngine:
                 self._error(s, "response_not_active", "no response is active", command)
             return
         cancelled_epoch = s.epoch
-        # Audio the model already produced is still delivered ahead of the
-        # cancellation notice (the released engines' unbounded queues).
+        # Audio the model already produced sits queued ahead of the cancellation
+        # notice; on 0.30 the handle's unbounded outbox delivers it.
         for _ in range(min(self.pace.late_chunks, self.pace.chunks - s.produced)):
             self._delta(s, rid, last=False)
             self.late_audio_sent += 1
+        if s.output is not None:
+            # 0.31+ runner: an accepted cancel removes the response's queued audio.
+            s.output.invalidate(rid, through_epoch=cancelled_epoch)
         s.epoch += 1
         s.active = None
         sent_ms = s.produced * self.pace.chunk_ms

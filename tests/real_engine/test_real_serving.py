@@ -1,10 +1,21 @@
-"""The sidecar in front of vLLM-Omni 0.30's real serving layer (``make test-real-engine``).
+"""The sidecar in front of vLLM-Omni's real serving layer (``make test-real-engine``).
 
-Needs ``vllm==0.30.0`` + ``vllm-omni==0.30.0`` (and their CUDA torch builds)
-installed; skipped otherwise. No GPU and no weights: vLLM-Omni's own router and
-``OmniDuplexSessionHandler`` run on uvicorn over a stand-in engine
-(``stand_in_engine.py``) whose wire events come from the engine's real Realtime
-projection. Clients: vLLM-Omni's installed ``DuplexClient`` and the OpenAI SDK.
+Needs vllm + vllm-omni (and their CUDA torch builds) installed: 0.30.0, or
+0.32.0rc1 with ``VLLM_OMNI=0.32.0rc1``; skipped otherwise. No GPU and no
+weights: vLLM-Omni's own router and ``OmniDuplexSessionHandler`` run on uvicorn
+over a stand-in engine (``stand_in_engine.py``) whose wire events come from the
+engine's real Realtime projection. Clients: vLLM-Omni's installed
+``DuplexClient`` and the OpenAI SDK.
+
+The same tests run on every release; where the releases differ they assert
+what the installed one does (``RELEASE``):
+
+- late audio after a cancel: 0.30 delivers it (numbered), the sidecar removes
+  it, so a client behind the sidecar sees a ``server_event_seq`` gap per removed
+  delta; 0.31+ removes it before numbering, so the sidecar has nothing to drop
+  and the sequence has no gap, with or without the sidecar;
+- ``playback.ack`` ``truncate: true`` (the sidecar's ack at a cancel): 0.30
+  parses it away, 0.32 hands it to the engine.
 """
 
 from __future__ import annotations
@@ -19,14 +30,17 @@ from typing import Any, Final
 import pytest
 
 pytest.importorskip(
-    "vllm_omni.entrypoints", reason="needs vllm-omni 0.30.0 + vllm 0.30.0: make test-real-engine"
+    "vllm_omni.entrypoints",
+    reason="needs vllm + vllm-omni: make test-real-engine [VLLM_OMNI=0.32.0rc1]",
 )
 uvicorn = pytest.importorskip("uvicorn")
 
+from proxy.core.session import DropReason
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port
 from tests.integration.helpers import pcm16_b64
 from tests.integration.vllm_omni_wheel import run_duplex_session
 from tests.real_engine.stand_in_engine import (
+    RELEASE,
     Pace,
     StandInEngine,
     build_app,
@@ -84,6 +98,18 @@ def _client_module() -> Any:
     return duplex
 
 
+def _seq_gaps(events: list[dict[str, Any]]) -> list[int]:
+    """``server_event_seq`` values missing between the first and last one received."""
+    seqs = [e["server_event_seq"] for e in events if "server_event_seq" in e]
+    assert seqs == sorted(set(seqs)), seqs
+    return sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs))
+
+
+def test_installed_release_is_a_known_one() -> None:
+    """The tier's per-release expectations cover the installed vllm-omni."""
+    assert RELEASE.version in {"0.30.0", "0.32.0rc1"}, RELEASE
+
+
 async def test_health_route_is_vllm_omnis_own(real_server: RealServer) -> None:
     import aiohttp
 
@@ -133,8 +159,21 @@ async def test_duplex_client_session_through_the_sidecar(
     after = run.after_first_sent("response.cancel")
     stale = [e for e in after if e["type"] == AUDIO_DELTA and e["response_id"] == run.cancelled_id]
     assert stale == []
-    assert real_server.engine.late_audio_sent >= 1  # the engine did send some
-    assert proxy.metric("omni_sidecar_dropped_events_total", {"reason": "late_audio"}) >= 1
+    assert real_server.engine.late_audio_sent >= 1  # the engine did queue some
+    removed = {
+        reason.value: proxy.metric("omni_sidecar_dropped_events_total", {"reason": reason.value})
+        for reason in DropReason
+    }
+    dropped = removed[DropReason.LATE_AUDIO.value]
+    if RELEASE.removes_cancelled_audio:
+        assert dropped == 0  # the engine removed it before numbering: nothing reached us
+    else:
+        assert dropped >= 1  # delivered by the engine, removed by the sidecar
+    # DuplexClient sends no playback.ack: the sidecar acks for it and hides the answers.
+    assert removed[DropReason.PLAYBACK_ANSWER.value] >= 1
+    # The engine numbers without gaps; every frame the sidecar removed (late audio,
+    # answers to its own acks, ...) was numbered: one gap each, no others.
+    assert len(_seq_gaps(received)) == sum(removed.values())
 
     # Acks went through the sidecar into the real handler's journal.
     seqs = [e["server_event_seq"] for e in received if "server_event_seq" in e]
@@ -144,10 +183,8 @@ async def test_duplex_client_session_through_the_sidecar(
     assert run.closed_expected and run.close_code == 1000
 
 
-async def test_duplex_client_straight_to_real_serving_sees_stale_audio(
-    real_server: RealServer,
-) -> None:
-    """Control: without the sidecar the released serving path delivers late audio."""
+async def test_duplex_client_straight_to_real_serving(real_server: RealServer) -> None:
+    """Control, no sidecar: 0.30 delivers late audio after a cancel, 0.31+ removes it."""
     run = await run_duplex_session(
         _client_module(),
         f"ws://127.0.0.1:{real_server.port}",
@@ -155,9 +192,15 @@ async def test_duplex_client_straight_to_real_serving_sees_stale_audio(
         deadline=DEADLINE,
         audio_type=AUDIO_DELTA,
     )
+    assert run.statuses == ("completed", "cancelled")
+    assert real_server.engine.late_audio_sent >= 1
     after = run.after_first_sent("response.cancel")
     stale = [e for e in after if e["type"] == AUDIO_DELTA and e["response_id"] == run.cancelled_id]
-    assert len(stale) >= 1
+    if RELEASE.removes_cancelled_audio:
+        assert stale == []
+    else:
+        assert len(stale) >= 1
+    assert _seq_gaps(run.received()) == []  # the handler numbers what it sends, gap-free
 
 
 async def test_openai_ga_client_through_the_sidecar(real_server: RealServer, sidecar: Any) -> None:
@@ -213,3 +256,10 @@ async def test_openai_ga_client_through_the_sidecar(real_server: RealServer, sid
     statuses = [e.response.status for e in events if e.type == "response.done"]
     assert statuses == ["completed", "cancelled"]
     assert real_server.engine.late_audio_sent >= 1
+    # The GA client sends no playback.ack: the sidecar acks for it and, at the
+    # cancel, tells the engine where playback stopped with `truncate: true`.
+    cancel_ack = [a for a in real_server.engine.acks if a.response_id == first.response_id][-1]
+    if RELEASE.keeps_ack_truncate:
+        assert cancel_ack.truncate is True
+    else:
+        assert not hasattr(cancel_ack, "truncate")  # 0.30's parser drops the field
