@@ -42,8 +42,8 @@ __all__ = [
     "EngineConfig",
     "EngineConfigError",
     "EngineKind",
-    "ProbeKind",
     "EngineVersionSetting",
+    "ProbeKind",
     "SettingDoc",
     "setting",
 ]
