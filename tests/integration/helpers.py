@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import DEADLINE, MS, free_port
+from tests.conftest import DEADLINE, MS, SimulatorProcess, free_port
 
 __all__ = [
     "AUDIO_DELTA",
@@ -47,6 +47,7 @@ __all__ = [
     "request_response",
     "rid_of",
     "run_cli",
+    "sim_metric",
     "wait_metric",
 ]
 
@@ -287,6 +288,16 @@ def module_simulator(*args: str) -> Iterator[SimChild]:
         yield sim
     finally:
         sim.kill()
+
+
+async def sim_metric(sim: SimChild | SimulatorProcess, name: str) -> float:
+    """One unlabelled sample of the simulator's own ``/metrics``."""
+    async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rpartition(" ")[2])
+    raise AssertionError(f"no {name} in the simulator's /metrics")
 
 
 # -- processes ---------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Final
 
-import aiohttp
 import pytest
 
 from engine_launcher.config import EngineConfig
@@ -30,6 +29,7 @@ from tests.integration.helpers import (
     pcm16_b64,
     request_response,
     rid_of,
+    sim_metric,
     wait_metric,
 )
 from tests.integration.test_relay_overflow import (
@@ -48,16 +48,6 @@ PACED_ARGS: Final = (
     "--chunk-ms", "200", "--realtime-factor", f"{TIMEOUT_FACTOR:g}", "--response-seconds", "1.2",
     "--late-audio-chunks", "3",
 )  # fmt: skip
-
-
-async def sim_metric(sim: SimChild, name: str) -> float:
-    """One sample of the simulator's own ``/metrics``."""
-    async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rpartition(" ")[2])
-    raise AssertionError(f"no {name} in the simulator's /metrics")
 
 
 @pytest.fixture(scope="module", params=VERSIONS)

@@ -15,7 +15,6 @@ import json
 from collections.abc import Iterator
 from typing import Any, Final
 
-import aiohttp
 import pytest
 
 from engine_launcher.simulator.audio import make_audio_bank
@@ -28,7 +27,7 @@ from engine_launcher.simulator.delivery import (
 )
 from engine_launcher.simulator.handlers import HANDLERS
 from engine_launcher.simulator.session import CloseFrame, DuplexSession, SimulatorStats
-from tests.conftest import DEADLINE, SimulatorProcess, wait_until
+from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
@@ -36,6 +35,7 @@ from tests.integration.helpers import (
     connect,
     module_simulator,
     pcm16_b64,
+    sim_metric,
 )
 
 Event = dict[str, Any]
@@ -52,16 +52,6 @@ FLOOD_ARGS: Final = ("--realtime-factor", "0", "--chunk-ms", "4000", "--response
 PACED_FLOOD_ARGS: Final = (
     "--chunk-ms", "4000", "--response-seconds", "600", "--generation-speed", "200",
 )  # fmt: skip
-
-
-async def sim_metric(sim: SimChild | SimulatorProcess, name: str) -> float:
-    """One sample of the simulator's own ``/metrics``."""
-    async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rpartition(" ")[2])
-    raise AssertionError(f"no {name} in the simulator's /metrics")
 
 
 def assert_seq_gap_free(events: list[Event]) -> None:
