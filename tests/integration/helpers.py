@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -34,9 +35,12 @@ __all__ = [
     "AUDIO_DELTA",
     "RESPONSE_TAIL",
     "TRANSCRIPT_DELTA",
+    "Cancelled",
     "Client",
     "RawWebSocket",
     "SimChild",
+    "Trigger",
+    "cancel_mid_response",
     "children_of",
     "clean_env",
     "cli_argv",
@@ -221,6 +225,51 @@ async def request_response(client: Client, *, open_session: bool = False) -> Non
     await client.send({"type": "input_audio_buffer.append", "audio": SILENCE_100MS})
     await client.send({"type": "input_audio_buffer.commit"})
     await client.send({"type": "response.create"})
+
+
+@dataclass
+class Cancelled:
+    """What the client read around one cancel."""
+
+    response_id: str
+    before: list[Event]  # events of the session up to the moment the cancel was sent
+    after: list[Event]  # events read after it, through the cancelled response.done
+
+    def audio_after(self) -> list[Event]:
+        return [e for e in self.after if e["type"] == AUDIO_DELTA and rid_of(e) == self.response_id]
+
+    def done(self) -> Event:
+        return next(
+            e for e in self.after if e["type"] == "response.done" and rid_of(e) == self.response_id
+        )
+
+
+Trigger = Callable[[str], Event]
+
+
+async def cancel_mid_response(
+    client: Client,
+    trigger: Trigger,
+    *,
+    open_session: bool = True,
+    session: dict[str, Any] | None = None,
+    audio_before_cancel: int = 2,
+) -> Cancelled:
+    """Start a response, read ``audio_before_cancel`` deltas, send the trigger at once,
+    then read through the response's ``response.done`` and ``rate_limits.updated``."""
+    if session is not None:
+        await client.send({"type": "session.update", "session": session})
+        open_session = False
+    await request_response(client, open_session=open_session)
+    rid = rid_of(await client.recv_until("response.created"))
+    assert rid is not None
+    for _ in range(audio_before_cancel):
+        await client.recv_until(lambda e: e["type"] == AUDIO_DELTA and rid_of(e) == rid)
+    mark = client.mark()
+    await client.send(trigger(rid))
+    await client.recv_until(lambda e: e["type"] == "response.done" and rid_of(e) == rid)
+    await client.recv_until("rate_limits.updated")
+    return Cancelled(rid, client.events[:mark], client.events[mark:])
 
 
 async def wait_metric(

@@ -24,6 +24,7 @@ from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
     SimChild,
+    cancel_mid_response,
     connect,
     module_simulator,
     pcm16_b64,
@@ -57,21 +58,9 @@ def paced_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
         yield sim
 
 
-async def _cancel_after_audio(c: Client, audio_before: int) -> tuple[str, list[Event]]:
-    """Ask, read ``audio_before`` deltas, cancel at once, read through ``rate_limits.updated``.
-
-    Returns the response id and the events read after the cancel was sent.
-    """
-    await request_response(c)
-    rid = rid_of(await c.recv_until("response.created"))
-    assert rid is not None
-    for _ in range(audio_before):
-        await c.recv_until(lambda e: e["type"] == AUDIO_DELTA and rid_of(e) == rid)
-    mark = c.mark()
-    await c.send({"type": "response.cancel"})
-    await c.recv_until(lambda e: e["type"] == "response.done" and rid_of(e) == rid)
-    await c.recv_until("rate_limits.updated")
-    return rid, c.events[mark:]
+def _cancel(rid: str) -> Event:
+    """A ``response.cancel`` without a response id (it cancels the one in progress)."""
+    return {"type": "response.cancel"}
 
 
 async def test_a_cancel_leaves_no_stale_audio_on_every_release(
@@ -80,10 +69,9 @@ async def test_a_cancel_leaves_no_stale_audio_on_every_release(
     version: str = paced_sim.version  # type: ignore[attr-defined]
     proxy = await sidecar(upstream=paced_sim.ws_url)
     async with connect(proxy.url) as c:
-        await c.send({"type": "session.update", "session": {"modalities": ["audio", "text"]}})
-        rid, after = await _cancel_after_audio(c, 2)
-        assert [e for e in after if e["type"] == AUDIO_DELTA and rid_of(e) == rid] == []
-        done = next(e for e in after if e["type"] == "response.done")
+        run = await cancel_mid_response(c, _cancel)
+        assert run.audio_after() == []
+        done = next(e for e in run.after if e["type"] == "response.done")
         assert done["response"]["status"] == "cancelled"
         # The next response plays in full.
         mark = c.mark()
@@ -127,8 +115,8 @@ async def test_the_sidecars_acks_and_truncations_surface_no_error(
         await c.send({"type": "session.update", "session": {"modalities": ["audio", "text"]}})
         await request_response(c)
         await c.recv_until("rate_limits.updated")
-        await _cancel_after_audio(c, 2)
-        await _cancel_after_audio(c, 0)
+        await cancel_mid_response(c, _cancel, open_session=False)
+        await cancel_mid_response(c, _cancel, open_session=False, audio_before_cancel=0)
         # One more turn: anything the engine answered to the cancels has arrived by its end.
         await request_response(c)
         await c.recv_until("rate_limits.updated")

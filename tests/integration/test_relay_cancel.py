@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -28,8 +27,10 @@ from tests.integration.helpers import (
     AUDIO_DELTA,
     RESPONSE_TAIL,
     TRANSCRIPT_DELTA,
-    Client,
+    Cancelled,
     SimChild,
+    Trigger,
+    cancel_mid_response,
     connect,
     module_simulator,
     pcm16_b64,
@@ -58,51 +59,6 @@ async def engine() -> AsyncIterator[ScriptedEngine]:
     scripted = await ScriptedEngine().start()
     yield scripted
     await scripted.aclose()
-
-
-@dataclass
-class Cancelled:
-    """What the client read around one cancel."""
-
-    response_id: str
-    before: list[Event]  # events of the session up to the moment the cancel was sent
-    after: list[Event]  # events read after it, through the cancelled response.done
-
-    def audio_after(self) -> list[Event]:
-        return [e for e in self.after if e["type"] == AUDIO_DELTA and rid_of(e) == self.response_id]
-
-    def done(self) -> Event:
-        return next(
-            e for e in self.after if e["type"] == "response.done" and rid_of(e) == self.response_id
-        )
-
-
-Trigger = Callable[[str], Event]
-
-
-async def cancel_mid_response(
-    client: Client,
-    trigger: Trigger,
-    *,
-    open_session: bool = True,
-    session: dict[str, Any] | None = None,
-    audio_before_cancel: int = 2,
-) -> Cancelled:
-    """Start a response, read ``audio_before_cancel`` deltas, send the trigger at once,
-    then read through the response's ``response.done`` and ``rate_limits.updated``."""
-    if session is not None:
-        await client.send({"type": "session.update", "session": session})
-        open_session = False
-    await request_response(client, open_session=open_session)
-    rid = rid_of(await client.recv_until("response.created"))
-    assert rid is not None
-    for _ in range(audio_before_cancel):
-        await client.recv_until(lambda e: e["type"] == AUDIO_DELTA and rid_of(e) == rid)
-    mark = client.mark()
-    await client.send(trigger(rid))
-    await client.recv_until(lambda e: e["type"] == "response.done" and rid_of(e) == rid)
-    await client.recv_until("rate_limits.updated")
-    return Cancelled(rid, client.events[:mark], client.events[mark:])
 
 
 def assert_terminal_sequence(run: Cancelled, *, reason: str, cleared: bool = False) -> None:
