@@ -78,6 +78,15 @@ def _ack_error(code: str) -> Event:
     }
 
 
+async def _cancel_after_empty_audio(conn: EngineConnection, c: Any) -> None:
+    """Open; the engine starts ``r1`` with one audio delta of no bytes (an item that
+    produced no audio); the client, having read it, cancels ``r1``."""
+    await _open(conn, c)
+    await conn.send_all([{"type": "response.created", "response": {"id": "r1"}}, _audio("r1", "")])
+    await c.recv_until(AUDIO_DELTA)
+    await c.send({"type": "response.cancel", "response_id": "r1"})
+
+
 async def _summary(proxy: Any) -> dict[str, Any]:
     return dict((await admin_json(proxy, "/debug/summary"))["engine_capabilities"])
 
@@ -152,12 +161,7 @@ async def test_0_32_is_not_truncated_for_an_item_that_produced_no_audio(
     proxy = await sidecar(**external(engine.ws_url, "0.32"))
     async with connect(proxy.url) as c:
         conn = await engine.next_connection()
-        await _open(conn, c)
-        await conn.send_all(
-            [{"type": "response.created", "response": {"id": "r1"}}, _audio("r1", "")]
-        )
-        await c.recv_until(AUDIO_DELTA)
-        await c.send({"type": "response.cancel", "response_id": "r1"})
+        await _cancel_after_empty_audio(conn, c)
         await conn.receive_until("response.cancel")
     # A truncation would have gone to the engine before the cancel.
     assert "playback.ack" not in conn.received_types()
@@ -171,12 +175,7 @@ async def test_an_engine_that_refuses_a_truncation_teaches_the_sidecar_0_32(
     assert (await _summary(proxy))["source"] == "unknown"
     async with connect(proxy.url) as c:
         conn = await engine.next_connection()
-        await _open(conn, c)
-        await conn.send_all(
-            [{"type": "response.created", "response": {"id": "r1"}}, _audio("r1", "")]
-        )
-        await c.recv_until(AUDIO_DELTA)
-        await c.send({"type": "response.cancel", "response_id": "r1"})
+        await _cancel_after_empty_audio(conn, c)
         truncation = (await conn.receive_until("playback.ack"))[-1]
         assert truncation["truncate"] is True, "0.30's rule: truncate what was started"
         await conn.send(_ack_error("bad_event"))  # 0.32's answer
