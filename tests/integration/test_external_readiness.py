@@ -301,6 +301,28 @@ def _own_logger(seen: Seen, name: str) -> logging.Logger:
 
 
 @contextlib.asynccontextmanager
+async def _listening(server: asyncio.Server) -> AsyncIterator[int]:
+    """The port ``server`` listens on; the server closed on the way out."""
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: web.Application) -> AsyncIterator[int]:
+    """``app`` served on a free loopback port (yielded); cleaned up on the way out."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def websockets_engine() -> AsyncIterator[Seen]:
     """The ``websockets`` library's server: a plain GET gets 426 (and an ERROR traceback)."""
     seen = Seen()
@@ -349,12 +371,9 @@ async def picows_engine() -> AsyncIterator[Seen]:
     server = await picows.ws_create_server(
         listener, "127.0.0.1", 0, logger_name=_own_logger(seen, "picows")
     )
-    seen.port = server.sockets[0].getsockname()[1]
-    try:
+    async with _listening(server) as port:
+        seen.port = port
         yield seen
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 @contextlib.asynccontextmanager
@@ -385,15 +404,9 @@ async def aiohttp_engine(health: int) -> AsyncIterator[Seen]:
     else:
         app.router.add_get("/health", answer)
     app.router.add_get("/v1/realtime", realtime)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    seen.port = runner.addresses[0][1]
-    try:
+    async with _serving(app) as port:
+        seen.port = port
         yield seen
-    finally:
-        await runner.cleanup()
 
 
 _WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -438,13 +451,9 @@ async def non_http_engine() -> AsyncIterator[Seen]:
                 await writer.drain()
             writer.close()
 
-    server = await asyncio.start_server(connection, "127.0.0.1", 0)
-    seen.port = server.sockets[0].getsockname()[1]
-    try:
+    async with _listening(await asyncio.start_server(connection, "127.0.0.1", 0)) as port:
+        seen.port = port
         yield seen
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 StandIn = Callable[[], contextlib.AbstractAsyncContextManager[Seen]]
@@ -524,20 +533,15 @@ async def test_probe_tcp_needs_only_a_listening_port(tmp_path: Path) -> None:
         writer.close()
 
     server = await asyncio.start_server(connection, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with serve(
-            tmp_path, "--upstream", f"ws://127.0.0.1:{port}/v1/realtime",
-            "--engine-probe", "tcp", "--engine-health-interval", INTERVAL,
-        ) as srv:  # fmt: skip
-            await srv.wait_ready("/readyz 200 on a TCP probe")
-            detail = await srv.engine_detail()
-            assert f"probe tcp: connect 127.0.0.1:{port} ok" in detail, detail
-            await wait_until(lambda: len(received) >= 2, timeout=DEADLINE, what="2 probes")
-            assert set(received) == {b""}
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with _listening(server) as port, serve(
+        tmp_path, "--upstream", f"ws://127.0.0.1:{port}/v1/realtime",
+        "--engine-probe", "tcp", "--engine-health-interval", INTERVAL,
+    ) as srv:  # fmt: skip
+        await srv.wait_ready("/readyz 200 on a TCP probe")
+        detail = await srv.engine_detail()
+        assert f"probe tcp: connect 127.0.0.1:{port} ok" in detail, detail
+        await wait_until(lambda: len(received) >= 2, timeout=DEADLINE, what="2 probes")
+        assert set(received) == {b""}
 
 
 async def test_probe_websocket_opens_no_session_on_the_simulator(tmp_path: Path) -> None:
@@ -685,14 +689,9 @@ async def vllm_omni_like_engine(envelope: Any, slots: DuplexSlots) -> AsyncItera
 
     app = web.Application()
     app.router.add_get("/v1/realtime", realtime)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    seen.port = runner.addresses[0][1]
-    try:
+    async with _serving(app) as port:
+        seen.port = port
         yield seen
-    finally:
-        await runner.cleanup()
 
 
 async def test_probes_leave_the_only_duplex_slot_free_on_a_vllm_omni_like_engine(
@@ -746,15 +745,12 @@ async def test_refused_and_silent_endpoints_are_unhealthy_without_a_handshake() 
         await reader.read()  # never answers; the probe gives up
         writer.close()
 
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    probe = UpstreamProbe(f"ws://127.0.0.1:{port}/v1/realtime", timeout=0.3)
-    try:
-        result = await probe()
-    finally:
-        await probe.aclose()
-        server.close()
-        await server.wait_closed()
+    async with _listening(await asyncio.start_server(silent, "127.0.0.1", 0)) as port:
+        probe = UpstreamProbe(f"ws://127.0.0.1:{port}/v1/realtime", timeout=0.3)
+        try:
+            result = await probe()
+        finally:
+            await probe.aclose()
     assert (result.ok, result.stage) == (False, "health")
     assert "no answer within 0.3 s" in result.detail
     assert len(connections) == 1  # no handshake after the timeout
