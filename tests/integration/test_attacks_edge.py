@@ -158,6 +158,16 @@ def status_of(answer: bytes) -> int:
     return int(line[1]) if len(line) >= 2 else 0
 
 
+async def healthz_on_a_new_connection(port: int) -> int:
+    """The status a fresh connection's ``GET /healthz`` gets: room for one more connection."""
+    reader, writer = await open_raw(port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return status_of(await read_answer(reader))
+    finally:
+        writer.close()
+
+
 class RssSampler:
     """The process's peak VmRSS while ``sample()`` runs in the background."""
 
@@ -400,10 +410,7 @@ async def test_pending_handshake_cap_closes_new_connections_at_once(tmp_path: Pa
             idle_writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert status_of(await read_answer(idle_reader)) == 200
             idle_writer.close()
-            reader, writer = await open_raw(server.port)
-            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            assert status_of(await read_answer(reader)) == 200
-            writer.close()
+            assert await healthz_on_a_new_connection(server.port) == 200
             for _, w in idle:
                 w.close()
         assert await server.rejected("pending_handshakes") == 1
@@ -735,10 +742,7 @@ async def test_lingering_connections_count_against_the_pending_cap(tmp_path: Pat
         await wait_until(
             lambda: _equals(server.gauge(lingered("client_closed")), 1), what="one linger ended"
         )
-        reader, writer = await open_raw(server.port)
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        assert status_of(await read_answer(reader)) == 200
-        writer.close()
+        assert await healthz_on_a_new_connection(server.port) == 200
         for sock, _ in lingering:
             sock.close()
         await wait_until(
