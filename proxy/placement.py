@@ -109,6 +109,11 @@ class Router:
         """Its engine said it is full, less than ``engine_full_backoff`` ago."""
         return self.full_until[index] > now
 
+    def full_for(self, index: int, now: float) -> float:
+        """Seconds replica ``index`` still admits nothing after its engine said it is full
+        (0: it admits), rounded to the millisecond for ``/readyz`` and the console."""
+        return round(max(0.0, self.full_until[index] - now), 3)
+
     def retry_after(self, now: float) -> float:
         """Seconds until the first serving replica's engine-full backoff ends (0: none)."""
         waits = [
@@ -163,7 +168,7 @@ class Router:
                 "max_sessions": self.max_per_engine,
                 **({"detail": self.details[k]} if self.details[k] else {}),
                 **(
-                    {"engine_full_for_seconds": round(self.full_until[k] - now, 3)}
+                    {"engine_full_for_seconds": self.full_for(k, now)}
                     if self.backing_off(k, now)
                     else {}
                 ),

@@ -254,7 +254,7 @@ class Sidecar:
                 "engine": index,
                 "draining": self.router.draining[index],
                 # Seconds it still admits nothing after saying it is full (0: admits).
-                "engine_full_for_seconds": round(max(0.0, self.router.full_until[index] - now), 3),
+                "engine_full_for_seconds": self.router.full_for(index, now),
             }
             for index, view in enumerate(self.engine_views)
         ]
