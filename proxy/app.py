@@ -45,7 +45,7 @@ from aiohttp import web
 
 from metrics import SidecarMetrics
 from proxy import compat
-from proxy.auth import AuthPolicy, load_api_keys, offered_subprotocols
+from proxy.auth import AuthPolicy, AuthResult, load_api_keys, offered_subprotocols
 from proxy.config import Settings
 from proxy.core.buffer import BufferLimits
 from proxy.core.capabilities import opens_at_connect, session_is_duplex
@@ -60,6 +60,7 @@ from proxy.placement import Router
 from proxy.relay import Relay, new_event_id
 from proxy.reverse_proxy import ProxyRequest, reverse_proxy
 from proxy.upstream_link import UpstreamConnectError, connect_upstream
+from proxy.usage_log import UsageBook, UsageFile
 
 __all__ = [
     "Admission",
@@ -207,11 +208,24 @@ class ProxyState:
     auth: AuthPolicy = field(init=False)
     #: The client listener's connection-level limits (proxy/edge.py).
     edge: EdgeGuard = field(init=False)
+    #: Per-key usage counters and the usage file (proxy/usage_log.py).
+    usage: UsageBook = field(init=False)
 
     def __post_init__(self) -> None:
         self.session_settings = session_settings(self.settings)
         keys = load_api_keys(self.settings.api_keys, self.settings.api_keys_file)
         self.auth = AuthPolicy(keys, self.settings.allowed_origins)
+        self.metrics.set_usage_keys(self.auth.key_names)
+        usage_file = None
+        if self.settings.usage_file:
+            usage_file = UsageFile(
+                self.settings.usage_file,
+                max_bytes=self.settings.usage_file_max_bytes,
+                backups=self.settings.usage_file_backups,
+                max_pending=self.settings.usage_file_max_pending,
+                on_failure=self.metrics.usage_records_dropped.inc,
+            )
+        self.usage = UsageBook(self.metrics, usage_file)
         self.edge = EdgeGuard(
             EdgeLimits.from_settings(self.settings),
             self.reject_connection,
@@ -260,6 +274,8 @@ class ProxyState:
         new_session_settings = session_settings(settings)
         keys = load_api_keys(settings.api_keys, settings.api_keys_file)
         self.auth = AuthPolicy(keys, settings.allowed_origins)
+        # New names get their series; a name dropped from the file keeps its totals.
+        self.metrics.set_usage_keys(self.auth.key_names)
         self.session_settings = new_session_settings
         self.settings = settings
         self.admission.max_sessions = settings.max_sessions
@@ -404,9 +420,9 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
         response = _json_error(invalid.status, invalid.reason, invalid.message, **invalid.headers)
         response.force_close()
         return response
-    denied = _check_auth(request, state)
-    if denied is not None:
-        return denied
+    auth = _check_auth(request, state)
+    if isinstance(auth, web.Response):
+        return auth
     refusal = state.admission.refusal()
     if refusal is not None:
         metrics.sessions_rejected.labels(refusal[0]).inc()
@@ -426,7 +442,7 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
                 503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
             )
         try:
-            return await _run_session(request, state)
+            return await _run_session(request, state, auth.key_name)
         finally:
             await state.admission.release()
     finally:
@@ -438,13 +454,13 @@ def _log_refused(address: str, status: int, reason: str) -> None:
     log.warning("refused handshake from %s: %d %s", address or "?", status, reason)
 
 
-def _check_auth(request: web.Request, state: ProxyState) -> web.Response | None:
-    """401/403 before anything else; keys are never logged."""
+def _check_auth(request: web.Request, state: ProxyState) -> web.Response | AuthResult:
+    """401/403 before anything else, else the accepted result (its key's name); keys are never logged."""
     result = state.auth.check(
         request.headers, offered_subprotocols(request.headers.get("Sec-WebSocket-Protocol"))
     )
     if result.ok:
-        return None
+        return result
     state.metrics.sessions_rejected.labels(result.reason).inc()
     _log_refused(client_address(request), result.status, result.reason)
     headers = {"WWW-Authenticate": 'Bearer realm="omni-sidecar"'} if result.status == 401 else {}
@@ -457,10 +473,12 @@ def _retry_after(state: ProxyState, reason: str) -> str:
     return "1" if reason == "capacity" else "5"
 
 
-async def _run_session(request: web.Request, state: ProxyState) -> web.StreamResponse:
+async def _run_session(
+    request: web.Request, state: ProxyState, key_name: str
+) -> web.StreamResponse:
     router = state.router
     if router is None:
-        return await _run_placed(request, state, None)
+        return await _run_placed(request, state, None, key_name)
     now = time.monotonic()
     engine = router.choose(state.registry.pending_by_engine(router.count), now)
     if engine is None:
@@ -471,13 +489,13 @@ async def _run_session(request: web.Request, state: ProxyState) -> web.StreamRes
     # The slot is held from here, across the upstream connect, until the session ends.
     router.take(engine)
     try:
-        return await _run_placed(request, state, engine)
+        return await _run_placed(request, state, engine, key_name)
     finally:
         router.release(engine)
 
 
 async def _run_placed(
-    request: web.Request, state: ProxyState, engine: int | None
+    request: web.Request, state: ProxyState, engine: int | None, key_name: str
 ) -> web.StreamResponse:
     settings = state.settings
     metrics = state.metrics
@@ -544,7 +562,9 @@ async def _run_placed(
     protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
     key = uuid.uuid4().hex[:12]
     address = client_address(request)
-    observer = state.registry.observer(key, client_address=address, engine=engine)
+    observer = state.registry.observer(
+        key, client_address=address, engine=engine, key_name=key_name
+    )
     relay = Relay(
         session_key=key,
         client=client,
@@ -577,7 +597,7 @@ async def _run_placed(
         await relay.run()
     finally:
         state.registry.remove(relay)
-        _log_session_end(relay, observer)
+        _log_session_end(relay, observer, state.usage)
     return client
 
 
@@ -587,9 +607,24 @@ def _replica(state: ProxyState, engine: int) -> UpstreamTarget | None:
     return None if url is None else UpstreamTarget.from_url(url)
 
 
-def _log_session_end(relay: Relay, observer: SessionObserver) -> None:
-    """One access line per session (logger ``omni_sidecar.access``)."""
+def _log_session_end(relay: Relay, observer: SessionObserver, usage: UsageBook) -> None:
+    """One access line per session (logger ``omni_sidecar.access``), with its usage.
+
+    The usage record (docs/design.md, Usage) is counted per key name and, with
+    ``usage_file``, written as one JSON line.
+    """
     core = relay.core
+    now = relay.timers.now()
+    duration = now - relay.started_at
+    record = usage.add(
+        core.usage.record(observer.key_name, duration, core.playback.heard(now)),
+        {
+            "ts": round(observer.started_at + duration, 3),
+            "session": relay.key,
+            "engine_session": core.session_id or "-",
+            "started_at": round(observer.started_at, 3),
+        },
+    )
     outcome = core.outcome.value if core.outcome is not None else "error"
     sent = relay.close_code_sent
     drops = {r.value: e for r, (e, _b) in core.drop_totals().items() if e}
@@ -597,7 +632,7 @@ def _log_session_end(relay: Relay, observer: SessionObserver) -> None:
         "session": relay.key,
         "engine_session": core.session_id or "-",
         "client": relay.client_address or "-",
-        "duration_s": round(relay.timers.now() - relay.started_at, 3),
+        "duration_s": round(duration, 3),
         "events_in": observer.events_client_to_upstream,
         "bytes_in": relay.bytes_client_to_upstream,
         "events_out": relay.writer.frames_written,
@@ -607,9 +642,30 @@ def _log_session_end(relay: Relay, observer: SessionObserver) -> None:
         # The code the client actually got; "not_sent" when no close frame reached it.
         "close_code": sent if sent is not None else "not_sent",
     }
+    for name in _USAGE_FIELDS:
+        fields[name] = record[name]
     # The fields ride as extras: text logs append them as key=value, JSON logs
     # give each a key of its own.
     access_log.info("session end", extra=fields)
+
+
+#: The usage record's fields the access line carries (the record's identity fields it has already).
+_USAGE_FIELDS: Final = (
+    "key",
+    "audio_in_seconds",
+    "audio_out_seconds",
+    "audio_delivered_seconds",
+    "audio_heard_seconds",
+    "responses_started",
+    "responses_completed",
+    "responses_cancelled",
+    "responses_failed",
+    "responses_incomplete",
+    "responses_unfinished",
+    "input_tokens",
+    "output_tokens",
+    "total_tokens",
+)
 
 
 def _tune_client_socket(request: web.Request, write_buffer_bytes: int) -> Any:
@@ -629,7 +685,7 @@ async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
     """Any other HTTP request: auth, then streamed to the engine (proxy/reverse_proxy.py)."""
     state = request.app[STATE]
     denied = _check_auth(request, state)
-    if denied is not None:
+    if isinstance(denied, web.Response):
         return denied
     target = state.target()
     if target is None:

@@ -6,6 +6,10 @@ headers, by offering the subprotocol ``openai-insecure-api-key.KEY`` (the
 connection is then accepted with the ``realtime`` subprotocol it also offered).
 Keys are compared in constant time against every configured key, and never
 logged. ``allowed_origins`` is checked only when the client sends ``Origin``.
+
+A key in ``api_keys_file`` may carry a name (``KEY name=NAME``): the name, never
+the key, labels the session's usage (docs/design.md, Usage). Names come from
+the operator's file, so the label values are bounded by it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from proxy.core.usage import KEY_NAME_PATTERN, UNNAMED_KEY
 from proxy.errors import ConfigError
 
 __all__ = ["KEY_SUBPROTOCOL_PREFIX", "AuthPolicy", "AuthResult", "load_api_keys"]
@@ -22,26 +27,56 @@ __all__ = ["KEY_SUBPROTOCOL_PREFIX", "AuthPolicy", "AuthResult", "load_api_keys"
 KEY_SUBPROTOCOL_PREFIX: Final = "openai-insecure-api-key."
 
 
-def load_api_keys(keys: Iterable[str], keys_file: str | None) -> tuple[str, ...]:
-    """Configured keys plus those in ``keys_file`` (one per line, ``#`` comments).
+def load_api_keys(keys: Iterable[str], keys_file: str | None) -> dict[str, str | None]:
+    """Configured keys plus those in ``keys_file``, each with its name (None: unnamed).
+
+    The file has one key per line, ``#`` comments, and optionally ``name=NAME``
+    after the key (NAME: ``[A-Za-z0-9_.-]{1,64}``). Any other field is an error,
+    never ignored. A key listed twice keeps its last name.
 
     Raises:
-        ConfigError: the file cannot be read.
+        ConfigError: the file cannot be read, holds no key, or a line is malformed
+            (the message names the line number, never the key).
     """
-    found = [k.strip() for k in keys if k.strip()]
+    found: dict[str, str | None] = {k.strip(): None for k in keys if k.strip()}
     if keys_file:
         try:
             with open(keys_file, encoding="utf-8") as handle:
-                for line in handle:
-                    line = line.split("#", 1)[0].strip()
-                    if line:
-                        found.append(line)
+                lines = handle.readlines()
         except OSError as exc:
             raise ConfigError("api_keys_file", f"cannot read: {exc.strerror}", keys_file) from None
+        for number, line in enumerate(lines, start=1):
+            parts = line.split("#", 1)[0].split()
+            if not parts:
+                continue
+            found[parts[0]] = _key_name(parts[1:], number, keys_file)
         if not found:
             # An empty file must not silently turn authentication off.
             raise ConfigError("api_keys_file", "contains no keys", keys_file)
-    return tuple(dict.fromkeys(found))
+    return found
+
+
+def _key_name(fields: list[str], number: int, keys_file: str) -> str | None:
+    """The ``name=`` of one key line (None when absent)."""
+    name: str | None = None
+    for item in fields:
+        field, sep, value = item.partition("=")
+        if field != "name" or not sep:
+            raise ConfigError(
+                "api_keys_file",
+                f"line {number}: unknown field {field!r} (only name=NAME may follow a key)",
+                keys_file,
+            )
+        if name is not None:
+            raise ConfigError("api_keys_file", f"line {number}: name given twice", keys_file)
+        if not KEY_NAME_PATTERN.fullmatch(value):
+            raise ConfigError(
+                "api_keys_file",
+                f"line {number}: a name is 1-64 of A-Z a-z 0-9 _ . -",
+                keys_file,
+            )
+        name = value
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +87,8 @@ class AuthResult:
     reason: str = ""
     status: int = 200
     message: str = ""
+    #: The accepted key's name, or ``unnamed`` (also when auth is off); never the key.
+    key_name: str = UNNAMED_KEY
 
 
 _OK: Final = AuthResult(True)
@@ -61,24 +98,38 @@ class AuthPolicy:
     """Decides whether a handshake may proceed.
 
     Args:
-        api_keys: accepted keys; empty = auth off.
+        api_keys: accepted keys, or keys with their names (``load_api_keys``); empty = auth off.
         allowed_origins: accepted ``Origin`` values; empty = any.
     """
 
-    def __init__(self, api_keys: Iterable[str], allowed_origins: Iterable[str]) -> None:
-        self._keys = tuple(k.encode() for k in api_keys)
+    def __init__(
+        self, api_keys: Mapping[str, str | None] | Iterable[str], allowed_origins: Iterable[str]
+    ) -> None:
+        named = api_keys if isinstance(api_keys, Mapping) else dict.fromkeys(api_keys)
+        self._keys = tuple(k.encode() for k in named)
+        self._results = tuple(
+            AuthResult(True, key_name=name or UNNAMED_KEY) for name in named.values()
+        )
         self._origins = frozenset(o.rstrip("/") for o in allowed_origins)
 
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def _key_ok(self, candidate: str) -> bool:
+    @property
+    def key_names(self) -> frozenset[str]:
+        """Every ``key`` label value sessions can have (names plus ``unnamed``)."""
+        return frozenset(r.key_name for r in self._results) | {UNNAMED_KEY}
+
+    def _match(self, candidate: str) -> AuthResult | None:
+        """The accepted result of the matching key, or None."""
         given = candidate.encode()
-        ok = False
-        for key in self._keys:  # no early exit: time does not depend on which key matched
-            ok |= hmac.compare_digest(given, key)
-        return ok
+        matched: AuthResult | None = None
+        # No early exit: time does not depend on which key matched.
+        for key, result in zip(self._keys, self._results, strict=True):
+            if hmac.compare_digest(given, key):
+                matched = result
+        return matched
 
     def check(self, headers: Mapping[str, str], offered_protocols: Iterable[str]) -> AuthResult:
         """Check origin, then credentials.
@@ -94,13 +145,15 @@ class AuthPolicy:
             return _OK
         auth = headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token.strip() and self._key_ok(token.strip()):
-            return _OK
+        if scheme.lower() == "bearer" and token.strip():
+            matched = self._match(token.strip())
+            if matched is not None:
+                return matched
         for protocol in offered_protocols:
-            if protocol.startswith(KEY_SUBPROTOCOL_PREFIX) and self._key_ok(
-                protocol[len(KEY_SUBPROTOCOL_PREFIX) :]
-            ):
-                return _OK
+            if protocol.startswith(KEY_SUBPROTOCOL_PREFIX):
+                matched = self._match(protocol[len(KEY_SUBPROTOCOL_PREFIX) :])
+                if matched is not None:
+                    return matched
         return AuthResult(False, "unauthorized", 401, "missing or invalid API key")
 
 

@@ -705,6 +705,40 @@ class Settings:
         section=_LOGGING,
         metavar="FORMAT",
     )
+    usage_file: str | None = setting(
+        None,
+        help="JSONL file that gets one usage record per ended session; off when unset. "
+        "Written by a thread of its own, never by the event loop (see docs/design.md, Usage).",
+        section=_LOGGING,
+        example='"/var/log/omni-sidecar/usage.jsonl"',
+        metavar="PATH",
+        check=_check_optional_path,
+    )
+    usage_file_max_bytes: int = setting(
+        64 * MIB,
+        help="Size in bytes at which the usage file is rotated (renamed to .1, .2, ...).",
+        unit="bytes",
+        minimum=4 * KIB,
+        section=_LOGGING,
+    )
+    usage_file_backups: int = setting(
+        3,
+        help="Rotated usage files kept; the oldest is deleted beyond it. 0 = truncate on "
+        "rotation. Disk use stays below (usage_file_backups + 1) x usage_file_max_bytes.",
+        unit="files",
+        minimum=0,
+        maximum=100,
+        section=_LOGGING,
+    )
+    usage_file_max_pending: int = setting(
+        1000,
+        help="Usage records waiting for the file writer (records). When the writer falls "
+        "this far behind (a slow disk), a new record is dropped and counted in "
+        "omni_sidecar_usage_records_dropped_total; the access line still has it.",
+        unit="records",
+        minimum=1,
+        section=_LOGGING,
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ from metrics import SidecarMetrics
 from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.events import EventKind, UpstreamEvent
+from proxy.core.usage import UNNAMED_KEY
 
 if TYPE_CHECKING:
     from proxy.core.session import SessionCore
@@ -171,9 +172,16 @@ class SessionRegistry:
             self._empty.set()
 
     def observer(
-        self, key: str, *, client_address: str = "", engine: int | None = None
+        self,
+        key: str,
+        *,
+        client_address: str = "",
+        engine: int | None = None,
+        key_name: str = UNNAMED_KEY,
     ) -> SessionObserver:
-        observer = SessionObserver(self, key, client_address=client_address, engine=engine)
+        observer = SessionObserver(
+            self, key, client_address=client_address, engine=engine, key_name=key_name
+        )
         self._observers[key] = observer
         return observer
 
@@ -300,6 +308,7 @@ class SessionRegistry:
             "id": key,
             "upstream_session_id": stats.session_id,
             "client_address": observer.client_address if observer is not None else "",
+            "key": observer.key_name if observer is not None else UNNAMED_KEY,
             "engine": observer.engine if observer is not None else None,
             "started_at": observer.started_at if observer is not None else None,
             "age_seconds": round(now - relay.started_at, 3),
@@ -360,6 +369,7 @@ class SessionObserver:
         "client_address",
         "engine",
         "events",
+        "key_name",
         "started_at",
         "u2c_audio",
         "u2c_bytes",
@@ -375,10 +385,13 @@ class SessionObserver:
         *,
         client_address: str = "",
         engine: int | None = None,
+        key_name: str = UNNAMED_KEY,
     ) -> None:
         self._registry = registry
         self._key = key
         self.client_address = client_address
+        #: The API key's name from the key file (never the key), or ``unnamed``.
+        self.key_name = key_name
         #: The engine replica this session was placed on (docs/design.md, Engine pool).
         self.engine = engine
         #: Wall-clock seconds (Unix time): shown to people next to their logs.

@@ -513,6 +513,9 @@ class Sidecar:
             with contextlib.suppress(Exception):
                 await runner.cleanup()
         self._runners.clear()
+        # Every session has ended: the usage file's writer flushes and stops.
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.state.usage.close, self.settings.close_timeout)
         self.pool.request_stop()
         with contextlib.suppress(Exception):
             await supervisor_task

@@ -224,6 +224,8 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
             "cancels": registry.total_cancels,
             "stale_audio_dropped": sum(dropped[r] for r in STALE_AUDIO_REASONS),
         },
+        # docs/design.md, Usage: ended sessions' usage per API key name (never a key).
+        "usage": state.usage.view(),
     }
 
 

@@ -219,6 +219,8 @@ class PlaybackLedger:
         self._learned: EngineVersion | None = None
         # statistics (plain counters; the shell exports them)
         self.audio_sent = 0.0
+        #: Audio seconds released but cut off unplayed by a cancel.
+        self.audio_unheard = 0.0
         self.acks_sent = 0
         self.truncations_sidecar = 0
         self.truncations_client = 0
@@ -470,6 +472,15 @@ class PlaybackLedger:
         item.sent += seconds
         self.audio_sent += seconds
 
+    def heard(self, now: float) -> float:
+        """Audio seconds the client has played by ``now`` (the usage record's estimate).
+
+        What was released, less what cancels cut off unplayed, less what is
+        still ahead of the playhead of the items not finished.
+        """
+        ahead = sum(item.lead(now) for item in self.items.values() if not item.finished)
+        return max(0.0, self.audio_sent - self.audio_unheard - ahead)
+
     def done_delivered(self, response_id: str) -> None:
         item = self.items.get(response_id)
         if item is not None:
@@ -530,6 +541,7 @@ class PlaybackLedger:
         # clears it, or the pacing kept it short): the item ends here.
         item.sent = played
         item.finished = True
+        self.audio_unheard += relayed - played
         if item.item_id is not None and item.item_id in self._client_truncated:
             return []
         if self.capabilities.truncate_needs_audio_item and not relayed > 0:

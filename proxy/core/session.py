@@ -46,6 +46,7 @@ from proxy.core.events import (
 from proxy.core.ledger import CancellationLedger, LedgerStatistics, Verdict
 from proxy.core.playback import PlaybackLedger, PlaybackSettings
 from proxy.core.ratelimit import TokenBucket, audio_bytes_per_second
+from proxy.core.usage import UsageMeter
 
 __all__ = [
     "CLOSE_ABNORMAL_ENGINE",
@@ -270,6 +271,8 @@ class SessionCore:
         self._limited_since: float | None = None
         self._last_limited = 0.0
         self.playback = PlaybackLedger(settings.playback, capabilities)
+        #: What this session used (proxy/core/usage.py), for its usage record.
+        self.usage = UsageMeter()
         #: The engine refused to open this session: it is full (``error``
         #: {resource_exhausted} before ``session.created``). Passed through to
         #: the client; the shell keeps new sessions off that engine a while.
@@ -354,6 +357,7 @@ class SessionCore:
                     reason=DropReason.INPUT_BACKPRESSURE,
                 )
                 return ClientDecision(event, forward=False)
+            self.usage.input_seconds += seconds
         elif event.kind is ClientKind.SESSION_UPDATE:
             self._note_input_format(event)
         elif event.kind is ClientKind.RESPONSE_CREATE or (
@@ -441,6 +445,16 @@ class SessionCore:
         if kind is EventKind.MALFORMED:
             self._count_drop(DropReason.INVALID_UPSTREAM_FRAME, event.size)
             return event
+        # Usage counts what the engine produced, before any filter drops it.
+        usage = self.usage
+        if kind is EventKind.AUDIO_DELTA:
+            usage.out_chars += event.audio_chars
+            if not usage.seconds_per_char:
+                usage.seconds_per_char = self.playback.seconds_of(event, chars=1)
+        elif kind is EventKind.RESPONSE_CREATED:
+            usage.responses_started += 1
+        elif kind is EventKind.RESPONSE_DONE:
+            usage.on_response_done(event.status, event.body)
         if self.state is not SessionState.OPEN:
             reason = DropReason.OVERFLOW if self._overflowed else DropReason.SESSION_CLOSED
             self._count_drop(reason, event.size)
@@ -870,6 +884,8 @@ class SessionCore:
         if entry.closure:
             self.state = SessionState.CLOSED
             return
+        if event.is_audio:
+            self.usage.delivered_chars += event.audio_chars
         if rid is None:
             return
         if event.is_audio:

@@ -38,6 +38,7 @@ ALLOWED_LABELS = frozenset(
         "source",
         "engine",
         "code",
+        "key",
     }
 )
 
@@ -90,6 +91,23 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     ),
     "omni_sidecar_engine_ack_errors": ("counter", {"code": d.ACK_ERROR_CODES}),
     "omni_sidecar_engine_full": ("counter", {"kind": d.ENGINE_FULL_KINDS}),
+    # docs/design.md, Usage: a fresh registry knows one key name, "unnamed";
+    # the operator's key file adds its names (test_usage_key_label_is_the_files).
+    "omni_sidecar_usage_sessions": ("counter", {"key": (d.UNNAMED_KEY,)}),
+    "omni_sidecar_usage_session_seconds": ("counter", {"key": (d.UNNAMED_KEY,)}),
+    "omni_sidecar_usage_audio_seconds": (
+        "counter",
+        {"key": (d.UNNAMED_KEY,), "direction": d.USAGE_DIRECTIONS},
+    ),
+    "omni_sidecar_usage_responses": (
+        "counter",
+        {"key": (d.UNNAMED_KEY,), "outcome": d.USAGE_RESPONSE_OUTCOMES},
+    ),
+    "omni_sidecar_usage_tokens": (
+        "counter",
+        {"key": (d.UNNAMED_KEY,), "kind": d.USAGE_TOKEN_KINDS},
+    ),
+    "omni_sidecar_usage_records_dropped": ("counter", {}),
 }
 
 #: The original design's metrics, verbatim (exposition names, with their labels).
@@ -256,6 +274,11 @@ def test_core_enums_match_the_label_enums() -> None:
     assert tuple(v.value for v in EngineVersion) == d.ENGINE_VERSIONS
     assert tuple(s.value for s in CapabilitySource) == d.CAPABILITY_SOURCES
     assert tuple(c.value for c in AckErrorCode) == d.ACK_ERROR_CODES
+    from proxy.core import usage
+
+    assert tuple(v.value for v in usage.AudioDirection) == d.USAGE_DIRECTIONS
+    assert tuple(v.value for v in usage.ResponseOutcome) == d.USAGE_RESPONSE_OUTCOMES
+    assert usage.UNNAMED_KEY == d.UNNAMED_KEY
 
 
 def test_every_sample_has_the_prefix(exposition: str) -> None:
@@ -428,3 +451,18 @@ def test_engine_label_is_bounded() -> None:
     assert values == {"0", "1", "2"}
     with pytest.raises(ValueError, match="replicas"):
         SidecarMetrics(CollectorRegistry(), replicas=MAX_REPLICAS + 1)
+
+
+def test_usage_key_label_is_the_files() -> None:
+    """Key names reach the ``key`` label only once declared (from the operator's file)."""
+    metrics = SidecarMetrics(CollectorRegistry(), process_metrics=False)
+    assert metrics.usage_key("alpha") == d.UNNAMED_KEY
+    metrics.set_usage_keys(["alpha", "beta"])
+    assert (metrics.usage_key("alpha"), metrics.usage_key("gamma")) == ("alpha", d.UNNAMED_KEY)
+    for name in ("alpha", "beta", d.UNNAMED_KEY):
+        assert (
+            metrics.registry.get_sample_value(
+                "omni_sidecar_usage_audio_seconds_total", {"key": name, "direction": "heard"}
+            )
+            == 0.0
+        )

@@ -108,6 +108,18 @@
       return tr;
     }));
 
+    // docs/design.md, Usage: one row per key name from the key file (never the key).
+    $("usage").tBodies[0].replaceChildren(...(s.usage || []).map((u) => {
+      const tr = el("tr");
+      const seconds = (v) => (v || 0).toFixed(1) + " s";
+      for (const cell of [
+        u.key, u.sessions, duration(u.session_seconds), seconds(u.audio_in_seconds),
+        seconds(u.audio_out_seconds), seconds(u.audio_delivered_seconds), seconds(u.audio_heard_seconds),
+        u.responses_started, u.responses_cancelled, (u.input_tokens || 0) + " / " + (u.output_tokens || 0),
+      ]) tr.appendChild(el("td", cell));
+      return tr;
+    }));
+
     const live = s.sessions.live;
     const limit = s.sessions.limit;
     setBar($("sessions-fill"), live, limit || Math.max(live, 1));
