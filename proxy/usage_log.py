@@ -80,6 +80,7 @@ class UsageFile:
 
     def _run(self) -> None:
         handle = None
+        size = 0  # bytes in the current file (counted: tell() fails on a pipe)
         try:
             while True:
                 line = self._queue.get()
@@ -88,13 +89,16 @@ class UsageFile:
                 try:
                     if handle is None:
                         handle = open(self.path, "ab")  # noqa: SIM115 - kept open across lines
-                    if handle.tell() and handle.tell() + len(line) > self.max_bytes:
+                        size = os.fstat(handle.fileno()).st_size
+                    if size and size + len(line) > self.max_bytes:
                         handle.close()
                         handle = None
                         self._rotate()
                         handle = open(self.path, "ab")  # noqa: SIM115
+                        size = 0
                     handle.write(line)
                     handle.flush()
+                    size += len(line)
                 except OSError as exc:
                     self._on_failure()
                     log.warning("usage file %s: cannot write a record: %s", self.path, exc)

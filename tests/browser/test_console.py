@@ -310,3 +310,46 @@ async def test_admin_token_keeps_the_page_and_json_behind_401(
         if e["method"] == "Network.responseReceived"
     }
     assert statuses and set(statuses.values()) == {200}, statuses
+
+
+async def test_usage_is_shown_per_key_name_never_the_key(
+    simulator: Any, sidecar: Any, page: Page, tmp_path: Path
+) -> None:
+    """docs/design.md, Usage: one row per key name, with its sessions and audio."""
+    secret = "sk-console-USAGE-6e1f"
+    keys = tmp_path / "keys"
+    keys.write_text(f"{secret} name=team-a\n")
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url, api_keys_file=str(keys))
+    await open_console(page, proxy)
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(
+            proxy.url, headers={"Authorization": f"Bearer {secret}"}, max_msg_size=0
+        )
+        for event in (
+            {"type": "session.update", "session": {"modalities": ["audio", "text"]}},
+            {"type": "input_audio_buffer.append", "audio": "AAAA" * 3200},
+            {"type": "input_audio_buffer.commit"},
+            {"type": "response.create"},
+        ):
+            await ws.send_str(orjson.dumps(event).decode())
+        while orjson.loads((await ws.receive(timeout=DEADLINE)).data)["type"] != "response.done":
+            pass
+        await ws.close()
+    await page.wait_for(
+        "[...document.querySelectorAll('#usage tbody tr')]"
+        ".some(tr => tr.children[0].textContent === 'team-a')",
+        timeout=APPEAR,
+        what="the key name's usage row",
+    )
+    row = await page.evaluate(
+        "[...document.querySelectorAll('#usage tbody tr')]"
+        ".find(tr => tr.children[0].textContent === 'team-a')"
+        ".innerText"
+    )
+    cells = row.split("\t")
+    assert cells[1] == "1"  # one session
+    assert cells[3] == "0.3 s"  # 9600 bytes of pcm16 at 16 kHz
+    assert cells[7] == "1"  # one response
+    assert secret not in await page.evaluate("document.body.innerText")
+    assert page.console_errors() == []

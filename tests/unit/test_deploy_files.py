@@ -65,6 +65,8 @@ REQUIRED_PANELS = {
     "omni_sidecar_engine_state": "engine state",
     "omni_sidecar_engine_up": "engine up",
     "omni_sidecar_engine_restarts_total": "engine restarts",
+    "omni_sidecar_usage_audio_seconds_total": "usage: audio seconds by key and direction",
+    "omni_sidecar_usage_responses_total": "usage: responses by key and outcome",
 }
 
 

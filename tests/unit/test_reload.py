@@ -107,3 +107,34 @@ def test_an_empty_keys_file_is_rejected_and_auth_stays(tmp_path: Path) -> None:
     assert sidecar.reload() is False
     assert sidecar.state.settings.api_keys == ("old",)
     assert _count(sidecar, "rejected") == 1
+
+
+def _key_name(sidecar: Sidecar, key: str) -> str | None:
+    result = sidecar.state.auth.check({"Authorization": f"Bearer {key}"}, [])
+    return result.key_name if result.ok else None
+
+
+def test_a_reload_renames_keys_for_new_sessions(tmp_path: Path) -> None:
+    """docs/design.md, Usage: names come from the file as it is at the reload."""
+    keys = tmp_path / "keys"
+    keys.write_text("k1 name=alpha\nk2\n")
+    sidecar, texts = _sidecar(tmp_path, f"api_keys_file = '{keys}'\n")
+    assert (_key_name(sidecar, "k1"), _key_name(sidecar, "k2")) == ("alpha", "unnamed")
+    keys.write_text("k1 name=alpha\nk2 name=beta\n")
+    texts.append(texts[-1])
+    assert sidecar.reload() is True
+    assert _key_name(sidecar, "k2") == "beta"
+    labels = {"key": "beta", "direction": "in"}
+    value = sidecar.registry.get_sample_value("omni_sidecar_usage_audio_seconds_total", labels)
+    assert value == 0.0  # the new name's series exist from the reload on
+
+
+def test_an_unknown_field_in_the_keys_file_is_rejected_and_names_stay(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1 name=alpha\n")
+    sidecar, texts = _sidecar(tmp_path, f"api_keys_file = '{keys}'\n")
+    keys.write_text("k1 name=omega\nk2 quota=5\n")
+    texts.append(texts[-1])
+    assert sidecar.reload() is False
+    assert _key_name(sidecar, "k1") == "alpha" and _key_name(sidecar, "k2") is None
+    assert _count(sidecar, "rejected") == 1
