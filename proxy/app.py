@@ -455,7 +455,10 @@ def _log_refused(address: str, status: int, reason: str) -> None:
 
 
 def _check_auth(request: web.Request, state: ProxyState) -> web.Response | AuthResult:
-    """401/403 before anything else, else the accepted result (its key's name); keys are never logged."""
+    """401/403 before anything else, else the accepted result (with its key's name).
+
+    Keys are never logged.
+    """
     result = state.auth.check(
         request.headers, offered_subprotocols(request.headers.get("Sec-WebSocket-Protocol"))
     )
