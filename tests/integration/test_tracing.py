@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,7 @@ async def test_session_and_response_spans(
             await client.recv_until("session.created")
             await client.send({"type": "response.create"})
             await conn.receive_until("response.create")
+            r1_created_ns = time.time_ns()
             await conn.send({"type": "response.created", "response": {"id": "r1"}})
             for n in range(DELTAS):
                 await conn.send({"type": AUDIO_DELTA, "response_id": "r1", "delta": "AAAA", "n": n})
@@ -170,6 +172,7 @@ async def test_session_and_response_spans(
                 }
             )
             await client.recv_until("response.done")
+            r2_created_ns = time.time_ns()
             await conn.send({"type": "response.created", "response": {"id": "r2"}})
             await client.recv_until("response.created")
             await client.send({"type": "response.cancel", "response_id": "r2"})
@@ -207,6 +210,9 @@ async def test_session_and_response_spans(
         assert span.parent_span_id == session.span_id
         assert span.name == "generate_content tiny-omni"
         assert span.kind == Span.SPAN_KIND_CLIENT
+    # r1 starts at the client's response.create; r2 (none asked) at response.created.
+    assert r1.start_time_unix_nano < r1_created_ns
+    assert r2.start_time_unix_nano >= r2_created_ns
     a1 = attributes(r1)
     assert a1["gen_ai.operation.name"] == "generate_content"
     assert a1["gen_ai.request.model"] == "tiny-omni"
