@@ -147,8 +147,8 @@ async def test_session_and_response_spans(
     tmp_path: Path, collector: Collector, engine: ScriptedEngine
 ) -> None:
     """A client ``traceparent`` is honoured and passed on; a response span per
-    response with the GenAI attributes; a client cancel is an event; audio
-    deltas make no spans."""
+    response with the GenAI attributes; a client cancel and a barge-in are
+    events naming who cancelled; audio deltas make no spans."""
     with serve(tmp_path, engine.ws_url, "--tracing", "otlp", env=otel_env(collector)) as server:
         await ready(server)
         traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
@@ -180,6 +180,16 @@ async def test_session_and_response_spans(
             await conn.send(
                 {"type": "response.done", "response": {"id": "r2", "status": "cancelled"}}
             )
+            await client.recv_until("response.done")
+            # A client barge-in cancels what is playing.
+            await conn.send({"type": "response.created", "response": {"id": "r3"}})
+            await client.recv_until("response.created")
+            await client.send({"type": "barge_in"})
+            await conn.receive_until("barge_in")
+            await conn.send(
+                {"type": "response.done", "response": {"id": "r3", "status": "cancelled"}}
+            )
+            await client.recv_until("response.done")
             await client.send({"type": "session.close"})
             await client.recv_until_closed()
 
@@ -222,8 +232,11 @@ async def test_session_and_response_spans(
     assert "response.cancelled" not in events(r1)
     assert attributes(r2)["gen_ai.response.finish_reasons"] == ["cancelled"]
     assert events(r2)["response.cancelled"] == {"omni_sidecar.cancelled_by": "client"}
-    # Two responses, one session, 40 audio deltas: three spans, no more.
-    assert len(collector.spans) == 3
+    r3 = collector.response("r3")
+    assert r3 is not None
+    assert events(r3)["response.cancelled"] == {"omni_sidecar.cancelled_by": "barge_in"}
+    # Three responses, one session, 40 audio deltas: four spans, no more.
+    assert len(collector.spans) == 4
 
 
 async def test_overflow_is_an_event_and_an_error_end(
