@@ -55,7 +55,7 @@ from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings, is_
 from proxy.edge import EdgeGuard, EdgeLimits, client_address
 from proxy.frame_writer import AiohttpWriterAdapter
 from proxy.handshake import validate_upgrade, wants_websocket
-from proxy.observer import SessionObserver, SessionRegistry
+from proxy.observer import SessionObserver, SessionRegistry, SessionTracer, Tracing
 from proxy.placement import Router
 from proxy.relay import Relay, new_event_id
 from proxy.reverse_proxy import ProxyRequest, reverse_proxy
@@ -204,6 +204,8 @@ class ProxyState:
     router: Router | None = None
     #: ``omni-sidecar drain --engine K``: True when the drain began (proxy/server.py).
     drain_engine: Callable[[int], bool] | None = None
+    #: OpenTelemetry tracing (proxy/tracing.py); None when ``tracing = "off"``.
+    tracing: Tracing | None = None
     session_settings: SessionSettings = field(init=False)
     auth: AuthPolicy = field(init=False)
     #: The client listener's connection-level limits (proxy/edge.py).
@@ -500,15 +502,40 @@ async def _run_session(
 async def _run_placed(
     request: web.Request, state: ProxyState, engine: int | None, key_name: str
 ) -> web.StreamResponse:
+    """Trace (when on) and run one placed session; its span ends on every path."""
+    key = uuid.uuid4().hex[:12]
+    tracing = state.tracing
+    if tracing is None:
+        return await _open_session(request, state, engine, key, key_name, None)
+    tracer = tracing.session(key, request.headers, model=request.query.get("model"))
+    try:
+        return await _open_session(request, state, engine, key, key_name, tracer)
+    finally:
+        tracer.refused("handshake_failed")  # no-op when the session span already ended
+
+
+async def _open_session(
+    request: web.Request,
+    state: ProxyState,
+    engine: int | None,
+    key: str,
+    key_name: str,
+    tracer: SessionTracer | None,
+) -> web.StreamResponse:
     settings = state.settings
     metrics = state.metrics
     target = state.target() if engine is None or state.router is None else _replica(state, engine)
     if target is None:
         metrics.sessions_rejected.labels("not_ready").inc()
+        if tracer is not None:
+            tracer.refused("not_ready")
         return _json_error(503, "not_ready", "engine is not ready", **{"Retry-After": "5"})
     url = _upstream_url(state, target, request)
     metrics.upstream_connects.inc()
     started = time.monotonic()
+    headers = _upstream_headers(state, request)
+    if tracer is not None:
+        tracer.upstream_headers(headers)
     try:
         async with asyncio.timeout(
             min(settings.upstream_connect_timeout, settings.handshake_timeout)
@@ -516,7 +543,7 @@ async def _run_placed(
             upstream = await connect_upstream(
                 settings.upstream_client,
                 url,
-                headers=_upstream_headers(state, request),
+                headers=headers,
                 max_message_bytes=MAX_UPSTREAM_MESSAGE_BYTES,
                 write_limit=settings.max_pending_input_bytes,
                 close_timeout=settings.close_timeout,
@@ -526,6 +553,8 @@ async def _run_placed(
         metrics.upstream_connect_failures.inc()
         metrics.sessions_rejected.labels("upstream_unavailable").inc()
         log.warning("upstream connect to %s failed: %s", url, exc or type(exc).__name__)
+        if tracer is not None:
+            tracer.refused("upstream_unavailable")
         return _json_error(502, "upstream_unavailable", f"cannot reach the engine: {exc}")
     metrics.upstream_connect.observe(time.monotonic() - started)
     upstream_query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
@@ -541,6 +570,8 @@ async def _run_placed(
             metrics.sessions_rejected.labels("engine_capacity").inc()
             state.engine_full(engine)
             _log_refused(client_address(request), 503, "engine_capacity")
+            if tracer is not None:
+                tracer.refused("engine_capacity")
             return _json_error(
                 503,
                 "engine_capacity",
@@ -563,10 +594,9 @@ async def _run_placed(
         await upstream.close()
         raise
     protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
-    key = uuid.uuid4().hex[:12]
     address = client_address(request)
     observer = state.registry.observer(
-        key, client_address=address, engine=engine, key_name=key_name
+        key, client_address=address, engine=engine, key_name=key_name, tracer=tracer
     )
     relay = Relay(
         session_key=key,

@@ -75,12 +75,14 @@ __all__ = [
     "SETTINGS",
     "SETTING_KEYS",
     "TESTS_ENV_PREFIX",
+    "TRACING_MODES",
     "LoadedSettings",
     "LogFormat",
     "LogLevel",
     "OverflowPolicy",
     "SettingSpec",
     "Settings",
+    "TracingMode",
     "add_cli_arguments",
     "env_name",
     "example_config",
@@ -114,6 +116,8 @@ LOG_FORMATS: Final[tuple[str, ...]] = typing.get_args(LogFormat)
 PlaybackAck = Literal["auto", "off", "always"]
 
 UpstreamClient = Literal["picows", "aiohttp"]
+TracingMode = Literal["off", "otlp"]
+TRACING_MODES: Final[tuple[str, ...]] = typing.get_args(TracingMode)
 
 _CONSTRUCTOR_SOURCE: Final = "Settings()"
 
@@ -738,6 +742,16 @@ class Settings:
         unit="records",
         minimum=1,
         section=_LOGGING,
+    )
+    tracing: TracingMode = setting(  # noqa: RUF009 - a dataclasses.field
+        "off",
+        help='OpenTelemetry tracing: "off" (the packages are not even imported) or "otlp" '
+        "(a span per session, a child per response, exported over OTLP/HTTP as the standard "
+        "OTEL_* variables say; needs pip install 'omni-sidecar[otel]'). OTEL_SDK_DISABLED=true "
+        "turns it off as well. Queued spans are bounded by OTEL_BSP_MAX_QUEUE_SIZE (2048 "
+        "spans); when full, new spans are dropped.",
+        section=_LOGGING,
+        metavar="off|otlp",
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
 

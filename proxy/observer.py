@@ -12,6 +12,12 @@ overflows, closing, close) with wall-clock timestamps, noticed by comparing a
 few core fields after each core call; the registry keeps the final view of the
 last ``RECENT_CLOSED_SESSIONS`` sessions so a session that just ended can still
 be inspected. Both rings are bounded and drop their oldest entry when full.
+
+Tracing (docs/design.md, Tracing) hangs off the same hooks: a session's
+:class:`SessionTracer` (None when ``tracing = "off"``) hears response-level
+events only (``session.created``, ``response.created``/``done``, cancels,
+overflows and the end), never an audio delta, so with tracing off its cost
+is one None check per non-audio event.
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from metrics import SidecarMetrics
 from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
-from proxy.core.events import EventKind, UpstreamEvent
+from proxy.core.events import ClientEvent, EventKind, UpstreamEvent
 from proxy.core.usage import UNNAMED_KEY
 
 if TYPE_CHECKING:
@@ -38,6 +44,8 @@ __all__ = [
     "CapabilityBook",
     "SessionObserver",
     "SessionRegistry",
+    "SessionTracer",
+    "Tracing",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,44 @@ class Relay(Protocol):
     def shutdown(self) -> None: ...
 
     def engine_unavailable(self) -> None: ...
+
+
+class SessionTracer(Protocol):
+    """One session's trace (``proxy.tracing`` builds it; only built with tracing on).
+
+    Called only for response-level events: never per audio delta.
+    """
+
+    def upstream_headers(self, headers: dict[str, str]) -> None:
+        """Add this session's W3C trace context to the engine handshake's headers."""
+
+    def refused(self, reason: str) -> None:
+        """The session never opened (``reason`` is one of our rejection reasons)."""
+
+    def upstream_event(self, event: UpstreamEvent) -> None:
+        """A non-audio engine event, after the core took it."""
+
+    def client_event(self, event: ClientEvent) -> None:
+        """A ``response.create`` or a cancelling client event, before its core call's news."""
+
+    def cancelled(self, response_ids: Sequence[str]) -> None:
+        """The core tombstoned these responses (newest last)."""
+
+    def overflow(self, policy: str) -> None:
+        """The session's output bound overflowed (``policy``: what the core did)."""
+
+    def end(self, outcome: str, close_code: int | None) -> None:
+        """The session ended with this outcome (our own enum) and close code."""
+
+
+class Tracing(Protocol):
+    """The process's tracer (``proxy.tracing.OtlpTracing``; None when off)."""
+
+    def session(self, key: str, headers: Mapping[str, str], *, model: str | None) -> SessionTracer:
+        """Start a session's span, a child of the client's ``traceparent`` if any."""
+
+    def shutdown(self) -> None:
+        """Export what is queued (bounded by the exporter's timeout) and stop."""
 
 
 _C2U = "client_to_upstream"
@@ -178,9 +224,15 @@ class SessionRegistry:
         client_address: str = "",
         engine: int | None = None,
         key_name: str = UNNAMED_KEY,
+        tracer: SessionTracer | None = None,
     ) -> SessionObserver:
         observer = SessionObserver(
-            self, key, client_address=client_address, engine=engine, key_name=key_name
+            self,
+            key,
+            client_address=client_address,
+            engine=engine,
+            key_name=key_name,
+            tracer=tracer,
         )
         self._observers[key] = observer
         return observer
@@ -344,7 +396,8 @@ class SessionObserver:
 
     Event and byte counts are accumulated per session and added to the
     Prometheus counters by ``flush`` (at every scrape and at session end), so
-    the hot path takes no metric locks.
+    the hot path takes no metric locks. ``tracer`` (None: tracing off) hears
+    only response-level events.
     """
 
     __slots__ = (
@@ -371,6 +424,7 @@ class SessionObserver:
         "events",
         "key_name",
         "started_at",
+        "tracer",
         "u2c_audio",
         "u2c_bytes",
         "u2c_control",
@@ -386,9 +440,12 @@ class SessionObserver:
         client_address: str = "",
         engine: int | None = None,
         key_name: str = UNNAMED_KEY,
+        tracer: SessionTracer | None = None,
     ) -> None:
         self._registry = registry
         self._key = key
+        #: This session's trace; None when tracing is off (docs/design.md, Tracing).
+        self.tracer = tracer
         self.client_address = client_address
         #: The API key's name from the key file (never the key), or ``unnamed``.
         self.key_name = key_name
@@ -437,6 +494,8 @@ class SessionObserver:
             self.u2c_invalid += 1
         else:
             self.u2c_control += 1
+            if self.tracer is not None:
+                self.tracer.upstream_event(event)
         self.u2c_bytes += event.size
 
     def flush(self) -> None:
@@ -532,6 +591,8 @@ class SessionObserver:
             latest = tombstoned[-1] if tombstoned else "?"
             for _ in range(cancels - self._cancels_seen):
                 self.note("cancel", f"response {latest}")
+            if self.tracer is not None:
+                self.tracer.cancelled(tombstoned[-(cancels - self._cancels_seen) :])
             self._registry.total_cancels += cancels - self._cancels_seen
             self._cancels_seen = cancels
         if core.state is not self._state_seen:
@@ -553,6 +614,8 @@ class SessionObserver:
             )
             self._overflows_seen = overflows
             self.note("overflow", f"policy {core.settings.overflow_policy.value}")
+            if self.tracer is not None:
+                self.tracer.overflow(core.settings.overflow_policy.value)
         late_evicted = core.ledger.late_after_eviction
         if late_evicted != self._late_evicted_seen:
             m.late_audio_after_eviction.inc(late_evicted - self._late_evicted_seen)
@@ -615,6 +678,8 @@ class SessionObserver:
         self.note(
             "close", f"outcome {outcome.value if outcome else 'error'}, code {core.close_code}"
         )
+        if self.tracer is not None:
+            self.tracer.end(outcome.value if outcome else "error", core.close_code)
 
 
 def _cancels(core: SessionCore) -> int:

@@ -486,9 +486,16 @@ class Relay:
         event = decision.event
         if event.kind is ClientKind.SESSION_CLOSE and decision.forward:
             self.timers.arm_upstream_close(self._upstream_close_timeout)
+        kind = event.kind
         self._observer.client_event(
-            event.size, forwarded=decision.forward, audio=event.kind is ClientKind.AUDIO_APPEND
+            event.size, forwarded=decision.forward, audio=kind is ClientKind.AUDIO_APPEND
         )
+        if event.cancels or kind is ClientKind.RESPONSE_CREATE:
+            # Before the core call's news reaches the observer: a cancel is
+            # then attributed to this event (never reached per audio append).
+            tracer = self._observer.tracer
+            if tracer is not None:
+                tracer.client_event(event)
         out = core.events_to_upstream() if core.has_upstream_commands else []
         if decision.forward:
             ahead = sum(len(frame) for frame in out) if out else 0

@@ -48,7 +48,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any, Final
 
@@ -88,7 +88,7 @@ from proxy.edge import EdgeAppRunner
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
 from proxy.native import CORE_BUILD
-from proxy.observer import SessionRegistry
+from proxy.observer import SessionRegistry, Tracing
 from proxy.placement import Router
 
 #: Allocations between young-generation collections (CPython's default: 700).
@@ -100,6 +100,7 @@ __all__ = [
     "EXIT_OK",
     "Sidecar",
     "serve",
+    "start_tracing",
     "tune_gc",
     "validate_runtime",
 ]
@@ -209,6 +210,8 @@ class Sidecar:
             for replica in self.pool.replicas
         ]
         self.engine_view = self.engine_views[0]
+        #: OpenTelemetry tracing; None when off (docs/design.md, Tracing).
+        self.tracing = start_tracing(settings, os.environ)
         self.state = ProxyState(
             settings=settings,
             metrics=self.metrics,
@@ -218,6 +221,7 @@ class Sidecar:
             engines=self._engines,
             router=self.router,
             drain_engine=self.drain_engine,
+            tracing=self.tracing,
         )
         self.stop_requested = asyncio.Event()
         self.force_stop = asyncio.Event()
@@ -585,6 +589,59 @@ def validate_runtime(loaded: LoadedSettings) -> None:
         raise ConfigError(
             exc.key, exc.message, loaded.sources.get(exc.key, "default") + f" ({exc.source})"
         ) from None
+    if tracing_wanted(settings, os.environ):
+        problem = _tracing_problem(os.environ)
+        if problem is not None:
+            raise ConfigError("tracing", problem, loaded.sources.get("tracing", "default"))
+
+
+def tracing_wanted(settings: Settings, environ: Mapping[str, str]) -> bool:
+    """``tracing = "otlp"`` and not ``OTEL_SDK_DISABLED=true`` (the SDK's own switch)."""
+    disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    return settings.tracing == "otlp" and not disabled
+
+
+def start_tracing(settings: Settings, environ: Mapping[str, str]) -> Tracing | None:
+    """The process's tracer, or None when tracing is off (nothing of OpenTelemetry imported).
+
+    Raises:
+        ConfigError: tracing is on and the ``otel`` extra is not installed.
+    """
+    if not tracing_wanted(settings, environ):
+        return None
+    problem = _tracing_problem(environ)
+    if problem is not None:
+        raise ConfigError("tracing", problem, "settings")
+    return _import_tracing()(environ)
+
+
+def _tracing_problem(environ: Mapping[str, str]) -> str | None:
+    """Why ``tracing = "otlp"`` cannot start here (None: it can)."""
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = environ.get(name, "").strip()
+        if value:
+            if value != "http/protobuf":
+                return f'"otlp" exports over http/protobuf only, not {name}={value}'
+            break
+    try:
+        _import_tracing()
+    except ImportError as exc:
+        return _missing_otel(exc)
+    return None
+
+
+def _import_tracing() -> Callable[[Mapping[str, str]], Tracing]:
+    # Only here: with tracing off, neither proxy.tracing nor opentelemetry is imported.
+    from proxy.tracing import OtlpTracing
+
+    return OtlpTracing
+
+
+def _missing_otel(exc: ImportError) -> str:
+    return (
+        "\"otlp\" needs the OpenTelemetry packages: pip install 'omni-sidecar[otel]' "
+        f"({exc.name or exc})"
+    )
 
 
 async def serve(
@@ -606,7 +663,12 @@ async def serve(
     sidecar.reloader = reload
     sidecar.install_signal_handlers()
     tune_gc()
-    return await sidecar.run()
+    try:
+        return await sidecar.run()
+    finally:
+        if sidecar.tracing is not None:
+            # Export what is queued; bounded by OTEL_EXPORTER_OTLP_TIMEOUT.
+            sidecar.tracing.shutdown()
 
 
 def tune_gc() -> None:

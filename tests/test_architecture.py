@@ -4,6 +4,9 @@
   module outside ``proxy.core``); time and randomness are arguments.
 * ``engine_launcher`` never imports ``proxy``.
 * ``metrics`` imports neither ``proxy`` nor ``engine_launcher``.
+* ``opentelemetry`` is imported by ``proxy/tracing.py`` alone, and that module
+  only from inside a function (docs/design.md, Tracing): with tracing off
+  neither is loaded.
 
 Every import statement counts, wherever it is (function bodies, ``if
 TYPE_CHECKING`` blocks); relative imports are resolved against the module's
@@ -32,6 +35,7 @@ CORE_FORBIDDEN = frozenset(
         "random",
         "uvloop",
         "selectors",
+        "opentelemetry",
     }
 )
 
@@ -128,6 +132,38 @@ def test_launcher_never_imports_proxy(path: Path) -> None:
 def test_metrics_imports_neither_proxy_nor_launcher(path: Path) -> None:
     bad = sorted(m for m in imported_modules(path) if top(m) in ("proxy", "engine_launcher"))
     assert not bad, f"{module_name(path)} imports {bad}"
+
+
+PRODUCT_FILES = python_files("proxy") + LAUNCHER_FILES + METRICS_FILES
+TRACING_MODULE = "proxy.tracing"
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_only_the_tracing_module_imports_opentelemetry(path: Path) -> None:
+    if module_name(path) == TRACING_MODULE:
+        return
+    bad = sorted(m for m in imported_modules(path) if top(m) == "opentelemetry")
+    assert not bad, f"{module_name(path)} imports {bad}; only {TRACING_MODULE} may"
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    module = module_name(path)
+    # Statements run at import time: a function body may import it, nothing else.
+    at_import = [
+        node
+        for node in tree.body
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    ]
+    for node in at_import:
+        for inner in ast.walk(node):
+            names: list[str] = []
+            if isinstance(inner, ast.ImportFrom) and inner.module:
+                names = [inner.module] + [f"{inner.module}.{a.name}" for a in inner.names]
+            elif isinstance(inner, ast.Import):
+                names = [a.name for a in inner.names]
+            assert TRACING_MODULE not in names, f"{module} imports {TRACING_MODULE} at import time"
 
 
 # -- the checker itself ------------------------------------------------------------------

@@ -85,9 +85,16 @@ class Served:
 
 @contextlib.contextmanager
 def serve(
-    tmp_path: Path, upstream: str, *flags: str, sim: SimChild | None = None
+    tmp_path: Path,
+    upstream: str,
+    *flags: str,
+    sim: SimChild | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Served]:
-    """Start ``serve --upstream upstream *flags`` (keepalive off); kill it on exit."""
+    """Start ``serve --upstream upstream *flags`` (keepalive off); kill it on exit.
+
+    ``env`` is added to the clean environment (e.g. ``OTEL_*`` variables).
+    """
     port, admin_port = free_port(), free_port()
     log_path = tmp_path / f"serve-{port}.log"
     with open(log_path, "wb") as log:
@@ -98,7 +105,7 @@ def serve(
                 "--upstream", upstream, "--heartbeat-interval", "0", *flags,
             ),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=clean_env(), start_new_session=True,
+            env=clean_env(**(env or {})), start_new_session=True,
         )  # fmt: skip
     server = Served(proc, port, admin_port, log_path, sim)
     try:
