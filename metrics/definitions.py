@@ -33,6 +33,7 @@ __all__ = [
     "EVENT_KINDS",
     "LINGER_OUTCOMES",
     "OVERFLOW_POLICIES",
+    "QUOTA_KINDS",
     "REJECT_REASONS",
     "SESSION_OUTCOMES",
     "STANDARD_PREFIXES",
@@ -92,6 +93,8 @@ REJECT_REASONS: Final = (
     # the engine said it is full (resource_exhausted at open), or did so within
     # engine_full_backoff (docs/design.md, Engine capabilities).
     "engine_capacity",
+    # the key's quota (docs/design.md, Quotas); quota_rejections_total says which.
+    "quota_exceeded",
 )
 #: Connections or HTTP requests refused at the client listener's edge, before
 #: any session exists (docs/security.md): proxy/edge.py, proxy/handshake.py,
@@ -167,6 +170,8 @@ USAGE_DIRECTIONS: Final = ("in", "out", "delivered", "heard")
 USAGE_RESPONSE_OUTCOMES: Final = ("completed", "cancelled", "failed", "incomplete", "unfinished")
 #: usage_tokens_total's ``kind``: the engine's reported input and output tokens.
 USAGE_TOKEN_KINDS: Final = ("input", "output")
+#: quota_rejections_total's ``quota``: proxy.core.quota.QuotaKind values.
+QUOTA_KINDS: Final = ("max_sessions", "sessions_per_minute", "audio_seconds_per_day")
 
 # Buckets, in seconds.
 #: Time an event waits in the output buffer: sub-ms when the client keeps up,
@@ -527,6 +532,31 @@ class SidecarMetrics:
             registry=registry,
         )
         #: The ``key`` label values declared so far (grows on reload, never shrinks).
+        self.quota_rejections = Counter(
+            f"{p}_quota_rejections",
+            "Handshakes refused with 429 quota_exceeded, by API key name and quota "
+            "(docs/design.md, Quotas).",
+            ["key", "quota"],
+            registry=registry,
+        )
+        self.quota_sessions_ended = Counter(
+            f"{p}_quota_sessions_ended",
+            "Running sessions ended because their key's audio_seconds_per_day ran out, by API "
+            "key name.",
+            ["key"],
+            registry=registry,
+        )
+        self.quota_backend_down = Gauge(
+            f"{p}_quota_backend_down",
+            "1 while quota_redis_url is set and Redis does not answer: quotas are then "
+            "counted by this process alone; 0 otherwise.",
+            registry=registry,
+        )
+        self.quota_backend_errors = Counter(
+            f"{p}_quota_backend_errors",
+            "Redis quota calls that failed or timed out (each one decided locally instead).",
+            registry=registry,
+        )
         self.usage_keys: set[str] = set()
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
         # core: "mypyc" (make native) or "python"; both values are ours.
@@ -591,6 +621,9 @@ class SidecarMetrics:
                 self.usage_responses.labels(name, outcome)
             for kind in USAGE_TOKEN_KINDS:
                 self.usage_tokens.labels(name, kind)
+            for quota in QUOTA_KINDS:
+                self.quota_rejections.labels(name, quota)
+            self.quota_sessions_ended.labels(name)
 
     def usage_key(self, name: str) -> str:
         """The ``key`` label value for ``name``: itself when declared, else ``unnamed``."""

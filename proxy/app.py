@@ -45,18 +45,20 @@ from aiohttp import web
 
 from metrics import SidecarMetrics
 from proxy import compat
-from proxy.auth import AuthPolicy, AuthResult, load_api_keys, offered_subprotocols
+from proxy.auth import AuthPolicy, AuthResult, load_key_file, offered_subprotocols
 from proxy.config import Settings
 from proxy.core.buffer import BufferLimits
 from proxy.core.capabilities import opens_at_connect, session_is_duplex
 from proxy.core.events import classify_upstream
 from proxy.core.playback import AckMode, PlaybackSettings
+from proxy.core.quota import QuotaRefusal
 from proxy.core.session import OverflowPolicy, SessionCore, SessionSettings, is_engine_full
 from proxy.edge import EdgeGuard, EdgeLimits, client_address
 from proxy.frame_writer import AiohttpWriterAdapter
 from proxy.handshake import validate_upgrade, wants_websocket
 from proxy.observer import SessionObserver, SessionRegistry, SessionTracer, Tracing
 from proxy.placement import Router
+from proxy.quota import QuotaGate
 from proxy.relay import Relay, new_event_id
 from proxy.reverse_proxy import ProxyRequest, reverse_proxy
 from proxy.upstream_link import UpstreamConnectError, connect_upstream
@@ -212,12 +214,21 @@ class ProxyState:
     edge: EdgeGuard = field(init=False)
     #: Per-key usage counters and the usage file (proxy/usage_log.py).
     usage: UsageBook = field(init=False)
+    #: Quotas per key name, counted here or in Redis (proxy/quota.py).
+    quota: QuotaGate = field(init=False)
 
     def __post_init__(self) -> None:
         self.session_settings = session_settings(self.settings)
-        keys = load_api_keys(self.settings.api_keys, self.settings.api_keys_file)
+        keys, quotas = load_key_file(self.settings.api_keys, self.settings.api_keys_file)
         self.auth = AuthPolicy(keys, self.settings.allowed_origins)
         self.metrics.set_usage_keys(self.auth.key_names)
+        self.quota = QuotaGate(
+            self.metrics,
+            redis_url=self.settings.quota_redis_url,
+            timeout=self.settings.quota_redis_timeout,
+            slot_ttl=self.settings.quota_slot_ttl,
+        )
+        self.quota.quotas = quotas
         usage_file = None
         if self.settings.usage_file:
             usage_file = UsageFile(
@@ -274,10 +285,13 @@ class ProxyState:
         everything first, so a failure (an unreadable keys file) changes nothing.
         """
         new_session_settings = session_settings(settings)
-        keys = load_api_keys(settings.api_keys, settings.api_keys_file)
+        keys, quotas = load_key_file(settings.api_keys, settings.api_keys_file)
         self.auth = AuthPolicy(keys, settings.allowed_origins)
         # New names get their series; a name dropped from the file keeps its totals.
         self.metrics.set_usage_keys(self.auth.key_names)
+        # New quotas apply to new sessions; the counts (per name) carry over.
+        self.quota.quotas = quotas
+        self.quota.slot_ttl = settings.quota_slot_ttl
         self.session_settings = new_session_settings
         self.settings = settings
         self.admission.max_sessions = settings.max_sessions
@@ -335,6 +349,25 @@ def _json_error(status: int, reason: str, message: str, **headers: str) -> web.R
     )
 
 
+def _quota_refused(refused: QuotaRefusal) -> web.Response:
+    """429 ``quota_exceeded`` naming the quota, with ``Retry-After`` (docs/design.md, Quotas)."""
+    kind = refused.kind.value
+    message = f"this API key's {kind} quota ({refused.limit:g}) is used up"
+    return web.json_response(
+        {
+            # _json_error's shape, plus what a client needs to back off.
+            "error": {"code": "quota_exceeded", "message": message},
+            "status": "rejected",
+            "reason": "quota_exceeded",
+            "quota": kind,
+            "limit": refused.limit,
+            "retry_after": refused.retry_after,
+        },
+        status=429,
+        headers={"Retry-After": str(refused.retry_after)},
+    )
+
+
 # -- client listener ---------------------------------------------------------------------
 
 
@@ -348,6 +381,8 @@ async def _readyz(request: web.Request) -> web.Response:
     body: dict[str, Any] = {
         "sessions": state.admission.active,
         "max_sessions": state.admission.max_sessions,
+        # Redis down is degraded, not down: the limits are then per process.
+        "quota": state.quota.readiness(),
     }
     router = state.router
     if router is not None:
@@ -504,14 +539,23 @@ async def _run_placed(
 ) -> web.StreamResponse:
     """Trace (when on) and run one placed session; its span ends on every path."""
     key = uuid.uuid4().hex[:12]
-    tracing = state.tracing
-    if tracing is None:
-        return await _open_session(request, state, engine, key, key_name, None)
-    tracer = tracing.session(key, request.headers, model=request.query.get("model"))
+    refused = await state.quota.admit(key_name, key)
+    if refused is not None:
+        state.metrics.sessions_rejected.labels("quota_exceeded").inc()
+        _log_refused(client_address(request), 429, f"quota_exceeded ({refused.kind.value})")
+        return _quota_refused(refused)
     try:
-        return await _open_session(request, state, engine, key, key_name, tracer)
+        tracing = state.tracing
+        if tracing is None:
+            return await _open_session(request, state, engine, key, key_name, None)
+        tracer = tracing.session(key, request.headers, model=request.query.get("model"))
+        try:
+            return await _open_session(request, state, engine, key, key_name, tracer)
+        finally:
+            tracer.refused("handshake_failed")  # no-op when the session span already ended
     finally:
-        tracer.refused("handshake_failed")  # no-op when the session span already ended
+        with contextlib.suppress(Exception):
+            await state.quota.release(key)
 
 
 async def _open_session(
@@ -621,6 +665,7 @@ async def _open_session(
     # From here on every frame to this client, aiohttp's own close frames
     # included, goes through the relay's frame writer.
     compat.install_client_writer(client, AiohttpWriterAdapter(relay.writer))
+    state.quota.attach(key, relay.core.usage, relay.end_for_quota)
     metrics.sessions_started.inc()
     state.registry.add(relay)
     if state.registry.closing_all:

@@ -9,7 +9,8 @@ logged. ``allowed_origins`` is checked only when the client sends ``Origin``.
 
 A key in ``api_keys_file`` may carry a name (``KEY name=NAME``): the name, never
 the key, labels the session's usage (docs/design.md, Usage). Names come from
-the operator's file, so the label values are bounded by it.
+the operator's file, so the label values are bounded by it. A named key may
+also carry quotas (``max_sessions=N`` etc., docs/design.md, Quotas).
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from proxy.core.quota import KeyQuota
 from proxy.core.usage import KEY_NAME_PATTERN, UNNAMED_KEY
 from proxy.errors import ConfigError
 
-__all__ = ["KEY_SUBPROTOCOL_PREFIX", "AuthPolicy", "AuthResult", "load_api_keys"]
+__all__ = [
+    "KEY_SUBPROTOCOL_PREFIX",
+    "AuthPolicy",
+    "AuthResult",
+    "load_api_keys",
+    "load_key_file",
+]
 
 KEY_SUBPROTOCOL_PREFIX: Final = "openai-insecure-api-key."
 
@@ -30,15 +38,30 @@ KEY_SUBPROTOCOL_PREFIX: Final = "openai-insecure-api-key."
 def load_api_keys(keys: Iterable[str], keys_file: str | None) -> dict[str, str | None]:
     """Configured keys plus those in ``keys_file``, each with its name (None: unnamed).
 
-    The file has one key per line, ``#`` comments, and optionally ``name=NAME``
-    after the key (NAME: ``[A-Za-z0-9_.-]{1,64}``). Any other field is an error,
-    never ignored. A key listed twice keeps its last name.
+    See :func:`load_key_file` for the file's format and errors.
+    """
+    return load_key_file(keys, keys_file)[0]
+
+
+def load_key_file(
+    keys: Iterable[str], keys_file: str | None
+) -> tuple[dict[str, str | None], dict[str, KeyQuota]]:
+    """Keys with their names, and the quotas of each named key.
+
+    The file has one key per line, ``#`` comments, and optionally fields after
+    the key: ``name=NAME`` (NAME: ``[A-Za-z0-9_.-]{1,64}``) and the quotas
+    ``max_sessions=N``, ``sessions_per_minute=N``, ``audio_seconds_per_day=N``
+    (non-negative numbers, 0 = no limit). A quota needs a name: quotas count
+    per name, and keys that share a name share its quotas (their lines must
+    then agree). Any other field is an error, never ignored. A key listed twice
+    keeps its last line.
 
     Raises:
         ConfigError: the file cannot be read, holds no key, or a line is malformed
             (the message names the line number, never the key).
     """
     found: dict[str, str | None] = {k.strip(): None for k in keys if k.strip()}
+    quotas: dict[str, KeyQuota] = {}
     if keys_file:
         try:
             with open(keys_file, encoding="utf-8") as handle:
@@ -49,34 +72,75 @@ def load_api_keys(keys: Iterable[str], keys_file: str | None) -> dict[str, str |
             parts = line.split("#", 1)[0].split()
             if not parts:
                 continue
-            found[parts[0]] = _key_name(parts[1:], number, keys_file)
+            name, quota = _key_fields(parts[1:], number, keys_file)
+            found[parts[0]] = name
+            if name is None or quota is None:
+                continue
+            if quotas.get(name, quota) != quota:
+                raise ConfigError(
+                    "api_keys_file",
+                    f"line {number}: name {name!r} already has other quotas",
+                    keys_file,
+                )
+            quotas[name] = quota
         if not found:
             # An empty file must not silently turn authentication off.
             raise ConfigError("api_keys_file", "contains no keys", keys_file)
-    return found
+    return found, quotas
 
 
-def _key_name(fields: list[str], number: int, keys_file: str) -> str | None:
-    """The ``name=`` of one key line (None when absent)."""
+#: The quota fields of a key line and how each is read.
+_QUOTA_FIELDS: Final = {
+    "max_sessions": int,
+    "sessions_per_minute": int,
+    "audio_seconds_per_day": float,
+}
+
+
+def _key_fields(
+    fields: list[str], number: int, keys_file: str
+) -> tuple[str | None, KeyQuota | None]:
+    """The ``name=`` and quotas of one key line (None when absent)."""
     name: str | None = None
+    limits: dict[str, float] = {}
     for item in fields:
         field, sep, value = item.partition("=")
-        if field != "name" or not sep:
+        if not sep or (field != "name" and field not in _QUOTA_FIELDS):
             raise ConfigError(
                 "api_keys_file",
-                f"line {number}: unknown field {field!r} (only name=NAME may follow a key)",
+                f"line {number}: unknown field {field!r} (a key may be followed by "
+                "name=NAME, max_sessions=N, sessions_per_minute=N, audio_seconds_per_day=N)",
                 keys_file,
             )
-        if name is not None:
-            raise ConfigError("api_keys_file", f"line {number}: name given twice", keys_file)
-        if not KEY_NAME_PATTERN.fullmatch(value):
+        if field in limits or (field == "name" and name is not None):
+            raise ConfigError("api_keys_file", f"line {number}: {field} given twice", keys_file)
+        if field == "name":
+            if not KEY_NAME_PATTERN.fullmatch(value):
+                raise ConfigError(
+                    "api_keys_file",
+                    f"line {number}: a name is 1-64 of A-Z a-z 0-9 _ . -",
+                    keys_file,
+                )
+            name = value
+            continue
+        try:
+            limit = _QUOTA_FIELDS[field](value)
+        except ValueError:
+            limit = -1
+        if not 0 <= limit < float("inf"):
             raise ConfigError(
-                "api_keys_file",
-                f"line {number}: a name is 1-64 of A-Z a-z 0-9 _ . -",
-                keys_file,
+                "api_keys_file", f"line {number}: {field} must be a number >= 0", keys_file
             )
-        name = value
-    return name
+        limits[field] = limit
+    if not limits:
+        return name, None
+    if name is None:
+        raise ConfigError(
+            "api_keys_file",
+            f"line {number}: a quota needs name=NAME (quotas count per key name)",
+            keys_file,
+        )
+    return name, KeyQuota(**limits)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

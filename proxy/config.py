@@ -660,6 +660,47 @@ class Settings:
         metavar="ORIGIN,...",
         check=_check_list_items,
     )
+    quota_redis_url: str | None = setting(
+        None,
+        help="Redis URL (redis://host:port/db) that holds the per-key quota counts, shared by "
+        "every sidecar that names it; unset = each process counts its own "
+        "(docs/design.md, Quotas). Needs pip install 'omni-sidecar[redis]'. While Redis "
+        "does not answer, "
+        "this process falls back to its own counts and says so in /readyz and "
+        "omni_sidecar_quota_backend_down.",
+        section=_AUTH,
+        example='"redis://127.0.0.1:6379/0"',
+        metavar="URL",
+        mask=_mask_url,
+    )
+    quota_redis_timeout: float = setting(
+        0.25,
+        help="Longest wait for one Redis quota call (seconds); a call that takes longer "
+        "counts as Redis down and the local counts decide.",
+        unit="seconds",
+        minimum=0.01,
+        maximum=5.0,
+        section=_AUTH,
+    )
+    quota_slot_ttl: float = setting(
+        30.0,
+        help="Seconds a session's concurrent slot lives in Redis without a heartbeat; live "
+        "sessions refresh theirs every quota_check_interval, so the slots of a crashed "
+        "sidecar free themselves after this long.",
+        unit="seconds",
+        minimum=2.0,
+        section=_AUTH,
+    )
+    quota_check_interval: float = setting(
+        1.0,
+        help="How often (seconds) running sessions' audio is charged to their key's day "
+        "quota and their Redis slots refreshed; a session whose key ran out of audio "
+        "seconds is ended at the next check.",
+        unit="seconds",
+        minimum=0.05,
+        maximum=10.0,
+        section=_AUTH,
+    )
     upstream_authorization: str = setting(
         "pass-through",
         help='Authorization sent upstream: "pass-through" (the client\'s header), "none", '

@@ -220,6 +220,12 @@ class Relay:
         # The engine socket may linger half-open; stop waiting for its session.closed.
         self._upstream_session_closed.set()
 
+    def end_for_quota(self, message: str) -> None:
+        """The key's day audio quota ran out: ``error`` {quota_exceeded}, then 1008."""
+        self.log.info("audio_seconds_per_day of the key used up; closing")
+        self.core.end_for_quota(self._clock(), message)
+        self._after_core_call()
+
     def shed(self) -> None:
         """Process-wide pending cap exceeded and this is the largest session."""
         self.core.close_for_overflow(self._clock())

@@ -429,6 +429,9 @@ class Sidecar:
         exit_code = EXIT_OK
         supervisor_task = asyncio.ensure_future(self.pool.run())
         watchdog = asyncio.ensure_future(self._watchdog())
+        quota_checks = asyncio.ensure_future(
+            self.state.quota.run(self.settings.quota_check_interval)
+        )
         stop_wait = asyncio.ensure_future(self.stop_requested.wait())
         reload_wait: asyncio.Future[Any] | None = None
         try:
@@ -457,8 +460,13 @@ class Sidecar:
                 reload_wait.cancel()
             await self._shutdown(supervisor_task)
             watchdog.cancel()
+            quota_checks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
+            with contextlib.suppress(asyncio.CancelledError):
+                await quota_checks
+            with contextlib.suppress(Exception):
+                await self.state.quota.close()
         return exit_code
 
     def reload(self) -> bool:
@@ -593,6 +601,21 @@ def validate_runtime(loaded: LoadedSettings) -> None:
         problem = _tracing_problem(os.environ)
         if problem is not None:
             raise ConfigError("tracing", problem, loaded.sources.get("tracing", "default"))
+    if settings.quota_slot_ttl < 2 * settings.quota_check_interval:
+        raise ConfigError(
+            "quota_slot_ttl",
+            "must be at least twice quota_check_interval (slots are refreshed at every check)",
+            loaded.sources.get("quota_slot_ttl", "default"),
+        )
+    if settings.quota_redis_url:
+        try:
+            import redis.asyncio  # noqa: F401 - only checks that the extra is installed
+        except ImportError:
+            raise ConfigError(
+                "quota_redis_url",
+                "needs the redis package: pip install 'omni-sidecar[redis]'",
+                loaded.sources.get("quota_redis_url", "default"),
+            ) from None
 
 
 def tracing_wanted(settings: Settings, environ: Mapping[str, str]) -> bool:

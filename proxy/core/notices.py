@@ -29,6 +29,7 @@ ERROR_TYPES: Final[dict[str, str]] = {
     "output_backpressure": "rate_limit_error",
     "input_backpressure": "rate_limit_error",
     "client_rate_limited": "rate_limit_error",
+    "quota_exceeded": "rate_limit_error",
     "upstream_frame_too_large": "server_error",
     "resource_exhausted": "rate_limit_error",
     "engine_unavailable": "server_error",

@@ -320,6 +320,22 @@ class SessionCore:
             )
         return False
 
+    def end_for_quota(self, now: float, message: str) -> None:
+        """The key's day audio quota ran out (docs/design.md, Quotas).
+
+        Queues ``error`` {rate_limit_error, quota_exceeded}, then
+        ``session.closed`` {quota_exceeded}; the client is closed with 1008,
+        as for the other limits a client runs into.
+        """
+        self.end(
+            now,
+            reason="quota_exceeded",
+            code=CLOSE_POLICY_VIOLATION,
+            outcome=Outcome.RATE_LIMITED,
+            error_code="quota_exceeded",
+            error_message=message,
+        )
+
     # -- client → upstream ---------------------------------------------------------------
 
     def receive_client(self, text: str, now: float) -> ClientDecision:

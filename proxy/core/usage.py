@@ -134,6 +134,14 @@ class UsageMeter:
         self.responses_done = dict.fromkeys(ResponseOutcome, 0)
         self.input_tokens = self.output_tokens = self.total_tokens = 0
 
+    def quota_seconds(self) -> float:
+        """Audio seconds this session counts against its key's day quota so far.
+
+        Client input forwarded to the engine plus engine output delivered to
+        the client (docs/design.md, Quotas): what the key's user sent and got.
+        """
+        return self.input_seconds + self.delivered_chars * self.seconds_per_char
+
     def on_response_done(self, status: str | None, body: dict[str, Any] | None) -> None:
         """A ``response.done`` from the engine: its outcome and any ``response.usage``.
 

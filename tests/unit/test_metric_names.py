@@ -39,6 +39,7 @@ ALLOWED_LABELS = frozenset(
         "engine",
         "code",
         "key",
+        "quota",
     }
 )
 
@@ -108,6 +109,14 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
         {"key": (d.UNNAMED_KEY,), "kind": d.USAGE_TOKEN_KINDS},
     ),
     "omni_sidecar_usage_records_dropped": ("counter", {}),
+    # docs/design.md, Quotas: by key name like the usage families.
+    "omni_sidecar_quota_rejections": (
+        "counter",
+        {"key": (d.UNNAMED_KEY,), "quota": d.QUOTA_KINDS},
+    ),
+    "omni_sidecar_quota_sessions_ended": ("counter", {"key": (d.UNNAMED_KEY,)}),
+    "omni_sidecar_quota_backend_down": ("gauge", {}),
+    "omni_sidecar_quota_backend_errors": ("counter", {}),
 }
 
 #: The original design's metrics, verbatim (exposition names, with their labels).
@@ -250,7 +259,7 @@ NOT_YET_IN_DESIGN: dict[str, tuple[str, ...]] = {
         "playback_answer",
     ),
     "SESSION_OUTCOMES": ("rate_limited",),
-    "REJECT_REASONS": ("engine_capacity",),
+    "REJECT_REASONS": ("engine_capacity", "quota_exceeded"),
 }
 
 
@@ -279,6 +288,9 @@ def test_core_enums_match_the_label_enums() -> None:
     assert tuple(v.value for v in usage.AudioDirection) == d.USAGE_DIRECTIONS
     assert tuple(v.value for v in usage.ResponseOutcome) == d.USAGE_RESPONSE_OUTCOMES
     assert usage.UNNAMED_KEY == d.UNNAMED_KEY
+    from proxy.core import quota
+
+    assert tuple(v.value for v in quota.QuotaKind) == d.QUOTA_KINDS
 
 
 def test_every_sample_has_the_prefix(exposition: str) -> None:
