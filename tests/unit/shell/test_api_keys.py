@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.auth import KEY_SUBPROTOCOL_PREFIX, AuthPolicy, load_api_keys
+from proxy.auth import KEY_SUBPROTOCOL_PREFIX, AuthPolicy, load_api_keys, load_key_file
 from proxy.core.usage import UNNAMED_KEY
 from proxy.errors import ConfigError
 
@@ -81,3 +81,38 @@ def test_the_accepted_key_gives_its_name_never_the_key() -> None:
 def test_without_auth_every_session_is_unnamed() -> None:
     result = AuthPolicy((), ()).check({}, [])
     assert result.ok and result.key_name == UNNAMED_KEY
+
+
+def test_quota_fields_are_read_per_name(tmp_path: Path) -> None:
+    from proxy.core.quota import KeyQuota
+
+    keys, quotas = load_key_file(
+        (),
+        _file(
+            tmp_path,
+            "sk-a name=alpha max_sessions=3 sessions_per_minute=10 audio_seconds_per_day=3600\n"
+            "sk-b name=alpha max_sessions=3 sessions_per_minute=10 audio_seconds_per_day=3600\n"
+            "sk-c name=gamma\n",
+        ),
+    )
+    assert keys == {"sk-a": "alpha", "sk-b": "alpha", "sk-c": "gamma"}
+    assert quotas == {"alpha": KeyQuota(3, 10, 3600.0)}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("sk-a max_sessions=1", "line 1: a quota needs name=NAME"),
+        ("sk-a name=a max_sessions=-1", "line 1: max_sessions must be a number >= 0"),
+        ("sk-a name=a sessions_per_minute=1.5", "sessions_per_minute must be a number"),
+        ("sk-a name=a audio_seconds_per_day=nan", "audio_seconds_per_day must be a number"),
+        ("sk-a name=a max_sessions=1 max_sessions=2", "line 1: max_sessions given twice"),
+        ("sk-a name=a max_sessions=1\nsk-b name=a max_sessions=2", "line 2: name 'a' already"),
+    ],
+)
+def test_bad_quota_fields_are_errors_naming_the_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_key_file((), _file(tmp_path, text + "\n"))
+    assert "sk-a" not in str(caught.value)

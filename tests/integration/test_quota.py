@@ -1,0 +1,184 @@
+"""Quotas per key name, counted in the process (docs/design.md, Quotas).
+
+What a client sees: 429 with ``Retry-After`` and the JSON body naming the
+quota before the upgrade; the day's audio running out mid-session as ``error``
+{rate_limit_error, quota_exceeded}, ``session.closed`` {quota_exceeded} and
+close 1008; a SIGHUP that raises a limit admitting more at once while the
+count of open sessions carries over. The sidecar's wall clock is pinned
+(``quota._wall``) so minute and day windows cannot roll during a test.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import DEADLINE, wait_until
+from tests.integration.helpers import SILENCE_100MS, connect
+from tests.integration.served import ready, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sk-quota-A-7d1e0c"
+#: 2027-01-15 12:00:30 UTC: 30 s to the next minute, 43170 s to UTC midnight.
+PINNED = 1_800_000_030.0 - (1_800_000_030.0 % 86_400) + 43_230.0
+TO_NEXT_MINUTE = 30
+TO_MIDNIGHT = 86_400 - 43_230
+
+
+def _keys(tmp_path: Path, fields: str) -> str:
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY} name=alpha {fields}\n")
+    return str(path)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+async def _refused(url: str) -> tuple[int, str | None, dict[str, Any]]:
+    """A handshake's status, Retry-After and JSON body (the handshake must fail)."""
+    http_url = url.replace("ws://", "http://")
+    headers = {
+        **_auth(),
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    }
+    async with aiohttp.ClientSession() as http, http.get(http_url, headers=headers) as resp:
+        return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+
+async def _metric(proxy: Any, name: str) -> float:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{proxy.admin_url}/metrics") as resp,
+    ):
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            sample, _, value = line.rpartition(" ")
+            if sample == name or sample.startswith(name + "{"):
+                return float(value)
+    return 0.0
+
+
+async def _start(simulator: Any, sidecar: Any, keys_file: str, **overrides: Any) -> Any:
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(
+        upstream=sim.ws_url, api_keys_file=keys_file, quota_check_interval=0.05, **overrides
+    )
+    proxy.sidecar.state.quota._wall = lambda: PINNED
+    return proxy
+
+
+async def test_max_sessions_refuses_the_next_with_429_until_one_ends(
+    simulator: Any, sidecar: Any, tmp_path: Path
+) -> None:
+    proxy = await _start(simulator, sidecar, _keys(tmp_path, "max_sessions=1"))
+    async with connect(proxy.url, headers=_auth()) as first:
+        await first.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+        await first.recv_until("session.updated")
+        status, retry, body = await _refused(proxy.url)
+        assert (status, retry) == (429, "1")
+        assert body["status"] == "rejected"
+        assert body["reason"] == body["error"]["code"] == "quota_exceeded"
+        assert (body["quota"], body["limit"], body["retry_after"]) == ("max_sessions", 1, 1)
+    series = 'omni_sidecar_quota_rejections_total{key="alpha",quota="max_sessions"}'
+    assert await _metric(proxy, series) == 1
+    assert KEY not in (await _metric_text(proxy))
+
+    async def admitted() -> bool:
+        try:
+            async with connect(proxy.url, headers=_auth()):
+                return True
+        except aiohttp.WSServerHandshakeError:
+            return False
+
+    await wait_until(admitted, what="a session admitted once the first ended")
+
+
+async def _metric_text(proxy: Any) -> str:
+    async with aiohttp.ClientSession() as http, http.get(f"{proxy.admin_url}/metrics") as resp:
+        return await resp.text()
+
+
+async def test_sessions_per_minute_refuses_until_the_next_minute(
+    simulator: Any, sidecar: Any, tmp_path: Path
+) -> None:
+    proxy = await _start(simulator, sidecar, _keys(tmp_path, "sessions_per_minute=2"))
+    for _ in range(2):
+        async with connect(proxy.url, headers=_auth()):
+            pass
+    status, retry, body = await _refused(proxy.url)
+    assert (status, retry, body["quota"]) == (429, str(TO_NEXT_MINUTE), "sessions_per_minute")
+    # The next minute admits again.
+    proxy.sidecar.state.quota._wall = lambda: PINNED + TO_NEXT_MINUTE
+    async with connect(proxy.url, headers=_auth()):
+        pass
+
+
+async def test_day_audio_quota_ends_a_running_session_then_refuses_until_midnight(
+    simulator: Any, sidecar: Any, tmp_path: Path
+) -> None:
+    # 0.5 s a day; the client sends 1 s of input (input counts, docs/design.md, Quotas).
+    proxy = await _start(
+        simulator, sidecar, _keys(tmp_path, "audio_seconds_per_day=0.5"), max_input_audio_rate=0
+    )
+    async with connect(proxy.url, headers=_auth()) as client:
+        await client.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+        for _ in range(10):
+            await client.send({"type": "input_audio_buffer.append", "audio": SILENCE_100MS})
+        events = await client.recv_until_closed()
+    errors = [e for e in events if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["quota_exceeded"]
+    assert errors[0]["error"]["type"] == "rate_limit_error"
+    closed = [e for e in events if e["type"] == "session.closed"]
+    assert closed and closed[-1]["reason"] == "quota_exceeded"
+    assert client.close_code == 1008
+    status, retry, body = await _refused(proxy.url)
+    assert (status, retry, body["quota"]) == (429, str(TO_MIDNIGHT), "audio_seconds_per_day")
+    assert await _metric(proxy, 'omni_sidecar_quota_sessions_ended_total{key="alpha"}') == 1
+    # The next UTC day starts from 0.
+    proxy.sidecar.state.quota._wall = lambda: PINNED + TO_MIDNIGHT
+    async with connect(proxy.url, headers=_auth()):
+        pass
+
+
+def test_a_quota_without_a_name_is_a_config_error(tmp_path: Path) -> None:
+    from proxy.auth import load_key_file
+    from proxy.errors import ConfigError
+
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY} max_sessions=2\n")
+    with pytest.raises(ConfigError, match="line 1: a quota needs name=NAME") as caught:
+        load_key_file((), str(path))
+    assert KEY not in str(caught.value)
+
+
+async def test_sighup_applies_new_quotas_and_the_open_count_carries_over(
+    simulator: Any, tmp_path: Path
+) -> None:
+    sim = await simulator("--realtime-factor", "0")
+    keys = _keys(tmp_path, "max_sessions=1")
+    with serve(tmp_path, sim.ws_url, "--api-keys-file", keys) as child:
+        await ready(child)
+        ws = f"ws://127.0.0.1:{child.port}/v1/realtime"
+        async with connect(ws, headers=_auth()) as first:
+            await first.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+            await first.recv_until("session.updated")
+            assert (await _refused(ws))[0] == 429
+            Path(keys).write_text(f"{KEY} name=alpha max_sessions=2\n")
+            child.proc.send_signal(signal.SIGHUP)
+            await wait_until(
+                lambda: "config reloaded" in child.log(), timeout=DEADLINE, what="reload"
+            )
+            async with connect(ws, headers=_auth()):
+                # The first session still counts: 2 open, the third is refused.
+                status, _, body = await _refused(ws)
+                assert (status, body["quota"], body["limit"]) == (429, "max_sessions", 2)
