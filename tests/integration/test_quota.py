@@ -54,18 +54,13 @@ async def _refused(url: str) -> tuple[int, str | None, dict[str, Any]]:
         return resp.status, resp.headers.get("Retry-After"), await resp.json()
 
 
-async def _metric(proxy: Any, name: str) -> float:
-    async with (
-        aiohttp.ClientSession() as http,
-        http.get(f"{proxy.admin_url}/metrics") as resp,
-    ):
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            sample, _, value = line.rpartition(" ")
-            if sample == name or sample.startswith(name + "{"):
-                return float(value)
-    return 0.0
+async def _metric(proxy: Any, series: str) -> float:
+    """One sample of the sidecar's /metrics, named exactly (labels included)."""
+    for line in (await _metric_text(proxy)).splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample == series:
+            return float(value)
+    raise AssertionError(f"no sample {series}")
 
 
 async def _start(simulator: Any, sidecar: Any, keys_file: str, **overrides: Any) -> Any:
