@@ -29,6 +29,7 @@ because Redis went away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -152,12 +153,20 @@ class QuotaGate:
         self._process = uuid.uuid4().hex[:12]
         self._backend: _Backend | None = None
         if redis_url:
-            import redis.asyncio as aioredis  # only with quota_redis_url
+            # Only with quota_redis_url (the redis extra).
+            import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+            from redis.exceptions import ConnectionError as RedisConnectionError
 
             client = aioredis.Redis.from_url(
                 redis_url,
                 socket_timeout=timeout,
                 socket_connect_timeout=timeout,
+                # One reconnect for a pooled connection a restarted Redis closed;
+                # quota_redis_timeout still bounds the whole call.
+                retry=Retry(NoBackoff(), 1),
+                retry_on_error=[RedisConnectionError],
                 retry_on_timeout=False,
                 decode_responses=True,
             )
@@ -320,8 +329,13 @@ class QuotaGate:
             live.ended = True
             self._metrics.quota_sessions_ended.labels(self._metrics.usage_key(live.name)).inc()
             live.end(f"the key's audio_seconds_per_day ({limit:g} s) is used up for today (UTC)")
-        if backend is not None and backend.up and self._live:
-            await self._refresh_slots(backend, wall)
+        if backend is not None and backend.up:
+            if self._live:
+                await self._refresh_slots(backend, wall)
+            else:
+                # Idle: still notice a Redis that went away before a handshake does.
+                with contextlib.suppress(_BackendDown):
+                    await self._call(backend.client.ping())
 
     async def _refresh_slots(self, backend: _Backend, wall: float) -> None:
         """Push live sessions' slot expiry ahead (and put back any Redis lost)."""
