@@ -226,6 +226,8 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         },
         # docs/design.md, Usage: ended sessions' usage per API key name (never a key).
         "usage": state.usage.view(),
+        # docs/design.md, Quotas: each named key's limits and this process's counts.
+        "quota": {**state.quota.readiness(), "keys": state.quota.headroom()},
     }
 
 

@@ -353,3 +353,40 @@ async def test_usage_is_shown_per_key_name_never_the_key(
     assert cells[7] == "1"  # one response
     assert secret not in await page.evaluate("document.body.innerText")
     assert page.console_errors() == []
+
+
+async def test_quota_headroom_is_shown_per_key_name(
+    simulator: Any, sidecar: Any, page: Page, tmp_path: Path
+) -> None:
+    """docs/design.md, Quotas: limits and this sidecar's use per key name, never the key."""
+    secret = "sk-console-QUOTA-2b7d"
+    keys = tmp_path / "keys"
+    keys.write_text(f"{secret} name=team-q max_sessions=3 audio_seconds_per_day=60\n")
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url, api_keys_file=str(keys))
+    await open_console(page, proxy)
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(
+            proxy.url, headers={"Authorization": f"Bearer {secret}"}, max_msg_size=0
+        )
+        await page.wait_for(
+            "[...document.querySelectorAll('#quota tbody tr')]"
+            ".some(tr => tr.children[0].textContent === 'team-q'"
+            " && tr.children[1].textContent === '1 / 3')",
+            timeout=APPEAR,
+            what="the key's quota row with one session open",
+        )
+        row = await page.evaluate(
+            "[...document.querySelectorAll('#quota tbody tr')]"
+            ".find(tr => tr.children[0].textContent === 'team-q').innerText"
+        )
+        await ws.close()
+    cells = row.split("\t")
+    assert cells[2] == "1 / ∞"  # no sessions_per_minute
+    assert cells[3] == "0.0 s / 60 s"
+    assert cells[4] == "60.0 s"
+    assert "own counts" in await page.evaluate(
+        "document.querySelector('#quota-backend').textContent"
+    )
+    assert secret not in await page.evaluate("document.body.innerText")
+    assert page.console_errors() == []

@@ -67,6 +67,8 @@ REQUIRED_PANELS = {
     "omni_sidecar_engine_restarts_total": "engine restarts",
     "omni_sidecar_usage_audio_seconds_total": "usage: audio seconds by key and direction",
     "omni_sidecar_usage_responses_total": "usage: responses by key and outcome",
+    "omni_sidecar_quota_rejections_total": "quotas: rejections by key and quota",
+    "omni_sidecar_quota_backend_down": "quotas: a sidecar counting alone (Redis down)",
 }
 
 

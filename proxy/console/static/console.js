@@ -120,6 +120,23 @@
       return tr;
     }));
 
+    // docs/design.md, Quotas: limit and use per key name; 0 = no limit ("∞").
+    const q = s.quota || { keys: [] };
+    $("quota-backend").textContent = q.backend === "redis"
+      ? "(shared in Redis, counted by this sidecar" + (q.state === "ok" ? ")" : "; Redis down: limits per process)")
+      : "(this sidecar's own counts)";
+    $("quota").tBodies[0].replaceChildren(...(q.keys || []).map((k) => {
+      const tr = el("tr");
+      const of = (used, limit) => used + " / " + (limit || "∞");
+      const day = k.audio_seconds_per_day;
+      const left = day ? Math.max(0, day - k.audio_seconds_today).toFixed(1) + " s" : "∞";
+      for (const cell of [
+        k.key, of(k.sessions, k.max_sessions), of(k.sessions_this_minute, k.sessions_per_minute),
+        of(k.audio_seconds_today.toFixed(1) + " s", day ? day + " s" : 0), left,
+      ]) tr.appendChild(el("td", cell));
+      return tr;
+    }));
+
     const live = s.sessions.live;
     const limit = s.sessions.limit;
     setBar($("sessions-fill"), live, limit || Math.max(live, 1));
