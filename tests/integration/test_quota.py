@@ -41,7 +41,7 @@ def _auth() -> dict[str, str]:
 
 
 async def _refused(url: str) -> tuple[int, str | None, dict[str, Any]]:
-    """A handshake's status, Retry-After and JSON body (the handshake must fail)."""
+    """A handshake's status, Retry-After and JSON body (none for 101: it was admitted)."""
     http_url = url.replace("ws://", "http://")
     headers = {
         **_auth(),
@@ -51,7 +51,8 @@ async def _refused(url: str) -> tuple[int, str | None, dict[str, Any]]:
         "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
     }
     async with aiohttp.ClientSession() as http, http.get(http_url, headers=headers) as resp:
-        return resp.status, resp.headers.get("Retry-After"), await resp.json()
+        body = {} if resp.status == 101 else await resp.json()
+        return resp.status, resp.headers.get("Retry-After"), body
 
 
 async def _metric(proxy: Any, series: str) -> float:

@@ -8,7 +8,8 @@ through nginx, gets 429); a day audio quota used up on one refuses the key on
 the others; killing Redis mid-run ends no session, each sidecar falls back to
 its own counts (``quota_backend_down`` 1, ``/readyz`` 200 ``degraded``), and
 a new Redis on the same port is used again, with the live sessions' slots
-back in it.
+back in it; a sidecar killed with sessions open frees their slots after
+``quota_slot_ttl``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ LB_EXAMPLE = REPO_ROOT / "deploy" / "nginx" / "omni-sidecar-lb.conf"
 ALPHA = "sk-shared-ALPHA-51c2"
 BETA = "sk-shared-BETA-0e93"
 DOWN = "omni_sidecar_quota_backend_down"
+#: quota_slot_ttl of the sidecars (its minimum): a crashed sidecar's slots live this long.
+SLOT_TTL = 2.0
 
 
 @contextlib.contextmanager
@@ -132,7 +135,7 @@ async def test_three_sidecars_share_one_keys_quotas_and_survive_redis_going_away
     flags = (
         "--api-keys-file", str(keys), "--quota-redis-url", f"redis://127.0.0.1:{redis_port}/0",
         "--quota-check-interval", "0.1", "--quota-redis-timeout", "0.2",
-        "--max-input-audio-rate", "0",
+        "--max-input-audio-rate", "0", "--quota-slot-ttl", str(SLOT_TTL),
     )  # fmt: skip
     alpha = {"headers": {"Authorization": f"Bearer {ALPHA}"}}
     with (
@@ -214,6 +217,16 @@ async def test_three_sidecars_share_one_keys_quotas_and_survive_redis_going_away
                     assert (status, body["quota"]) == (429, "max_sessions")
                     for client in (one, two):
                         await _responds(client)
+
+                    # a crashes holding both slots: they expire after quota_slot_ttl.
+                    a.kill()
+
+                    async def admitted_on_c() -> bool:
+                        return (await _refused_as(_ws(c), ALPHA))[0] == 101
+
+                    await wait_until(
+                        admitted_on_c, timeout=SLOT_TTL + DEADLINE, what="a's slots expired"
+                    )
 
 
 async def _is(child: Served, value: float) -> bool:
