@@ -7,6 +7,9 @@
 * ``opentelemetry`` is imported by ``proxy/tracing.py`` alone, and that module
   only from inside a function (docs/design.md, Tracing): with tracing off
   neither is loaded.
+* ``redis`` is imported only inside functions, by ``proxy/quota.py`` (and by
+  ``proxy/server.py``'s check that the extra is installed): without
+  ``quota_redis_url`` it is never loaded (docs/design.md, Quotas).
 
 Every import statement counts, wherever it is (function bodies, ``if
 TYPE_CHECKING`` blocks); relative imports are resolved against the module's
@@ -164,6 +167,38 @@ def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> Non
             elif isinstance(inner, ast.Import):
                 names = [a.name for a in inner.names]
             assert TRACING_MODULE not in names, f"{module} imports {TRACING_MODULE} at import time"
+
+
+REDIS_IMPORTERS = frozenset({"proxy.quota", "proxy.server"})
+
+
+def _imports_outside_functions(tree: ast.AST) -> list[str]:
+    """Modules imported by statements that run when the module (or a class) loads."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                found.append(child.module)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_redis_is_imported_only_inside_the_quota_functions(path: Path) -> None:
+    module = module_name(path)
+    uses = sorted(m for m in imported_modules(path) if top(m) == "redis")
+    if module not in REDIS_IMPORTERS:
+        assert not uses, f"{module} imports {uses}; only {sorted(REDIS_IMPORTERS)} may"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    at_load = [m for m in _imports_outside_functions(tree) if top(m) == "redis"]
+    assert not at_load, f"{module} imports {at_load} at import time"
 
 
 # -- the checker itself ------------------------------------------------------------------
