@@ -111,7 +111,7 @@ CONNECTION_REJECT_REASONS: Final = (
 )
 #: How a lingering close after an error answer ended (proxy/edge.py): the
 #: client closed its side, nothing arrived for lingering_timeout, lingering_time
-#: passed, max_lingering_bytes were discarded, no room under
+#: passed after max_lingering_bytes were discarded (reading stopped), no room under
 #: max_pending_handshakes (closed at once), the client reset, the sidecar shut down.
 LINGER_OUTCOMES: Final = (
     "client_closed",

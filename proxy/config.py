@@ -297,8 +297,9 @@ class Settings:
     )
     max_lingering_bytes: int = setting(
         1 * MIB,
-        help="Client listener: a lingering connection is closed once it has sent this many "
-        "bytes after the answer (within lingering_time).",
+        help="Client listener: a lingering connection stops being read once it has sent this "
+        "many bytes after the answer; TCP flow control then holds the client, and the socket "
+        "is closed at lingering_time.",
         unit="bytes",
         positive=True,
         live=True,

@@ -30,10 +30,13 @@ Lingering close: ``lingering_time`` (seconds, default 5), ``lingering_timeout``
     nginx does: the write side is shut (FIN after the answer), and what the
     client still sends is read and discarded until it closes its side, or
     ``lingering_timeout`` passes without a byte, or ``lingering_time`` since
-    the answer, or ``max_lingering_bytes`` have been discarded; then the
-    socket is closed. Closing at once with the client's bytes unread makes
-    the kernel reset the connection, and a client still sending then loses
-    the answer it had not read yet. A lingering connection counts against
+    the answer; then the socket is closed. Past ``max_lingering_bytes``
+    discarded, reading stops: TCP flow control holds the client's sending
+    at no cost to us, and the socket is closed at ``lingering_time``. It is
+    not closed at the byte cap itself: closing with the client's bytes
+    unread makes the kernel reset the connection, and a client still
+    sending then loses the answer it had not read yet (a 413 after 1 MiB of
+    a 100 MiB upload was lost that way on a loaded machine). A lingering connection counts against
     ``max_pending_handshakes``; with no room left the connection is closed
     at once instead. Each ends with one
     ``omni_sidecar_lingering_closes_total{outcome}``.
@@ -495,6 +498,7 @@ class _Linger:
         "guard",
         "heard",
         "outcome",
+        "paused",
         "received",
         "transport",
     )
@@ -508,6 +512,8 @@ class _Linger:
         self.deadline = now + limits.lingering_time
         self.heard = now
         self.received = 0
+        #: Reading stopped at max_lingering_bytes; the deadline ends it.
+        self.paused = False
         #: How it ended; empty while it lingers.
         self.outcome = ""
         guard.lingering += 1
@@ -520,17 +526,27 @@ class _Linger:
         )
 
     def _next_check(self) -> float:
+        if self.paused:  # nothing is heard any more: only the deadline is left
+            return self.deadline
         return min(self.deadline, self.heard + self.guard.limits.lingering_timeout)
 
     def discard(self, data: bytes) -> None:
-        """Bytes the client still sent: dropped, counted against ``max_lingering_bytes``."""
-        if self.outcome:
+        """Bytes the client still sent: dropped, counted against ``max_lingering_bytes``.
+
+        Past the cap reading stops (the client's sends stall on a full TCP
+        window) and the socket waits for ``lingering_time``, so that a client
+        still sending has that long to read the answer before the reset.
+        """
+        if self.outcome or self.paused:
             return
         self.received += len(data)
+        self.heard = self._loop.time()
         if self.received > self.guard.limits.max_lingering_bytes:
-            self.end("byte_limit")
-        else:
-            self.heard = self._loop.time()
+            self.paused = True
+            self.transport.pause_reading()
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_at(self.deadline, self._check)
 
     def _check(self) -> None:
         self._timer = None
@@ -539,7 +555,7 @@ class _Linger:
             return
         now = self._loop.time()
         if now >= self.deadline:
-            self.end("time_limit")
+            self.end("byte_limit" if self.paused else "time_limit")
         elif now >= self.heard + self.guard.limits.lingering_timeout:
             self.end("quiet")
         else:

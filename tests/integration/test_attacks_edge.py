@@ -650,24 +650,29 @@ async def send_until_closed(sock: socket.socket, chunk: bytes, pause: float) -> 
     return sent
 
 
-async def test_a_client_that_keeps_sending_is_closed_at_the_byte_cap(tmp_path: Path) -> None:
-    cap = 256 * 1024
+async def test_past_the_byte_cap_reading_stops_until_lingering_time(tmp_path: Path) -> None:
+    cap, limit = 256 * 1024, 2.0
     with served(
         tmp_path,
         "--max-request-head-bytes", "1024",
         "--max-lingering-bytes", str(cap),
-        "--lingering-time", "60", "--lingering-timeout", "60",
+        "--lingering-time", str(limit), "--lingering-timeout", "60",
     ) as server:  # fmt: skip
         await ready(server)
         sock, answer = await answered(server.port)
+        answered_at = time.monotonic()
         assert status_of(answer) == 431
-        started = time.monotonic()
         with sock:
             sent = await send_until_closed(sock, b"z" * 16384, 0)
-        elapsed = time.monotonic() - started
-        print(f"\nlingering byte cap {cap} B: closed after {sent} B sent, {elapsed:.2f} s")
+        elapsed = time.monotonic() - answered_at
+        print(f"\nlingering byte cap {cap} B: {sent} B sent, closed after {elapsed:.2f} s")
         assert sent >= cap
-        assert elapsed < 30  # far below lingering_time: the byte cap closed it
+        # Reading stopped at the cap: the kernel's buffers took the rest, not us
+        # (an unthrottled loopback sender moves gigabytes in lingering_time).
+        assert sent < 64 * MIB, sent
+        # Not closed at the cap (that reset could destroy an answer still unread):
+        # at lingering_time.
+        assert 0.8 * limit <= elapsed < limit + DEADLINE / 2, elapsed
         assert await server.gauge(lingered("byte_limit")) == 1
         assert await server.gauge("omni_sidecar_lingering_connections") == 0
 
