@@ -12,6 +12,7 @@ how ``docs/console.png`` is made).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -75,6 +76,38 @@ def rows_with(text: str) -> str:
         "[...document.querySelectorAll('#sessions tbody tr')]"
         f".filter(tr => tr.children[1].textContent === {literal})"
     )
+
+
+@contextlib.asynccontextmanager
+async def keyed_session(
+    simulator: Any, sidecar: Any, page: Page, tmp_path: Path, key_line: str
+) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
+    """A sidecar whose only key is ``key_line``, its console open, and a session under that key.
+
+    Args:
+        simulator: The simulator fixture (started with realtime factor 0).
+        sidecar: The sidecar fixture.
+        page: The browser page that opens the console.
+        tmp_path: Where the key file is written.
+        key_line: One key-file line: the secret, then its attributes.
+
+    Returns:
+        The session's client WebSocket, closed on exit.
+    """
+    keys = tmp_path / "keys"
+    keys.write_text(key_line + "\n")
+    secret = key_line.split()[0]
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url, api_keys_file=str(keys))
+    await open_console(page, proxy)
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(
+            proxy.url, headers={"Authorization": f"Bearer {secret}"}, max_msg_size=0
+        )
+        try:
+            yield ws
+        finally:
+            await ws.close()
 
 
 class Client:
@@ -317,15 +350,7 @@ async def test_usage_is_shown_per_key_name_never_the_key(
 ) -> None:
     """docs/design.md, Usage: one row per key name, with its sessions and audio."""
     secret = "sk-console-USAGE-6e1f"
-    keys = tmp_path / "keys"
-    keys.write_text(f"{secret} name=team-a\n")
-    sim = await simulator("--realtime-factor", "0")
-    proxy = await sidecar(upstream=sim.ws_url, api_keys_file=str(keys))
-    await open_console(page, proxy)
-    async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(
-            proxy.url, headers={"Authorization": f"Bearer {secret}"}, max_msg_size=0
-        )
+    async with keyed_session(simulator, sidecar, page, tmp_path, f"{secret} name=team-a") as ws:
         for event in (
             {"type": "session.update", "session": {"modalities": ["audio", "text"]}},
             {"type": "input_audio_buffer.append", "audio": "AAAA" * 3200},
@@ -335,7 +360,6 @@ async def test_usage_is_shown_per_key_name_never_the_key(
             await ws.send_str(orjson.dumps(event).decode())
         while orjson.loads((await ws.receive(timeout=DEADLINE)).data)["type"] != "response.done":
             pass
-        await ws.close()
     await page.wait_for(
         "[...document.querySelectorAll('#usage tbody tr')]"
         ".some(tr => tr.children[0].textContent === 'team-a')",
@@ -360,15 +384,8 @@ async def test_quota_headroom_is_shown_per_key_name(
 ) -> None:
     """docs/design.md, Quotas: limits and this sidecar's use per key name, never the key."""
     secret = "sk-console-QUOTA-2b7d"
-    keys = tmp_path / "keys"
-    keys.write_text(f"{secret} name=team-q max_sessions=3 audio_seconds_per_day=60\n")
-    sim = await simulator("--realtime-factor", "0")
-    proxy = await sidecar(upstream=sim.ws_url, api_keys_file=str(keys))
-    await open_console(page, proxy)
-    async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(
-            proxy.url, headers={"Authorization": f"Bearer {secret}"}, max_msg_size=0
-        )
+    key_line = f"{secret} name=team-q max_sessions=3 audio_seconds_per_day=60"
+    async with keyed_session(simulator, sidecar, page, tmp_path, key_line):
         await page.wait_for(
             "[...document.querySelectorAll('#quota tbody tr')]"
             ".some(tr => tr.children[0].textContent === 'team-q'"
@@ -380,7 +397,6 @@ async def test_quota_headroom_is_shown_per_key_name(
             "[...document.querySelectorAll('#quota tbody tr')]"
             ".find(tr => tr.children[0].textContent === 'team-q').innerText"
         )
-        await ws.close()
     cells = row.split("\t")
     assert cells[2] == "1 / ∞"  # no sessions_per_minute
     assert cells[3] == "0.0 s / 60 s"

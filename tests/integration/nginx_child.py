@@ -3,7 +3,8 @@
 ``main_config`` wraps one site file (a ``deploy/nginx`` example with its ports
 and paths replaced) in a minimal ``nginx.conf`` whose pid, logs and temp
 directories all live under the test's own prefix; ``nginx`` runs it in the
-foreground in its own process group and stops only that group.
+foreground in its own process group and stops only that group;
+``wait_answering`` waits for it to answer over plain HTTP.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import DEADLINE
+import pytest
 
-__all__ = ["main_config", "nginx"]
+from tests.conftest import DEADLINE, http_ok, wait_until
+
+__all__ = ["main_config", "nginx", "wait_answering"]
 
 
 def main_config(prefix: Path, site: Path) -> Path:
@@ -56,3 +59,20 @@ def nginx(prefix: Path, config: Path) -> Iterator[subprocess.Popen[bytes]]:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=DEADLINE)
+
+
+async def wait_answering(process: subprocess.Popen[bytes], prefix: Path, url: str) -> None:
+    """Wait until ``url`` answers 200 through nginx; fail with its error log if it exits first.
+
+    Args:
+        process: The nginx child from ``nginx``.
+        prefix: Its prefix, where ``error.log`` lives.
+        url: A plain-HTTP URL served through nginx.
+    """
+
+    async def up() -> bool:
+        if process.poll() is not None:
+            pytest.fail("nginx exited:\n" + (prefix / "error.log").read_text())
+        return await http_ok(url)
+
+    await wait_until(up, what="nginx answering")

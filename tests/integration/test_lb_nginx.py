@@ -31,7 +31,7 @@ import pytest
 
 from tests.conftest import DEADLINE, free_port, http_ok, wait_until
 from tests.integration.helpers import REPO_ROOT, children_of, clean_env, cli_argv
-from tests.integration.nginx_child import main_config, nginx
+from tests.integration.nginx_child import main_config, nginx, wait_answering
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -141,14 +141,7 @@ async def test_least_conn_spreads_refuses_the_7th_and_a_draining_sidecar_is_skip
             )
         listen = free_port()
         with nginx(tmp_path, lb_config(tmp_path, listen, [a.port, b.port])) as process:
-            base = f"http://127.0.0.1:{listen}"
-
-            async def up() -> bool:
-                if process.poll() is not None:
-                    pytest.fail("nginx exited:\n" + (tmp_path / "error.log").read_text())
-                return await http_ok(f"{base}/readyz")
-
-            await wait_until(up, what="nginx answering")
+            await wait_answering(process, tmp_path, f"http://127.0.0.1:{listen}/readyz")
             async with aiohttp.ClientSession() as http:
                 clients = Clients(http, f"ws://127.0.0.1:{listen}/v1/realtime")
                 on_a: list[aiohttp.ClientWebSocketResponse] = []

@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import DEADLINE, free_port, http_ok, wait_until
+from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import REPO_ROOT, SILENCE_100MS, connect
-from tests.integration.nginx_child import main_config, nginx
+from tests.integration.nginx_child import main_config, nginx, wait_answering
 from tests.integration.served import Served, ready, serve
 from tests.integration.test_quota import _refused
 
@@ -150,13 +150,7 @@ async def test_three_sidecars_share_one_keys_quotas_and_survive_redis_going_away
         listen = free_port()
         with nginx(tmp_path, _lb_config(tmp_path, listen, [a.port, b.port, c.port])) as lb:
             through_lb = f"ws://127.0.0.1:{listen}/v1/realtime"
-
-            async def lb_up() -> bool:
-                if lb.poll() is not None:
-                    pytest.fail("nginx exited:\n" + (tmp_path / "error.log").read_text())
-                return await http_ok(f"http://127.0.0.1:{listen}/readyz")
-
-            await wait_until(lb_up, what="nginx answering")
+            await wait_answering(lb, tmp_path, f"http://127.0.0.1:{listen}/readyz")
 
             # The day audio quota: used up on a, refused on b and c.
             beta = {"headers": {"Authorization": f"Bearer {BETA}"}}
