@@ -25,7 +25,7 @@ import picows
 import uvloop
 from aiohttp import web
 
-from proxy.frames import OP_BINARY, OP_TEXT, frame_header
+from omni_sidecar.session.frames import OP_BINARY, OP_TEXT, frame_header
 
 __all__ = ["main"]
 

@@ -26,13 +26,13 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from metrics.definitions import SidecarMetrics
-from proxy.app import session_settings
-from proxy.config import Settings
-from proxy.core.session import SessionCore
-from proxy.observer import SessionRegistry
-from proxy.relay import Relay, new_event_id
-from proxy.upstream_link import UpstreamHandler
+from omni_sidecar.core.session import SessionCore
+from omni_sidecar.edge.app import session_settings
+from omni_sidecar.metrics.definitions import SidecarMetrics
+from omni_sidecar.session.engine_link import UpstreamHandler
+from omni_sidecar.session.observer import SessionRegistry
+from omni_sidecar.session.relay import Relay, new_event_id
+from omni_sidecar.settings.proxy import Settings
 
 __all__ = ["main"]
 

@@ -94,7 +94,7 @@ class Sidecar:
         self.admin_port = free_port()
         self.log_path = log_path
         script = Path(sys.executable).with_name("omni-sidecar")
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "proxy.cli"]
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
         env["OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS"] = SIMULATOR_ARGS
         with open(log_path, "wb") as log:

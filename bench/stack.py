@@ -116,7 +116,7 @@ class Stack:
             argv = [
                 python(),
                 "-m",
-                "engine_launcher.simulator",
+                "omni_sidecar.simulator",
                 "--port",
                 str(engine_port),
                 *self.simulator_args,

@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_launcher.config import EngineConfig
-from proxy.config import Settings
+from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings.proxy import Settings
 
 TIMEOUT_FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
 MS = 0.001 * TIMEOUT_FACTOR
@@ -97,7 +97,7 @@ async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorProcess]
             [
                 sys.executable,
                 "-m",
-                "engine_launcher.simulator",
+                "omni_sidecar.simulator",
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -121,7 +121,7 @@ async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorProcess]
 
 @dataclass
 class RunningSidecar:
-    sidecar: Any  # proxy.server.Sidecar
+    sidecar: Any  # omni_sidecar.server.Sidecar
     task: asyncio.Task[int]
 
     @property
@@ -157,7 +157,7 @@ async def sidecar() -> AsyncIterator[Callable[..., Awaitable[RunningSidecar]]]:
 
     Runs a whole in-process ``Sidecar`` on ephemeral ports and waits until ready.
     """
-    from proxy.server import Sidecar
+    from omni_sidecar.server import Sidecar
 
     running: list[RunningSidecar] = []
 

@@ -1,15 +1,20 @@
 """Dependency rules (docs/design.md, Dependency direction and Code rules (1)), checked on the AST.
 
-* ``proxy.core`` does no I/O: it imports nothing that does (nor any ``proxy``
-  module outside ``proxy.core``); time and randomness are arguments.
-* ``engine_launcher`` never imports ``proxy``.
-* ``metrics`` imports neither ``proxy`` nor ``engine_launcher``.
-* ``opentelemetry`` is imported by ``proxy/tracing.py`` alone, and that module
-  only from inside a function (docs/design.md, Tracing): with tracing off
-  neither is loaded.
-* ``redis`` is imported only inside functions, by ``proxy/quota.py`` (and by
-  ``proxy/server.py``'s check that the extra is installed): without
-  ``quota_redis_url`` it is never loaded (docs/design.md, Quotas).
+The product is one package, ``omni_sidecar``, whose subpackages are layers;
+``LAYERS`` below says which other parts of the package each layer may import
+(docs/design.md draws the same table):
+
+* ``core`` does no I/O: it imports nothing that does, nor any other part of
+  the package; time and randomness are arguments.
+* ``metrics`` and ``simulator`` stand alone (the simulator is another process).
+* ``engines`` (launch, supervise, place) never reaches into sessions, the edge
+  or the admin listener; ``session`` never into the edge; and so on up.
+* ``opentelemetry`` is imported by ``omni_sidecar/session/tracing.py`` alone,
+  and that module only from inside a function (docs/design.md, Tracing): with
+  tracing off neither is loaded.
+* ``redis`` is imported only inside functions, by ``omni_sidecar/edge/quota.py``
+  (and by ``omni_sidecar/server.py``'s check that the extra is installed):
+  without ``quota_redis_url`` it is never loaded (docs/design.md, Quotas).
 
 Every import statement counts, wherever it is (function bodies, ``if
 TYPE_CHECKING`` blocks); relative imports are resolved against the module's
@@ -96,14 +101,53 @@ def _ids(files: list[Path]) -> list[str]:
     return [str(p.relative_to(ROOT)) for p in files]
 
 
-CORE_FILES = python_files("proxy/core")
-LAUNCHER_FILES = python_files("engine_launcher")
-METRICS_FILES = python_files("metrics")
+PACKAGE = "omni_sidecar"
+PRODUCT_FILES = python_files(PACKAGE)
+CORE_FILES = python_files(f"{PACKAGE}/core")
+
+#: Each layer and the parts of the package it may import besides itself. A
+#: part is a subpackage or a top-level module; ``""`` is the package's own
+#: ``__init__`` (the stale-native-core guard), which every layer but the core
+#: may load. Top-level modules not listed here (``cli``, ``server``) are the
+#: composition root and may import anything.
+LAYERS: dict[str, frozenset[str]] = {
+    "core": frozenset(),
+    "metrics": frozenset(),
+    "simulator": frozenset(),
+    "errors": frozenset(),
+    "native": frozenset(),
+    "logs": frozenset(),
+    "compat": frozenset({""}),
+    "settings": frozenset({"", "errors"}),
+    "probe": frozenset({"", "core", "errors"}),
+    "engines": frozenset({"", "settings", "metrics", "errors"}),
+    "session": frozenset({"", "core", "metrics", "settings", "compat", "errors"}),
+    "edge": frozenset(
+        {"", "session", "engines", "core", "metrics", "settings", "compat", "errors"}
+    ),
+    "admin": frozenset({"", "edge", "session", "engines", "core", "metrics", "settings"}),
+}
+
+
+def part(module: str) -> str | None:
+    """The layer a module of the package belongs to (None outside the package)."""
+    if module != PACKAGE and not module.startswith(PACKAGE + "."):
+        return None
+    return module.removeprefix(PACKAGE).removeprefix(".").split(".", 1)[0]
+
+
+def _own_parts(path: Path, root: Path = ROOT) -> set[str]:
+    return {p for m in imported_modules(path, root) if (p := part(m)) is not None}
 
 
 def test_core_modules_are_all_found() -> None:
     names = {p.stem for p in CORE_FILES}
     assert {"events", "buffer", "ledger", "notices", "session"} <= names
+
+
+def test_every_subpackage_has_a_layer() -> None:
+    subpackages = {p.name for p in (ROOT / PACKAGE).iterdir() if (p / "__init__.py").exists()}
+    assert subpackages <= set(LAYERS), sorted(subpackages - set(LAYERS))
 
 
 @pytest.mark.parametrize("path", CORE_FILES, ids=_ids(CORE_FILES))
@@ -115,30 +159,27 @@ def test_core_imports_nothing_that_does_io(path: Path) -> None:
     assert not any(top(m) == "importlib" for m in imports)
 
 
-@pytest.mark.parametrize("path", CORE_FILES, ids=_ids(CORE_FILES))
-def test_core_imports_no_proxy_module_outside_core(path: Path) -> None:
-    outside = sorted(
-        m
-        for m in imported_modules(path)
-        if top(m) == "proxy" and not (m == "proxy.core" or m.startswith("proxy.core."))
-    )
-    assert not outside, f"{module_name(path)} imports {outside}"
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_layers_import_only_what_they_sit_on(path: Path) -> None:
+    layer = part(module_name(path))
+    assert layer is not None
+    if layer not in LAYERS:
+        return  # the composition root: cli, server, the package itself
+    allowed = LAYERS[layer] | {layer}
+    bad = sorted(p for p in _own_parts(path) if p not in allowed)
+    assert not bad, f"{module_name(path)} ({layer}) imports {bad}; it may import {sorted(allowed)}"
 
 
-@pytest.mark.parametrize("path", LAUNCHER_FILES, ids=_ids(LAUNCHER_FILES))
-def test_launcher_never_imports_proxy(path: Path) -> None:
-    bad = sorted(m for m in imported_modules(path) if top(m) == "proxy")
-    assert not bad, f"{module_name(path)} imports {bad}"
+def test_the_layer_rule_sees_a_reach_upwards(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: the engines layer importing a session module.
+    target = tmp_path / PACKAGE / "engines" / "x.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("from omni_sidecar.session import relay\n", encoding="utf-8")
+    found = _own_parts(target, tmp_path)
+    assert found - (LAYERS["engines"] | {"engines"}) == {"session"}
 
 
-@pytest.mark.parametrize("path", METRICS_FILES, ids=_ids(METRICS_FILES))
-def test_metrics_imports_neither_proxy_nor_launcher(path: Path) -> None:
-    bad = sorted(m for m in imported_modules(path) if top(m) in ("proxy", "engine_launcher"))
-    assert not bad, f"{module_name(path)} imports {bad}"
-
-
-PRODUCT_FILES = python_files("proxy") + LAUNCHER_FILES + METRICS_FILES
-TRACING_MODULE = "proxy.tracing"
+TRACING_MODULE = "omni_sidecar.session.tracing"
 
 
 @pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
@@ -169,7 +210,7 @@ def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> Non
             assert TRACING_MODULE not in names, f"{module} imports {TRACING_MODULE} at import time"
 
 
-REDIS_IMPORTERS = frozenset({"proxy.quota", "proxy.server"})
+REDIS_IMPORTERS = frozenset({"omni_sidecar.edge.quota", "omni_sidecar.server"})
 
 
 def _imports_outside_functions(tree: ast.AST) -> list[str]:
@@ -207,15 +248,31 @@ def test_redis_is_imported_only_inside_the_quota_functions(path: Path) -> None:
 @pytest.mark.parametrize(
     ("source", "where", "expected"),
     [
-        ("import time", "proxy/core/x.py", {"time"}),
-        ("import os.path as p", "proxy/core/x.py", {"os.path"}),
-        ("from asyncio import sleep", "proxy/core/x.py", {"asyncio", "asyncio.sleep"}),
-        ("def f():\n    import socket\n", "proxy/core/x.py", {"socket"}),
-        ("from . import buffer", "proxy/core/x.py", {"proxy.core", "proxy.core.buffer"}),
-        ("from .. import relay", "proxy/core/x.py", {"proxy", "proxy.relay"}),
-        ("from ..config import X", "proxy/core/x.py", {"proxy.config", "proxy.config.X"}),
-        ("from . import x", "proxy/core/__init__.py", {"proxy.core", "proxy.core.x"}),
-        ("__import__('os')", "proxy/core/x.py", {"__import__"}),
+        ("import time", "omni_sidecar/core/x.py", {"time"}),
+        ("import os.path as p", "omni_sidecar/core/x.py", {"os.path"}),
+        ("from asyncio import sleep", "omni_sidecar/core/x.py", {"asyncio", "asyncio.sleep"}),
+        ("def f():\n    import socket\n", "omni_sidecar/core/x.py", {"socket"}),
+        (
+            "from . import buffer",
+            "omni_sidecar/core/x.py",
+            {"omni_sidecar.core", "omni_sidecar.core.buffer"},
+        ),
+        (
+            "from .. import session",
+            "omni_sidecar/core/x.py",
+            {"omni_sidecar", "omni_sidecar.session"},
+        ),
+        (
+            "from ..settings import X",
+            "omni_sidecar/core/x.py",
+            {"omni_sidecar.settings", "omni_sidecar.settings.X"},
+        ),
+        (
+            "from . import x",
+            "omni_sidecar/core/__init__.py",
+            {"omni_sidecar.core", "omni_sidecar.core.x"},
+        ),
+        ("__import__('os')", "omni_sidecar/core/x.py", {"__import__"}),
     ],
 )
 def test_checker_sees_imports(source: str, where: str, expected: set[str], tmp_path: Path) -> None:

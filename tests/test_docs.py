@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from metrics import SidecarMetrics, definitions
+from omni_sidecar.metrics import SidecarMetrics, definitions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,7 +230,9 @@ def test_metric_tables_list_every_metric_and_label_value(doc: str) -> None:
 
 def _setting_names() -> set[str]:
     """Every key ``serve --print-config`` knows, set or commented out as unset."""
-    code = "import sys; from proxy.cli import main; sys.exit(main(['serve', '--print-config']))"
+    code = (
+        "import sys; from omni_sidecar.cli import main; sys.exit(main(['serve', '--print-config']))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -293,7 +293,7 @@ class SimChild:
     def __init__(self, *args: str) -> None:
         self.port = free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine_launcher.simulator", "--host", "127.0.0.1",
+            [sys.executable, "-m", "omni_sidecar.simulator", "--host", "127.0.0.1",
              "--port", str(self.port), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -477,7 +477,7 @@ def cli_argv(*args: str) -> list[str]:
     """The installed console script, else the module (same entry point)."""
     if _CLI_SCRIPT.exists():
         return [str(_CLI_SCRIPT), *args]
-    return [sys.executable, "-m", "proxy.cli", *args]
+    return [sys.executable, "-m", "omni_sidecar.cli", *args]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.errors import ConfigError
+from omni_sidecar.errors import ConfigError
 from tests.conftest import DEADLINE, free_port, http_ok, wait_until
 from tests.fakes.scripted_engine import MODELS_BODY, ScriptedEngine
 from tests.integration.helpers import connect
@@ -372,7 +372,7 @@ def served_with_keys(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
     env["OMNI_SIDECAR_API_KEYS"] = f"{KEY},{OTHER_KEY}"
     script = Path(sys.executable).with_name("omni-sidecar")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "proxy.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
     log = tmp_path / "sidecar.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(

@@ -22,14 +22,14 @@ from typing import BinaryIO
 
 import aiohttp
 
-from proxy.cli import (
+from omni_sidecar.cli import (
     EXIT_CONFIG,
     EXIT_ENGINE_FAILED,
     EXIT_LISTEN,
     EXIT_STATUSES,
     version,
 )
-from proxy.probe import ProbeOptions, run_probe
+from omni_sidecar.probe import ProbeOptions, run_probe
 from tests.conftest import DEADLINE, free_port, http_ok, wait_until
 from tests.integration.helpers import children_of, clean_env, cli_argv, cmdline, run_cli
 
@@ -102,7 +102,7 @@ async def serve(
 
 def _simulator_port(pid: int) -> str:
     argv = cmdline(pid)
-    assert "engine_launcher.simulator" in argv, argv
+    assert "omni_sidecar.simulator" in argv, argv
     return argv[argv.index("--port") + 1]
 
 
@@ -113,7 +113,7 @@ def _simulators_on(port: str) -> list[int]:
         if not entry.name.isdigit():
             continue
         argv = cmdline(int(entry.name))
-        if "engine_launcher.simulator" not in argv or "--port" not in argv:
+        if "omni_sidecar.simulator" not in argv or "--port" not in argv:
             continue
         if argv[argv.index("--port") + 1] == port:
             with contextlib.suppress(OSError):
@@ -148,7 +148,7 @@ async def test_serve_with_the_builtin_simulator_probe_then_sigterm(tmp_path: Pat
 
         assert await srv.terminate() == 0, srv.log_tail()
     assert _simulators_on(engine_port) == []
-    assert "engine_launcher.simulator" not in cmdline(children[0])
+    assert "omni_sidecar.simulator" not in cmdline(children[0])
 
 
 async def test_serve_expects_the_behaviour_of_the_release_preflight_found(tmp_path: Path) -> None:
@@ -276,7 +276,7 @@ async def test_an_empty_api_keys_file_exits_2_naming_key_and_source(tmp_path: Pa
 
 
 async def test_cli_and_server_agree_on_exit_statuses() -> None:
-    from proxy import server
+    from omni_sidecar import server
 
     assert (server.EXIT_LISTEN, server.EXIT_ENGINE_FAILED) == (EXIT_LISTEN, EXIT_ENGINE_FAILED)
     rc, out, _ = await run_cli("serve", "--help")

@@ -45,7 +45,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as websockets_serve
 from websockets.http11 import Request
 
-from engine_launcher.process import UpstreamProbe
+from omni_sidecar.engines.process import UpstreamProbe
 from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import clean_env, cli_argv
 
@@ -146,7 +146,7 @@ def simulator_on(port: int, log: Path | None = None) -> Iterator[subprocess.Pope
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
         process = subprocess.Popen(
-            [sys.executable, "-m", "engine_launcher.simulator", "--host", "127.0.0.1",
+            [sys.executable, "-m", "omni_sidecar.simulator", "--host", "127.0.0.1",
              "--port", str(port)],
             stdout=sink,
             stderr=sink,

@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 import pytest
 
-from engine_launcher.config import EngineConfig
+from omni_sidecar.settings.engine import EngineConfig
 from tests.conftest import DEADLINE, MS, free_port, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.fakes.stall_engine import StallEngine
@@ -530,7 +530,7 @@ async def test_100_sessions_in_the_same_second(simulator, sidecar, max_sessions:
 
 def sidecar_command() -> list[str]:
     script = Path(sys.executable).with_name("omni-sidecar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "proxy.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
 
 
 class Served:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from metrics.definitions import DROP_REASONS
+from omni_sidecar.metrics.definitions import DROP_REASONS
 from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,

@@ -43,7 +43,7 @@ START = [
 
 def sidecar_command() -> list[str]:
     script = Path(sys.executable).with_name("omni-sidecar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "proxy.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
 
 
 def children_of(pid: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The engine simulator as a real child process, seen from a WebSocket client.
 
-Each simulator runs as ``python -m engine_launcher.simulator`` on a free
+Each simulator runs as ``python -m omni_sidecar.simulator`` on a free
 loopback port; readiness is ``GET /health`` polled under a deadline. The tests
 assert what a client observes: event order and shapes, error codes, close
 codes, exit codes. A few tests drive the sans-I/O core directly where the wire
@@ -32,10 +32,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_launcher.simulator.audio import load_wav, make_audio_bank, pcm16_rms
-from engine_launcher.simulator.config import SimulatorConfig
-from engine_launcher.simulator.handlers import HANDLERS
-from engine_launcher.simulator.session import CloseFrame, DuplexSession, SimulatorStats
+from omni_sidecar.simulator.audio import load_wav, make_audio_bank, pcm16_rms
+from omni_sidecar.simulator.config import SimulatorConfig
+from omni_sidecar.simulator.handlers import HANDLERS
+from omni_sidecar.simulator.session import CloseFrame, DuplexSession, SimulatorStats
 
 # Timeouts scale with the shared factor so slow CI machines can stretch them.
 FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
@@ -131,7 +131,7 @@ class Sim:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_launcher.simulator", "--port", str(self.port), *args],
+            [sys.executable, "-m", "omni_sidecar.simulator", "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=REPO_ROOT,

@@ -17,16 +17,16 @@ from typing import Any, Final
 
 import pytest
 
-from engine_launcher.simulator.audio import make_audio_bank
-from engine_launcher.simulator.config import SimulatorConfig, build_parser, parse_args
-from engine_launcher.simulator.delivery import (
+from omni_sidecar.simulator.audio import make_audio_bank
+from omni_sidecar.simulator.config import SimulatorConfig, build_parser, parse_args
+from omni_sidecar.simulator.delivery import (
     OutputEntry,
     OutputLimits,
     OutputOverflow,
     OutputQueue,
 )
-from engine_launcher.simulator.handlers import HANDLERS
-from engine_launcher.simulator.session import CloseFrame, DuplexSession, SimulatorStats
+from omni_sidecar.simulator.handlers import HANDLERS
+from omni_sidecar.simulator.session import CloseFrame, DuplexSession, SimulatorStats
 from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
@@ -387,7 +387,7 @@ def test_flags_that_do_not_fit_the_version_exit_2(
         capsys.readouterr()
         .err.strip()
         .splitlines()[-1]
-        .startswith("python -m engine_launcher.simulator")
+        .startswith("python -m omni_sidecar.simulator")
     )
 
 

@@ -301,22 +301,22 @@ async def test_tracing_off_exports_nothing(
 _IMPORTS_CHECK = textwrap.dedent(
     """
     import sys
-    from proxy.config import Settings
-    import proxy.cli, proxy.server, proxy.app, proxy.relay, proxy.observer
-    from proxy.server import start_tracing
+    from omni_sidecar.settings.proxy import Settings
+    import omni_sidecar.cli, omni_sidecar.server, omni_sidecar.edge.app, omni_sidecar.session.relay, omni_sidecar.session.observer
+    from omni_sidecar.server import start_tracing
 
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
     assert start_tracing(Settings(), env) is None
     off = {**env, "OTEL_SDK_DISABLED": "true"}
     assert start_tracing(Settings(tracing="otlp"), off) is None
-    loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry", "proxy.tracing")))
+    loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry", "omni_sidecar.session.tracing")))
     print(loaded)
     """
 )
 
 
 def test_tracing_off_imports_no_opentelemetry() -> None:
-    """Off (the default, or OTEL_SDK_DISABLED=true): neither proxy.tracing nor
+    """Off (the default, or OTEL_SDK_DISABLED=true): neither omni_sidecar.session.tracing nor
     any opentelemetry module is loaded in a fresh interpreter."""
     result = subprocess.run(
         [sys.executable, "-c", _IMPORTS_CHECK],

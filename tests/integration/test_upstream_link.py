@@ -1,4 +1,4 @@
-"""The engine link (proxy/upstream_link.py) against a real loopback engine.
+"""The engine link (omni_sidecar/session/engine_link/__init__.py) against a real loopback engine.
 
 The engine here is the ``websockets`` package's sans-I/O server protocol over
 a plain asyncio socket: it parses what we send as strictly as a conforming
@@ -31,7 +31,7 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 
-from proxy.upstream_link import (
+from omni_sidecar.session.engine_link import (
     PicowsUpstreamLink,
     UpstreamConnectError,
     UpstreamLink,
@@ -1031,7 +1031,7 @@ async def test_an_engine_whose_first_frame_is_not_utf8_is_unavailable(
 ) -> None:
     engine = await engines(on_connect=lambda c: c.text(b'{"type":"\xff"}'))
     proxy = await sidecar(upstream=engine.url, upstream_client=client)
-    with caplog.at_level(logging.ERROR, logger="proxy"):
+    with caplog.at_level(logging.ERROR, logger="omni_sidecar"):
         async with connect(proxy.url) as client_ws:
             events = await client_ws.recv_until_closed()
         await proxy.stop()

@@ -11,9 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from engine_launcher.config import EngineConfig, EngineConfigError
-from engine_launcher.errors import EngineStartError, LauncherError, RestartBudgetExhausted
-from proxy.config import (
+from omni_sidecar.engines.errors import EngineStartError, LauncherError, RestartBudgetExhausted
+from omni_sidecar.errors import (
+    ConfigError,
+    InvalidState,
+    ProtocolViolation,
+    ProxyError,
+    SessionClosed,
+    UpstreamUnavailable,
+)
+from omni_sidecar.settings.engine import EngineConfig, EngineConfigError
+from omni_sidecar.settings.proxy import (
     KIB,
     LIVE_KEYS,
     MIB,
@@ -29,14 +37,6 @@ from proxy.config import (
     format_settings,
     load,
     parse_listen,
-)
-from proxy.errors import (
-    ConfigError,
-    InvalidState,
-    ProtocolViolation,
-    ProxyError,
-    SessionClosed,
-    UpstreamUnavailable,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -645,7 +645,7 @@ class TestDeclaration:
                 assert spec.doc.example, f"{spec.key}: unset by default, needs an example"
 
     def test_committed_example_is_the_generated_one(self) -> None:
-        # Regenerate with: python -m proxy.config --example > configs/omni-sidecar.example.toml
+        # Regenerate with: python -m omni_sidecar.settings.proxy --example > configs/omni-sidecar.example.toml
         assert EXAMPLE.read_text(encoding="utf-8") == example_config()
 
     def test_help_shows_meaning_env_and_default(self) -> None:
@@ -817,8 +817,8 @@ class TestErrorTypes:
 
 
 def test_playback_settings_reach_the_core() -> None:
-    from proxy.app import session_settings
-    from proxy.core.playback import AckMode
+    from omni_sidecar.core.playback import AckMode
+    from omni_sidecar.edge.app import session_settings
 
     playback = session_settings(
         Settings(

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.logs import configure
+from omni_sidecar.logs import configure
 
 
 @pytest.fixture

@@ -1,10 +1,10 @@
-"""Replica choice, socket-free (proxy/placement.py; docs/design.md, Engine pool)."""
+"""Replica choice, socket-free (omni_sidecar/engines/placement.py; docs/design.md, Engine pool)."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.placement import ReplicaLoad, Router, choose
+from omni_sidecar.engines.placement import ReplicaLoad, Router, choose
 
 
 def load(index: int, sessions: int, pending: int = 0, *, admitting: bool = True) -> ReplicaLoad:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_launcher.config import EngineConfig
-from proxy.config import LoadedSettings, load
-from proxy.server import Sidecar
+from omni_sidecar.server import Sidecar
+from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings.proxy import LoadedSettings, load
 
 
 @pytest.fixture(autouse=True)

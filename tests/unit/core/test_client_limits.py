@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from proxy.core.session import (
+from omni_sidecar.core.session import (
     CLOSE_POLICY_VIOLATION,
     DropReason,
     Outcome,

@@ -1,7 +1,7 @@
 """Golden command lines: ``build_argv`` for every shipped config (configs/*.toml).
 
 Each model config is loaded the way ``omni-sidecar serve --config`` loads it
-(``proxy.config.load``) and must produce exactly the documented vLLM-Omni
+(``omni_sidecar.settings.proxy.load``) and must produce exactly the documented vLLM-Omni
 command (docs/design.md, Engine launcher, docs/engine-protocol.md, Launching): ``PYTHON -m
 vllm_omni.entrypoints.cli.main serve MODEL --omni --host 127.0.0.1 --port PORT
 --deploy-config YAML [extra_args]``. ``--omni`` matters: without it the CLI
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine_launcher.config import EngineConfig
-from engine_launcher.errors import EngineStartError
-from engine_launcher.process import build_argv
-from proxy.config import load
+from omni_sidecar.engines.errors import EngineStartError
+from omni_sidecar.engines.process import build_argv
+from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings.proxy import load
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 PY = sys.executable
@@ -110,7 +110,7 @@ def test_example_config_runs_the_simulator() -> None:
     assert build_argv(engine, 40123) == [
         PY,
         "-m",
-        "engine_launcher.simulator",
+        "omni_sidecar.simulator",
         "--host",
         "127.0.0.1",
         "--port",
@@ -161,7 +161,7 @@ def test_simulator_args_are_appended() -> None:
     assert build_argv(config, 5555) == [
         PY,
         "-m",
-        "engine_launcher.simulator",
+        "omni_sidecar.simulator",
         "--host",
         "127.0.0.1",
         "--port",

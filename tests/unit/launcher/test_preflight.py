@@ -1,4 +1,4 @@
-"""``omni-sidecar preflight`` checks (engine_launcher/preflight.py).
+"""``omni-sidecar preflight`` checks (omni_sidecar/engines/preflight.py).
 
 Two machines are played: this one as it is (no vllm, vllm_omni or torch
 installed: those checks FAIL saying what to install, exit status 3) and an
@@ -22,9 +22,8 @@ from typing import Any
 
 import pytest
 
-from engine_launcher import preflight
-from engine_launcher.config import EngineConfig
-from engine_launcher.preflight import (
+from omni_sidecar.engines import preflight
+from omni_sidecar.engines.preflight import (
     CheckStatus,
     StageSpec,
     add_preflight_arguments,
@@ -35,7 +34,8 @@ from engine_launcher.preflight import (
     run_checks,
     scan_deploy_yaml,
 )
-from proxy.config import load
+from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings.proxy import load
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKES = ROOT / "tests" / "fakes" / "preflight_modules"

@@ -1,4 +1,4 @@
-"""sd_notify (engine_launcher/systemd.py) and the systemd unit that relies on it.
+"""sd_notify (omni_sidecar/engines/systemd.py) and the systemd unit that relies on it.
 
 systemd's Type=notify protocol (sd_notify(3)): newline-separated
 ``KEY=VALUE`` assignments in one datagram to the socket named by
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_launcher.config import EngineConfig
-from engine_launcher.systemd import Notifier, watchdog_interval
-from proxy.config import Settings
+from omni_sidecar.engines.systemd import Notifier, watchdog_interval
+from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings.proxy import Settings
 
 UNIT = Path(__file__).resolve().parents[3] / "deploy" / "systemd" / "omni-sidecar.service"
 INSTALLED_EXEC = "/opt/omni-sidecar/venv/bin/omni-sidecar"
@@ -243,7 +243,7 @@ class TestUnitFile:
         assert float(unit[("Service", "TimeoutStartSec")][0]) > EngineConfig().startup_timeout
 
     def test_config_errors_are_not_restarted(self, unit: dict[tuple[str, str], list[str]]) -> None:
-        from proxy.cli import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
+        from omni_sidecar.cli import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
 
         expected = f"{EXIT_CONFIG} {EXIT_PREFLIGHT} {EXIT_LISTEN}"
         assert unit[("Service", "RestartPreventExitStatus")] == [expected]

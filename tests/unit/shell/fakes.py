@@ -19,8 +19,8 @@ import aiohttp
 from websockets.frames import Frame
 from websockets.streams import StreamReader
 
-from proxy.core.buffer import Entry
-from proxy.upstream_link import UpstreamHandler, read_messages
+from omni_sidecar.core.buffer import Entry
+from omni_sidecar.session.engine_link import UpstreamHandler, read_messages
 
 __all__ = [
     "FakeClient",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.app import Admission
+from omni_sidecar.edge.app import Admission
 from tests.conftest import MS
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import pytest
 from websockets.frames import Opcode
 
-from proxy.core.session import DropReason, SessionCore, SessionState
-from proxy.frame_writer import AiohttpWriterAdapter, ClientFrameWriter
-from proxy.frames import OP_TEXT, close_payload, frame_header
+from omni_sidecar.core.session import DropReason, SessionCore, SessionState
+from omni_sidecar.session.frames import OP_TEXT, close_payload, frame_header
+from omni_sidecar.session.writer import AiohttpWriterAdapter, ClientFrameWriter
 from tests.unit.core.helpers import (
     audio,
     b_response_cancel,

@@ -19,11 +19,11 @@ import aiohttp
 import pytest
 from websockets.frames import Opcode
 
-from proxy.core.buffer import Entry
-from proxy.core.events import UpstreamEvent
-from proxy.core.playback import AckMode, PlaybackSettings
-from proxy.core.session import SessionCore, SessionSettings
-from proxy.relay import ACK_RIDE_WAIT, Relay
+from omni_sidecar.core.buffer import Entry
+from omni_sidecar.core.events import UpstreamEvent
+from omni_sidecar.core.playback import AckMode, PlaybackSettings
+from omni_sidecar.core.session import SessionCore, SessionSettings
+from omni_sidecar.session.relay import ACK_RIDE_WAIT, Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
     audio,
