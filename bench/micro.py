@@ -68,7 +68,6 @@ class _NullProtocol:
 
 class _NullLink:
     backlog: Sized = ()
-    sends_without_waiting = True
     write_paused = False
     on_drained: Any = None
     closed = False
@@ -80,9 +79,6 @@ class _NullLink:
     async def run(self, handler: UpstreamHandler) -> bool:
         await asyncio.Event().wait()
         return True
-
-    async def send(self, text: str) -> None:
-        pass
 
     def send_nowait(self, text: str) -> None:
         pass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
-from aiohttp import base_protocol, client_ws, http_websocket, web, web_runner, web_ws
+from aiohttp import base_protocol, client_proto, client_ws, http_websocket, web, web_runner, web_ws
 from aiohttp import web_protocol as _web_protocol
 from aiohttp import web_server as _web_server
 
@@ -46,13 +46,16 @@ __all__ = [
     "install_client_writer",
     "install_text_push",
     "missing_hooks",
+    "on_writing_resumed",
     "push_text",
     "requests_parsed",
     "require_hooks",
     "upstream_backlog",
+    "upstream_protocol",
     "upstream_transport",
     "wait_writable",
     "websocket_mask",
+    "writing_paused",
 ]
 
 AIOHTTP_VERSION: Final = aiohttp.__version__
@@ -120,7 +123,8 @@ def install_text_push() -> bool:
     same queue. Idempotent.
 
     Returns:
-        False when this aiohttp has no such name (text frames stay queued).
+        False when this aiohttp has no such name (text frames stay queued);
+        ``serve`` never gets there: the hook is in :data:`HOOKS`.
     """
     global _text_push_queue
     if _text_push_queue is not None:
@@ -169,6 +173,33 @@ def upstream_transport(upstream: client_ws.ClientWebSocketResponse) -> asyncio.T
     """The engine connection's transport (unsent input, abort on keepalive loss)."""
     transport: asyncio.Transport | None = upstream._writer.transport
     return transport
+
+
+def upstream_protocol(upstream: client_ws.ClientWebSocketResponse) -> Any:
+    """The engine connection's protocol (``WebSocketWriter.protocol``): its flow control."""
+    return upstream._writer.protocol
+
+
+def writing_paused(protocol: Any) -> bool:
+    """The connection's transport is above its high-water mark (``BaseProtocol.writing_paused``)."""
+    return bool(protocol.writing_paused)
+
+
+def on_writing_resumed(protocol: Any, callback: Callable[[], None]) -> None:
+    """Call ``callback`` each time ``protocol``'s transport drains below its low-water mark.
+
+    aiohttp's protocol only wakes a coroutine parked in ``_drain_helper``; the
+    engine link needs a callback (the relay resumes reading the client from
+    it). The protocol instance's ``resume_writing`` is wrapped, so aiohttp's
+    own bookkeeping still runs first.
+    """
+    resume = protocol.resume_writing
+
+    def resume_writing() -> None:
+        resume()
+        callback()
+
+    protocol.resume_writing = resume_writing
 
 
 def upstream_backlog(upstream: client_ws.ClientWebSocketResponse) -> Sized:
@@ -292,6 +323,39 @@ def _queue_has_buffer() -> bool:
         loop.close()
 
 
+def _text_push_reaches_the_parser() -> bool:
+    """The text push works: ``WebSocketResponse`` builds its queue from the module
+    name, and aiohttp's frame parser (C or Python) hands a parsed text message
+    to the override of ``feed_data`` (checked by parsing one frame)."""
+    if not _assigns(web_ws.WebSocketResponse._post_start, "WebSocketDataQueue", "_reader"):
+        return False
+    if not install_text_push():
+        return False
+    from aiohttp._websocket import reader
+
+    reader_class: Any = reader.WebSocketReader
+
+    class _Protocol:
+        def pause_reading(self) -> None: ...
+
+        def resume_reading(self) -> None: ...
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue_class: Any = web_ws.WebSocketDataQueue  # type: ignore[attr-defined]
+        queue: Any = queue_class(_Protocol(), 1 << 16, loop=loop)
+        got: list[str] = []
+        queue.on_text = got.append
+        try:
+            parser: Any = reader_class(queue, 1 << 16, compress=False, decode_text=True)
+        except TypeError:  # aiohttp < 3.13 has no decode_text
+            parser = reader_class(queue, 1 << 16, compress=False)
+        parser.feed_data(b"\x81\x02hi")  # one unmasked text frame, FIN set
+        return got == ["hi"] and not len(queue._buffer)
+    finally:
+        loop.close()
+
+
 def _has_kwarg(function: Any, name: str) -> bool:
     code = getattr(function, "__code__", None)
     return (
@@ -323,12 +387,23 @@ HOOKS: Final[tuple[Hook, ...]] = (
         ),
     ),
     Hook(
-        "WebSocketWriter.send_frame/close/_limit/transport",
+        "WebSocketWriter.send_frame/close/_limit/transport/protocol",
         lambda: (
             asyncio.iscoroutinefunction(getattr(http_websocket.WebSocketWriter, "send_frame", None))
             and asyncio.iscoroutinefunction(getattr(http_websocket.WebSocketWriter, "close", None))
-            and _assigns(http_websocket.WebSocketWriter.__init__, "_limit", "transport")
+            and _assigns(http_websocket.WebSocketWriter.__init__, "_limit", "transport", "protocol")
         ),
+    ),
+    Hook(
+        "ResponseHandler.resume_writing, wrapped per instance",
+        lambda: (
+            "resume_writing" in vars(base_protocol.BaseProtocol)
+            and "__slots__" not in vars(client_proto.ResponseHandler)
+        ),
+    ),
+    Hook(
+        "web_ws.WebSocketDataQueue built by _post_start, its feed_data called by the parser",
+        lambda: _text_push_reaches_the_parser(),
     ),
     Hook(
         "ClientWebSocketResponse._writer/_reader",

@@ -1,19 +1,25 @@
 """The per-session relay: a thin coordinator around ``SessionCore``.
 
-It wires four parts, each with one job (docs/design.md, Relay shell):
+It wires five parts, each with one job (docs/design.md, Relay shell), and is
+the only caller of the core:
 
 - :class:`~omni_sidecar.core.session.SessionCore` decides (no I/O);
 - :class:`~omni_sidecar.session.writer.ClientFrameWriter` owns every byte written to
-  the client (events, pings, pongs, the close frame), within the write bound,
-  re-checking each event when it is written;
+  the client (events, pings, pongs, the close frame): a sink that the relay
+  hands taken events to, within the write bound, and that re-checks each one
+  when it is written;
+- :class:`~omni_sidecar.session.client_reader.ClientReader` brings the client's
+  frames in, pushed by aiohttp's parser or read from its queue, through one call;
 - :class:`~omni_sidecar.session.engine_link.UpstreamLink` is the engine connection;
+  it pushes engine frames in and sends what the relay answers, never awaiting;
 - :class:`~omni_sidecar.session.timers.SessionTimers` keeps time (keepalive, idle,
   duration, close deadline) on an injected scheduler.
 
 Three tasks in one TaskGroup:
 
-1. client → upstream: read a client frame, let the core classify it (cancel
-   triggers act at once), forward the original text.
+1. client → upstream: the client reader hands each client frame to
+   :meth:`Relay.client_text`; the core classifies it (cancel triggers act at
+   once) and the original text is sent to the engine without awaiting.
 2. upstream → client (intake): the engine link runs and pushes each engine
    frame into :meth:`Relay.upstream_text` as it is parsed (no await per
    event); the core filters it and queues it in the session's OutputBuffer.
@@ -37,54 +43,60 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
-
-import aiohttp
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from omni_sidecar.core.buffer import Entry
 from omni_sidecar.core.events import ClientKind, EventKind
 from omni_sidecar.core.session import (
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
+    DropReason,
     Outcome,
     SessionCore,
     SessionState,
 )
-from omni_sidecar.session.engine_link import UpstreamLink
+from omni_sidecar.session.client_reader import ClientReader, ClientSocket, TextPush
+from omni_sidecar.session.engine_link import NO_COMMANDS, UpstreamLink
 from omni_sidecar.session.timers import LoopScheduler, Scheduler, SessionTimers, Side
 from omni_sidecar.session.writer import ClientFrameWriter
 
 if TYPE_CHECKING:
     from omni_sidecar.session.observer import SessionObserver
 
-__all__ = ["ACK_RIDE_WAIT", "ClientSocket", "Relay", "new_event_id"]
+__all__ = ["ACK_RIDE_WAIT", "ClientSocket", "Relay", "new_event_id", "pump"]
 
 log = logging.getLogger(__name__)
 
-#: Client frames that count against max_client_frame_rate (control frames do not).
-_DATA_FRAMES: Final = frozenset({aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY})
 #: While the client streams, a due playback ack waits this many ack intervals
 #: for a client frame to ride along with before its timer sends it alone.
 ACK_RIDE_WAIT: Final = 1.0
-#: The client reader yields to the event loop every 16 frames.
-_YIELD_EVERY_MASK: Final = 15
 
 
 def new_event_id() -> str:
     return "event_" + uuid.uuid4().hex
 
 
-class ClientSocket(Protocol):
-    """What the relay uses of aiohttp's ``WebSocketResponse`` (reading and the
-    close handshake; every write goes through the frame writer)."""
+def pump(core: SessionCore, writer: ClientFrameWriter, now: float, *, defer: bool = False) -> None:
+    """Take what the core has ready, within the writer's bound, and hand it to the writer.
 
-    @property
-    def closed(self) -> bool: ...
-
-    async def receive(self) -> aiohttp.WSMessage: ...
-
-    async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
+    Args:
+        now: the time the events are taken (their queue delay ends here).
+        defer: the caller is the engine reader (see ``ClientFrameWriter.end_batch``).
+    """
+    room = writer.room()
+    buffer = core.buffer
+    while writer.accepting and buffer.has_output():
+        if writer.batch_bytes >= room:
+            break
+        entry = core.next_delivery(now)
+        if entry is None:
+            break
+        buffer.release_held()
+        room = writer.take(entry, now, room)
+        if entry.closure:
+            break
+    writer.end_batch(defer=defer)
 
 
 class Relay:
@@ -108,7 +120,7 @@ class Relay:
         client_address: for logs and /debug/sessions.
         client_push: turns on aiohttp's hand-over of parsed client text frames
             (``omni_sidecar.compat.push_text`` bound to the client); None: read them
-            from aiohttp's queue.
+            all from aiohttp's queue.
     """
 
     def __init__(
@@ -131,7 +143,7 @@ class Relay:
         scheduler: Scheduler | None = None,
         call_soon: Callable[[Callable[[], None]], object] | None = None,
         client_address: str = "",
-        client_push: Callable[[Callable[[str], None] | None], bool] | None = None,
+        client_push: TextPush | None = None,
     ) -> None:
         self.key = session_key
         self.client = client
@@ -149,8 +161,8 @@ class Relay:
             call_soon = asyncio.get_running_loop().call_soon
         self.writer = ClientFrameWriter(
             client_protocol,
-            core,
             self,
+            still_valid=core.still_valid,
             write_buffer_bytes=write_buffer_bytes,
             clock=self._clock,
             call_soon=call_soon,
@@ -169,17 +181,9 @@ class Relay:
         self._upstream_session_closed = asyncio.Event()
         self._upstream_gone = asyncio.Event()
         self._client_gone = asyncio.Event()
-        #: The client was cut off for flooding: its reads are paused.
-        self._flooded = False
         #: When a client frame last went to the engine (due acks ride along).
         self._forwarded_at = -math.inf
-        #: Turns aiohttp's push of parsed client text frames on (a handler) or
-        #: off (None); False while frames are still queued (see _client_to_upstream).
-        self._install_push = client_push
-        self._pushing = False
-        #: Client reading is paused until the engine link drains.
-        self._paused_for_upstream = False
-        upstream.on_drained = self._upstream_drained
+        self.reader = ClientReader(client, self, self.writer, upstream, client_push)
         self._intake: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bytes_client_to_upstream = 0
@@ -193,7 +197,7 @@ class Relay:
         self.timers.start()
         try:
             async with asyncio.TaskGroup() as tg:
-                self._reader = tg.create_task(self._client_to_upstream(), name=f"{self.key}:client")
+                self._reader = tg.create_task(self.reader.run(), name=f"{self.key}:client")
                 self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
                 tg.create_task(self._deliver(), name=f"{self.key}:deliver")
         except Exception:
@@ -254,21 +258,16 @@ class Relay:
 
     def client_idle(self, idle: float) -> None:
         self.log.info("client idle for %.1f s; closing", idle)
-        self.core.end(
-            self._clock(),
-            reason="client_idle_timeout",
-            code=CLOSE_NORMAL,
-            outcome=Outcome.CLIENT_CLOSED,
-        )
-        self._after_core_call()
+        self._end_normally("client_idle_timeout")
 
     def duration_reached(self) -> None:
         self.log.info("max_session_duration reached")
+        self._end_normally("max_session_duration")
+
+    def _end_normally(self, reason: str) -> None:
+        """End the session with ``session.closed`` {reason} and close code 1000."""
         self.core.end(
-            self._clock(),
-            reason="max_session_duration",
-            code=CLOSE_NORMAL,
-            outcome=Outcome.CLIENT_CLOSED,
+            self._clock(), reason=reason, code=CLOSE_NORMAL, outcome=Outcome.CLIENT_CLOSED
         )
         self._after_core_call()
 
@@ -278,9 +277,8 @@ class Relay:
         self._wake.set()
 
     def pace_due(self) -> None:
-        writer = self.writer
-        if not writer.paused:
-            writer.pump(self._clock())
+        if not self.writer.paused:
+            pump(self.core, self.writer, self._clock())
         self._after_core_call()
 
     def playback_due(self) -> None:
@@ -289,8 +287,8 @@ class Relay:
         when = core.playback_tick(now)
         if when is not None:
             self._arm_playback(when, now)
-        if core.has_upstream_commands and not self._send_commands_now():
-            self._wake.set()  # the delivery task sends them (sending awaits)
+        if core.has_upstream_commands:
+            self._send_commands()
 
     def _arm_playback(self, when: float, now: float) -> None:
         """Arm the ack timer; while the client streams, an interval late.
@@ -305,19 +303,13 @@ class Relay:
             when += interval * ACK_RIDE_WAIT
         self.timers.arm_playback(when)
 
-    def _send_commands_now(self) -> bool:
-        """Send the core's engine commands without awaiting, where the link can.
-
-        Returns:
-            False when the link sends only by awaiting (the caller wakes a task).
-        """
-        upstream = self.upstream
-        if not upstream.sends_without_waiting:
-            return False
-        if not self._upstream_gone.is_set():
-            for text in self.core.events_to_upstream():
-                upstream.send_nowait(text)
-        return True
+    def _send_commands(self) -> None:
+        """Send the core's engine commands now (the link writes them at the end of the tick)."""
+        if self._upstream_gone.is_set():
+            return
+        send = self.upstream.send_nowait
+        for text in self.core.events_to_upstream():
+            send(text)
 
     def upstream_close_timed_out(self) -> None:
         if self.core.state is not SessionState.OPEN:
@@ -326,19 +318,17 @@ class Relay:
             "engine did not answer session.close within %.1f s; closing",
             self._upstream_close_timeout,
         )
-        self.core.end(
-            self._clock(),
-            reason="upstream_timeout",
-            code=CLOSE_NORMAL,
-            outcome=Outcome.CLIENT_CLOSED,
-        )
         self._upstream_session_closed.set()  # stop waiting for it later, too
-        self._after_core_call()
+        self._end_normally("upstream_timeout")
 
     # -- the writer (DeliveryHooks) ------------------------------------------------------
 
-    def delivered(self, entry: Entry, taken_at: float) -> None:
+    def delivered(self, entry: Entry, taken_at: float, now: float) -> None:
+        self.core.delivered(entry, now, release=False)
         self._observer.delivered(entry, taken_at)
+
+    def dropped(self, entry: Entry, reason: DropReason) -> None:
+        self.core.drop_taken(entry, reason)
 
     def written(self) -> None:
         core = self.core
@@ -354,80 +344,73 @@ class Relay:
 
     # -- client → upstream -----------------------------------------------------------------
 
-    async def _client_to_upstream(self) -> None:
-        client = self.client
-        core = self.core
+    def client_text(self, text: str) -> None:
+        """One client text frame, pushed by aiohttp's parser or read from its queue.
+
+        When the engine link is above its mark afterwards, the client is not
+        read until it drains.
+        """
+        now = self._clock()
         timers = self.timers
+        timers.last_client_frame = now
+        timers.last_client_event = now
+        if self._admit(len(text), now):
+            frames = self._client_text(text, now)
+            if not self._upstream_gone.is_set():
+                send = self.upstream.send_nowait
+                for frame in frames:
+                    send(frame)
+        else:
+            self.reader.over_rate()
+        if self.upstream.write_paused:
+            self.reader.pause_for_upstream()
+
+    def client_binary(self, size: int) -> None:
+        now = self._clock()
+        timers = self.timers
+        timers.last_client_frame = now
+        timers.last_client_event = now
+        if not self._admit(size, now):
+            return
+        self.core.reject_client_frame(
+            "binary_unsupported",
+            "binary frames are not supported; send JSON text frames",
+            now,
+            size=size,
+        )
+        self._observer.client_event(size, forwarded=False)
+        self._after_core_call()
+
+    def client_ping(self, payload: bytes) -> None:
+        now = self._clock()
+        self.timers.last_client_frame = now
+        core = self.core
         writer = self.writer
+        writer.pong(payload)
         budget_events = core.settings.buffer.max_pending_output_events
-        frames = 0
-        push = self.client_text_pushed if self.upstream.sends_without_waiting else None
-        try:
-            while True:
-                if push is not None and not self._pushing and not self._flooded:
-                    # Only once aiohttp's queue is empty, so no frame overtakes
-                    # one queued before it; then text frames skip the queue.
-                    self._push_text(push)
-                msg = await client.receive()
-                if self._flooded:
-                    # Cut off while frames were pushed: read none of what aiohttp
-                    # queued (its queue stays full, so it keeps the socket paused).
-                    await asyncio.Event().wait()  # until wind-down cancels us
-                frames += 1
-                if not frames & _YIELD_EVERY_MASK:
-                    # aiohttp returns queued frames without suspending: yield now
-                    # and then so a flooding client cannot starve other sessions.
-                    await asyncio.sleep(0)
-                now = self._clock()
-                timers.last_client_frame = now
-                kind = msg.type
-                if kind is aiohttp.WSMsgType.PING:
-                    writer.pong(msg.data)
-                    if (
-                        writer.unanswered_pings + len(core.buffer) > budget_events
-                        and core.state is SessionState.OPEN
-                    ):
-                        # Each unanswered ping counts as one event of the output budget.
-                        self.log.warning("client keeps pinging without reading; overflow")
-                        core.control_overflow(now)
-                        self._after_core_call()
-                    continue
-                if kind is aiohttp.WSMsgType.PONG:
-                    continue
-                timers.last_client_event = now
-                if kind in _DATA_FRAMES and not self._admit(len(msg.data), now):
-                    if self._flooded:
-                        await asyncio.Event().wait()  # until wind-down cancels us
-                    continue
-                if kind is aiohttp.WSMsgType.TEXT:
-                    # Frames queued before the push path was on, or all of them
-                    # with a link that sends only by awaiting.
-                    for frame in self._client_text(msg.data, now):
-                        await self._send_upstream(frame)
-                    await self.upstream.wait_drained()
-                elif kind is aiohttp.WSMsgType.BINARY:
-                    core.reject_client_frame(
-                        "binary_unsupported",
-                        "binary frames are not supported; send JSON text frames",
-                        now,
-                        size=len(msg.data),
-                    )
-                    self._observer.client_event(len(msg.data), forwarded=False)
-                    self._after_core_call()
-                else:
-                    # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already answered
-                    # an oversized frame with 1009, through our writer).
-                    if kind is aiohttp.WSMsgType.ERROR:
-                        self.log.info("client error: %s", msg.data)
-                    break
-        finally:
-            self._push_text(None)
-            self._client_gone.set()
-            if core.state is not SessionState.CLOSED and not core.buffer.closure_delivered:
-                core.client_gone()
+        if (
+            writer.unanswered_pings + len(core.buffer) > budget_events
+            and core.state is SessionState.OPEN
+        ):
+            # Each unanswered ping counts as one event of the output budget.
+            self.log.warning("client keeps pinging without reading; overflow")
+            core.control_overflow(now)
             self._after_core_call()
-            with contextlib.suppress(Exception):
-                await self._flush_upstream_commands()
+
+    def client_control(self) -> None:
+        self.timers.last_client_frame = self._clock()
+
+    def client_error(self, error: object) -> None:
+        self.log.info("client error: %s", error)
+
+    def client_ended(self) -> None:
+        self._client_gone.set()
+        core = self.core
+        if core.state is not SessionState.CLOSED and not core.buffer.closure_delivered:
+            core.client_gone()
+        self._after_core_call()
+        with contextlib.suppress(Exception):
+            self._send_commands()
 
     def _admit(self, size: int, now: float) -> bool:
         """The frame-rate limit; a client over it that the core ends is cut off."""
@@ -437,46 +420,9 @@ class Relay:
         self._observer.client_event(size, forwarded=False)
         self._after_core_call()
         if core.state is not SessionState.OPEN:
-            # Ending for flooding: read none of its backlog (parsing it would
-            # cost every other session CPU until the socket closes); the close
-            # frame goes out without waiting for a reply.
-            self._flooded = True
-            self._push_text(None)
-            self.writer.pause_reading()
+            # Ending for flooding: read none of its backlog.
+            self.reader.cut()
         return False
-
-    def client_text_pushed(self, text: str) -> None:
-        """A client text frame handed over by aiohttp's parser as it is parsed.
-
-        The push path (``omni_sidecar.compat.push_text``): no queue, no task wake-up
-        per frame. Only with an engine link that sends without waiting; when
-        that link is above its mark, the client is not read until it drains.
-        """
-        now = self._clock()
-        timers = self.timers
-        timers.last_client_frame = now
-        timers.last_client_event = now
-        if self._admit(len(text), now):
-            frames = self._client_text(text, now)
-            if not self._upstream_gone.is_set():
-                for frame in frames:
-                    self.upstream.send_nowait(frame)
-        elif self._pushing:
-            # Over the frame-rate limit: back to aiohttp's queue, whose flow
-            # control (and the reader's yield every few frames) paces a
-            # flooding client; the reader turns the push on again once the
-            # queue is empty.
-            self._push_text(None)
-        upstream = self.upstream
-        if upstream.write_paused and not self._flooded:
-            self.writer.pause_reading()
-            self._paused_for_upstream = True
-
-    def _upstream_drained(self) -> None:
-        if self._paused_for_upstream:
-            self._paused_for_upstream = False
-            if not self._flooded:
-                self.writer.resume_reading()
 
     def _client_text(self, text: str, now: float) -> list[str]:
         """Handle one admitted client text frame.
@@ -534,26 +480,6 @@ class Relay:
             f"{self._max_pending_input} bytes are waiting",
         )
 
-    def _push_text(self, handler: Callable[[str], None] | None) -> bool:
-        """Hand client text frames to ``handler`` as they are parsed (None: queue them).
-
-        Returns:
-            True when the hand-over is now as asked.
-        """
-        install = self._install_push
-        done = install is not None and install(handler)
-        self._pushing = done and handler is not None
-        return done
-
-    async def _send_upstream(self, text: str) -> None:
-        if self._upstream_gone.is_set():
-            return
-        await self.upstream.send(text)
-
-    async def _flush_upstream_commands(self) -> None:
-        for text in self.core.events_to_upstream():
-            await self._send_upstream(text)
-
     # -- upstream → client (intake) --------------------------------------------------------------
 
     async def _upstream_to_client(self) -> None:
@@ -572,7 +498,7 @@ class Relay:
 
     # -- the engine link (UpstreamHandler): called per engine frame, no await ------------------
 
-    def upstream_text(self, text: str) -> bool:
+    def upstream_text(self, text: str) -> Sequence[str]:
         now = self._clock()
         self.timers.last_upstream_frame = now
         core = self.core
@@ -586,9 +512,11 @@ class Relay:
         if not writer.paused:
             # Fast path: the client can take it; write now instead of waking
             # the delivery task (saves a task switch per event).
-            writer.pump(now, defer=True)
+            pump(core, writer, now, defer=True)
         self._after_core_call(synced=writer.frames_written != written)
-        return core.has_upstream_commands
+        if core.has_upstream_commands and not self._upstream_gone.is_set():
+            return core.events_to_upstream()
+        return NO_COMMANDS
 
     def upstream_binary(self, size: int) -> None:
         now = self._clock()
@@ -599,11 +527,6 @@ class Relay:
 
     def upstream_alive(self) -> None:
         self.timers.last_upstream_frame = self._clock()
-
-    def take_upstream_commands(self) -> list[str]:
-        if self._upstream_gone.is_set():
-            return []
-        return self.core.events_to_upstream()
 
     # -- delivery -------------------------------------------------------------------------------
 
@@ -643,7 +566,7 @@ class Relay:
                 self._ping_upstream = False
                 await self.upstream.ping()
             if core.has_upstream_commands and core.state is SessionState.OPEN:
-                await self._flush_upstream_commands()  # playback acks
+                self._send_commands()  # playback acks
             if core.state is SessionState.CLOSED and not writer.has_pending:
                 break
             if writer.gone or writer.close_sent:
@@ -657,7 +580,7 @@ class Relay:
                 except (ConnectionError, RuntimeError):
                     break
                 continue
-            writer.pump(self._clock())
+            pump(core, writer, self._clock())
             self._after_core_call()
             if core.state is SessionState.CLOSED and not writer.has_pending:
                 break
@@ -673,7 +596,7 @@ class Relay:
         code = core.close_code if core.close_code is not None else CLOSE_NORMAL
         writer = self.writer
         writer.flush(force=True)
-        if self._flooded:
+        if self.reader.cut_off:
             await self._stop_reader()
             writer.close(code, self._close_message())
             writer.close_transport()  # after the close frame; no reply awaited
@@ -690,7 +613,7 @@ class Relay:
         writer.discard()
         if core.state is not SessionState.CLOSED:
             core.client_gone()
-        await self._flush_upstream_commands()
+        self._send_commands()
         if not self._upstream_gone.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._upstream_close_timeout):

@@ -1,21 +1,26 @@
 """The one path from a session to its client socket.
 
 ``ClientFrameWriter`` owns every byte written to a client connection: engine
-events (text frames), pings, pongs and the close frame. It is also installed
+events (text frames), pings, pongs and the close frame. It is a sink: the
+relay takes events from the core and hands them over (:meth:`take`), with a
+validity check the writer applies at write time; the writer holds no
+reference to the core and reports what it wrote or dropped through
+:class:`DeliveryHooks`. It is also installed
 as the aiohttp ``WebSocketResponse``'s own frame writer (see
 :func:`omni_sidecar.compat.install_client_writer`), so the close frames aiohttp sends
 by itself (an oversized client frame: 1009) take the same path.
 
 Rules it enforces (docs/design.md, Relay shell):
 
-- **Write bound.** Events are taken from the core only while what the client
-  transport holds unsent plus the batch of taken events is below
-  ``client_write_buffer_bytes`` (also the transport's high-water mark, set by
-  the app). So a client that stops reading pins at most the bound plus one
-  event here; a single event larger than the bound is written alone.
-- **Write-time re-check.** A taken event is re-checked against the core when
-  it is written: audio of a response cancelled between taking and writing is
-  dropped (``cancelled_audio``), not written.
+- **Write bound.** :meth:`accepting` and :meth:`room` tell the relay to take
+  events only while what the client transport holds unsent plus the batch of
+  taken events is below ``client_write_buffer_bytes`` (also the transport's
+  high-water mark, set by the app). So a client that stops reading pins at
+  most the bound plus one event here; a single event larger than the bound
+  is written alone.
+- **Write-time re-check.** A taken event is re-checked (``still_valid``, the
+  core's check) when it is written: audio of a response cancelled between
+  taking and writing is dropped (``cancelled_audio``), not written.
 - **Batching.** While more engine frames are already parsed and waiting
   (``upstream_backlog``), taken events are gathered and written with one
   ``writelines`` at the end of the loop tick; at real-time pace (no backlog)
@@ -41,7 +46,7 @@ from typing import Any, Final, Protocol
 
 from omni_sidecar import compat
 from omni_sidecar.core.buffer import Entry
-from omni_sidecar.core.session import DropReason, SessionCore
+from omni_sidecar.core.session import DropReason
 from omni_sidecar.session.frames import (
     MAX_CONTROL_PAYLOAD,
     OP_BINARY,
@@ -61,10 +66,13 @@ _NO_BACKLOG: Final[Sized] = ()
 
 
 class DeliveryHooks(Protocol):
-    """What the writer reports to its session (metrics, wake-ups)."""
+    """What the writer reports to its session (the core's bookkeeping, metrics, wake-ups)."""
 
-    def delivered(self, entry: Entry, taken_at: float) -> None:
-        """One event was written to the client."""
+    def delivered(self, entry: Entry, taken_at: float, now: float) -> None:
+        """One taken event was written to the client at ``now``."""
+
+    def dropped(self, entry: Entry, reason: DropReason) -> None:
+        """One taken event was not written (cancelled since, or the connection is gone)."""
 
     def written(self) -> None:
         """A write (or a drop of taken events) happened: sync buffer metrics."""
@@ -78,8 +86,8 @@ class ClientFrameWriter:
 
     Args:
         protocol: aiohttp's protocol of the client connection (flow control).
-        core: the session core (what to write, write-time re-check).
         hooks: delivery callbacks.
+        still_valid: the write-time re-check of a taken event (the core's).
         write_buffer_bytes: the write bound (``client_write_buffer_bytes``).
         clock: monotonic seconds.
         call_soon: schedules the end-of-tick batch write (``loop.call_soon``).
@@ -89,16 +97,16 @@ class ClientFrameWriter:
     def __init__(
         self,
         protocol: Any,
-        core: SessionCore,
         hooks: DeliveryHooks,
         *,
+        still_valid: Callable[[Entry], bool],
         write_buffer_bytes: int,
         clock: Callable[[], float],
         call_soon: Callable[[Callable[[], None]], object],
         upstream_backlog: Sized = _NO_BACKLOG,
     ) -> None:
         self._protocol = protocol
-        self._core = core
+        self._still_valid = still_valid
         self._hooks = hooks
         self._bound = write_buffer_bytes
         self._clock = clock
@@ -129,15 +137,18 @@ class ClientFrameWriter:
     @property
     def gone(self) -> bool:
         """The connection is lost or closing: nothing more can be written."""
-        # Per-event path: the hooks (checked by omni_sidecar.compat at start-up) are
-        # read directly here rather than through compat's one-line functions.
-        transport = self._protocol.transport
+        transport = compat.client_transport(self._protocol)
         return transport is None or bool(transport.is_closing())
 
     @property
     def paused(self) -> bool:
         """The transport is above its high-water mark: write no more events now."""
-        return bool(self._protocol.writing_paused)
+        return compat.writing_paused(self._protocol)
+
+    @property
+    def accepting(self) -> bool:
+        """More events may be taken now (no close frame sent, transport below its mark)."""
+        return not self.close_sent and not compat.writing_paused(self._protocol)
 
     @property
     def has_pending(self) -> bool:
@@ -154,51 +165,55 @@ class ClientFrameWriter:
         Raises:
             ConnectionError: the connection was lost meanwhile.
         """
-        if self._protocol.writing_paused:
+        if compat.writing_paused(self._protocol):
             await compat.wait_writable(self._protocol)
 
     # -- events ---------------------------------------------------------------------------------
 
-    def pump(self, now: float, *, defer: bool = False) -> None:
-        """Take what the core has ready, within the bound, and write it.
+    def room(self) -> int:
+        """Start a batch: write a pending pong, and return the bytes it may hold.
 
-        Args:
-            now: the time the events are taken (queue delay ends here).
-            defer: the caller is the engine reader: while more engine frames
-                are already waiting, write the batch at the end of the loop
-                tick instead of now (one transport write per burst).
+        What the transport already holds counts against the bound too, so a
+        client that stops reading pins at most the bound (plus one event)
+        here, not a full batch on top of a full transport.
         """
         if self._pending_pong is not None and not self.paused:
             self._write_control(OP_PONG, self._pending_pong)
             self._pending_pong = None
             self.unanswered_pings = 0
-        core = self._core
-        buffer = core.buffer
-        bound = self._bound
-        protocol = self._protocol
-        # What the transport already holds counts against the bound too, so a
-        # client that stops reading pins at most the bound (plus one event)
-        # here, not a full batch on top of a full transport.
-        room = bound - self._buffered()
-        while not self.close_sent and buffer.has_output() and not protocol.writing_paused:
-            if self._batch_bytes >= room:
-                break
-            entry = core.next_delivery(now)
-            if entry is None:
-                break
-            buffer.release_held()
-            size = entry.event.size
-            if self._batch and self._batch_bytes + size > room:
-                # The batch is full: write it; this event starts the next one.
-                self.flush()
-                room = bound - self._buffered()
-            self._batch.append((entry, now))
-            self._batch_bytes += size
-            if entry.closure:
-                break
+        return self._bound - self._buffered()
+
+    def take(self, entry: Entry, taken_at: float, room: int) -> int:
+        """Add a taken event to the batch; a full batch is written first.
+
+        Args:
+            entry: the event, already taken from the core.
+            taken_at: when it was taken (its queue delay ends there).
+            room: what :meth:`room` (or the last ``take``) returned.
+
+        Returns:
+            The room left for this batch (recomputed when a full batch was written).
+        """
+        size = entry.event.size
+        if self._batch and self._batch_bytes + size > room:
+            # The batch is full: write it; this event starts the next one.
+            self.flush()
+            room = self._bound - self._buffered()
+        self._batch.append((entry, taken_at))
+        self._batch_bytes += size
+        return room
+
+    def end_batch(self, *, defer: bool = False) -> None:
+        """Write the batch now, or at the end of the loop tick.
+
+        Args:
+            defer: the caller is the engine reader: while more engine frames
+                are already waiting, write the batch at the end of the loop
+                tick instead of now (one transport write per burst).
+        """
         if not self._batch:
             return
-        if defer and self._backlog and self._batch_bytes < bound:
+        if defer and self._backlog and self._batch_bytes < self._bound:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._call_soon(self._scheduled_flush)
@@ -207,7 +222,7 @@ class ClientFrameWriter:
 
     def _buffered(self) -> int:
         """Bytes the client transport holds unsent (0 once it is gone)."""
-        transport = self._protocol.transport
+        transport = compat.client_transport(self._protocol)
         return 0 if transport is None else int(transport.get_write_buffer_size())
 
     def _scheduled_flush(self) -> None:
@@ -225,10 +240,10 @@ class ClientFrameWriter:
         batch = self._batch
         if not batch:
             return
-        transport = self._protocol.transport
+        transport = compat.client_transport(self._protocol)
         if (
             not force
-            and self._protocol.writing_paused
+            and compat.writing_paused(self._protocol)
             and transport is not None
             and not transport.is_closing()
         ):
@@ -236,33 +251,32 @@ class ClientFrameWriter:
             return
         self._batch = []
         self._batch_bytes = 0
-        core = self._core
+        still_valid = self._still_valid
         hooks = self._hooks
         if transport is None or transport.is_closing():
             for entry, _ in batch:
-                core.drop_taken(entry, DropReason.SESSION_CLOSED)
+                hooks.dropped(entry, DropReason.SESSION_CLOSED)
             hooks.written()
             return
         if len(batch) == 1:
             # One event (real-time pace): no lists to build.
             entry, taken_at = batch[0]
-            if core.still_valid(entry):
+            if still_valid(entry):
                 payload = entry.event.text.encode("utf-8", "surrogatepass")
                 transport.writelines((frame_header(OP_TEXT, len(payload)), payload))
                 self.frames_written += 1
                 self.bytes_written += len(payload)
-                core.delivered(entry, self._clock(), release=False)
-                hooks.delivered(entry, taken_at)
+                hooks.delivered(entry, taken_at, self._clock())
             else:
                 # Cancelled after it was taken: not one byte of it is written.
-                core.drop_taken(entry, DropReason.CANCELLED_AUDIO)
+                hooks.dropped(entry, DropReason.CANCELLED_AUDIO)
             hooks.written()
             return
         parts: list[bytes] = []
         written: list[tuple[Entry, float]] = []
         for entry, taken_at in batch:
-            if not core.still_valid(entry):
-                core.drop_taken(entry, DropReason.CANCELLED_AUDIO)
+            if not still_valid(entry):
+                hooks.dropped(entry, DropReason.CANCELLED_AUDIO)
             else:
                 payload = entry.event.text.encode("utf-8", "surrogatepass")
                 parts.append(frame_header(OP_TEXT, len(payload)))
@@ -274,14 +288,13 @@ class ClientFrameWriter:
             self.frames_written += len(written)
             now = self._clock()
             for entry, taken_at in written:
-                core.delivered(entry, now, release=False)
-                hooks.delivered(entry, taken_at)
+                hooks.delivered(entry, taken_at, now)
         hooks.written()
 
     def discard(self) -> None:
         """Drop what was taken and not written (the connection is gone)."""
         for entry, _ in self._batch:
-            self._core.drop_taken(entry, DropReason.SESSION_CLOSED)
+            self._hooks.dropped(entry, DropReason.SESSION_CLOSED)
         self._batch = []
         self._batch_bytes = 0
         self._hooks.written()

@@ -14,14 +14,23 @@ from aiohttp._websocket import helpers as websocket_helpers
 
 from omni_sidecar import compat
 
+TEXT_PUSH_HOOK = (
+    "web_ws.WebSocketDataQueue built by _post_start, its feed_data called by the parser"
+)
+RESUME_HOOK = "ResponseHandler.resume_writing, wrapped per instance"
+
 # (object, attribute) pairs whose removal must be noticed, and the hook named.
 REMOVALS = [
     (base_protocol.BaseProtocol, "_drain_helper", "BaseProtocol._drain_helper"),
     (base_protocol.BaseProtocol, "writing_paused", "BaseProtocol.writing_paused"),
     (web_ws.WebSocketResponse, "send_frame", "WebSocketResponse._writer (send_frame/close)"),
     (aiohttp, "ClientWSTimeout", "ClientWSTimeout"),
-    # The picows engine link masks its frames with it.
+    # Both engine links mask their frames with it.
     (websocket_helpers, "websocket_mask", "_websocket.helpers.websocket_mask"),
+    # The aiohttp engine link resumes reading the client when the engine drains.
+    (base_protocol.BaseProtocol, "resume_writing", RESUME_HOOK),
+    # Client text frames skip aiohttp's queue through it (the push path).
+    (web_ws, "WebSocketDataQueue", TEXT_PUSH_HOOK),
 ]
 
 
@@ -47,6 +56,17 @@ def test_a_missing_internal_is_named(removed: str) -> None:
     with pytest.raises(compat.AiohttpHookMissing) as info:
         compat.require_hooks()
     assert aiohttp.__version__ in str(info.value) and removed in str(info.value)
+
+
+def test_a_text_push_that_the_parser_does_not_reach_is_a_missing_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checked by parsing a frame: an override of ``feed_data`` that aiohttp's parser
+    skips (as a C build calling its own method directly would) stops ``serve``."""
+    assert compat.install_text_push()
+    queue = web_ws.WebSocketDataQueue  # type: ignore[attr-defined]
+    monkeypatch.setattr(queue, "feed_data", queue.__mro__[1].feed_data)
+    assert TEXT_PUSH_HOOK in compat.missing_hooks()
 
 
 def test_hooks_that_read_attributes_set_in_constructors_see_them() -> None:

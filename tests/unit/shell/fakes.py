@@ -20,6 +20,7 @@ from websockets.frames import Frame
 from websockets.streams import StreamReader
 
 from omni_sidecar.core.buffer import Entry
+from omni_sidecar.core.session import DropReason, SessionCore
 from omni_sidecar.session.engine_link import UpstreamHandler, read_messages
 
 __all__ = [
@@ -188,15 +189,23 @@ class ManualScheduler:
 
 
 class RecordingHooks:
-    """DeliveryHooks that remember what the writer reported."""
+    """DeliveryHooks that remember what the writer reported and book it in the
+    core as the relay does (delivered, or dropped with its reason)."""
 
-    def __init__(self) -> None:
+    def __init__(self, core: SessionCore) -> None:
+        self.core = core
         self.entries: list[Entry] = []
+        self.dropped_entries: list[tuple[Entry, DropReason]] = []
         self.written_calls = 0
         self.blocked_calls = 0
 
-    def delivered(self, entry: Entry, taken_at: float) -> None:
+    def delivered(self, entry: Entry, taken_at: float, now: float) -> None:
+        self.core.delivered(entry, now, release=False)
         self.entries.append(entry)
+
+    def dropped(self, entry: Entry, reason: DropReason) -> None:
+        self.core.drop_taken(entry, reason)
+        self.dropped_entries.append((entry, reason))
 
     def written(self) -> None:
         self.written_calls += 1
@@ -242,9 +251,7 @@ class FakeClient:
 class FakeUpstream:
     """The engine link: frames to hand to the relay, frames the relay sent."""
 
-    def __init__(self, *, answer_close: bool = True, sends_without_waiting: bool = False) -> None:
-        #: Like the picows link (True) or the aiohttp one (False).
-        self.sends_without_waiting = sends_without_waiting
+    def __init__(self, *, answer_close: bool = True) -> None:
         self.inbox: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue(maxsize=10_000)
         self.backlog: deque[object] = deque()
         #: Answer our ``session.close`` with ``session.closed`` and a close, like the engine.
@@ -282,13 +289,6 @@ class FakeUpstream:
         pass
 
     def send_nowait(self, text: str) -> None:
-        assert self.sends_without_waiting, "the relay must await send() on this link"
-        self.sent.append(text)
-        if self.answer_close and '"session.close"' in text:
-            self.feed('{"type":"session.closed","reason":"client_close"}')
-            self.feed_close(1000)
-
-    async def send(self, text: str) -> None:
         self.sent.append(text)
         if self.answer_close and '"session.close"' in text:
             self.feed('{"type":"session.closed","reason":"client_close"}')
@@ -297,7 +297,7 @@ class FakeUpstream:
     async def ping(self) -> None:
         self.pings += 1
 
-    async def pong(self, payload: bytes) -> None:
+    def pong_nowait(self, payload: bytes) -> None:
         pass
 
     def abort(self) -> None:

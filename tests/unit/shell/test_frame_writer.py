@@ -17,6 +17,7 @@ from websockets.frames import Opcode
 
 from omni_sidecar.core.session import DropReason, SessionCore, SessionState
 from omni_sidecar.session.frames import OP_TEXT, close_payload, frame_header
+from omni_sidecar.session.relay import pump
 from omni_sidecar.session.writer import AiohttpWriterAdapter, ClientFrameWriter
 from tests.unit.core.helpers import (
     audio,
@@ -39,13 +40,13 @@ class Harness:
         self.now = 10.0
         self.core = SessionCore(make_settings(), new_event_id=lambda: "event_proxy")
         self.protocol = FakeProtocol()
-        self.hooks = RecordingHooks()
+        self.hooks = RecordingHooks(self.core)
         self.soon: list[Callable[[], None]] = []
         self.backlog: deque[object] = backlog if backlog is not None else deque()
         self.writer = ClientFrameWriter(
             self.protocol,
-            self.core,
             self.hooks,
+            still_valid=self.core.still_valid,
             write_buffer_bytes=bound,
             clock=lambda: self.now,
             call_soon=self.soon.append,
@@ -92,7 +93,7 @@ def test_written_events_at_boundaries_arrive_whole_and_in_order(size: int) -> No
     frames_in = [first] if first is not None else []
     frames_in.append(json.dumps({"type": "x.after"}))
     h.engine(*frames_in)
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     written = parse_frames(h.transport.data)
     assert [f.data.decode() for f in written] == frames_in
     assert all(f.opcode is Opcode.TEXT and f.fin for f in written)
@@ -104,7 +105,7 @@ def test_non_ascii_text_is_framed_by_utf8_length() -> None:
         {"type": "response.output_text.delta", "delta": "héllo ☃ 🎙"}, ensure_ascii=False
     )
     h.engine(text)
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert [f.data.decode() for f in parse_frames(h.transport.data)] == [text]
 
 
@@ -122,11 +123,11 @@ def test_nothing_is_taken_while_the_transport_is_paused() -> None:
     h = Harness()
     h.protocol.pause()
     h.engine(response_created("r1"), audio("r1"))
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert h.transport.data == b""
     assert len(h.core.buffer) == 2, "events stay queued in the core, inside its budget"
     h.protocol.resume()
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert [t["type"] for t in h.texts()] == ["response.created", "response.output_audio.delta"]
 
 
@@ -143,7 +144,7 @@ def test_a_deferred_batch_never_exceeds_the_write_bound() -> None:
         original(force=force)
 
     h.writer.flush = spy  # type: ignore[method-assign]
-    h.writer.pump(h.now, defer=True)
+    pump(h.core, h.writer, h.now, defer=True)
     h.run_soon()
     assert sizes and max(sizes) <= 1000, sizes
     assert [t["i"] for t in h.texts()] == list(range(10))
@@ -153,11 +154,11 @@ def test_what_the_transport_holds_counts_against_the_bound() -> None:
     h = Harness(bound=1000)
     h.transport.buffered = 900  # the client stopped reading: the transport holds 900 bytes
     h.engine(*[sized({"type": "x.e", "i": i}, 300) for i in range(5)])
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert [t["i"] for t in h.texts()] == [0], "one event past the room, then nothing"
     assert len(h.core.buffer) == 4, "the rest stays queued in the core, inside its budget"
     h.transport.buffered = 0  # drained
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert [t["i"] for t in h.texts()] == [0, 1, 2, 3, 4]
 
 
@@ -165,7 +166,7 @@ def test_one_event_larger_than_the_bound_is_written_alone() -> None:
     h = Harness(bound=1000)
     big = sized({"type": "x.big"}, 5000)
     h.engine(sized({"type": "x.small"}, 100), big)
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert [len(c) for c in h.transport.calls][-1] >= 5000
     assert len(h.transport.calls) == 2, "the small event and the big one in separate writes"
 
@@ -174,9 +175,9 @@ def test_batch_waits_for_the_end_of_the_tick_while_engine_frames_are_waiting() -
     backlog: deque[object] = deque([object()])
     h = Harness(backlog=backlog)
     h.engine(response_created("r1"))
-    h.writer.pump(h.now, defer=True)
+    pump(h.core, h.writer, h.now, defer=True)
     h.engine(audio("r1", seq=1))
-    h.writer.pump(h.now, defer=True)
+    pump(h.core, h.writer, h.now, defer=True)
     assert h.transport.calls == [], "deferred while the engine has more frames parsed"
     assert len(h.soon) == 1, "one end-of-tick write scheduled per burst"
     h.run_soon()
@@ -187,7 +188,7 @@ def test_batch_waits_for_the_end_of_the_tick_while_engine_frames_are_waiting() -
 def test_no_backlog_writes_at_once() -> None:
     h = Harness()
     h.engine(response_created("r1"))
-    h.writer.pump(h.now, defer=True)
+    pump(h.core, h.writer, h.now, defer=True)
     assert len(h.texts()) == 1 and h.soon == []
 
 
@@ -198,7 +199,7 @@ def test_cancel_between_taking_and_writing_writes_no_byte_of_that_response() -> 
     backlog: deque[object] = deque([object()])
     h = Harness(backlog=backlog)
     h.engine(response_created("r1"), audio("r1", 400, seq=1), transcript_delta("r1"))
-    h.writer.pump(h.now, defer=True)  # taken into the batch, not yet written
+    pump(h.core, h.writer, h.now, defer=True)  # taken into the batch, not yet written
     assert h.transport.calls == []
     h.core.receive_client(b_response_cancel("r1"), h.now)  # the cancel lands in between
     h.run_soon()
@@ -216,9 +217,9 @@ def test_a_single_taken_delta_cancelled_before_its_write_is_dropped() -> None:
     backlog: deque[object] = deque([object()])
     h = Harness(backlog=backlog)
     h.engine(response_created("r1"))
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     h.engine(audio("r1", 400, seq=1))
-    h.writer.pump(h.now, defer=True)  # one delta taken, its write at the end of the tick
+    pump(h.core, h.writer, h.now, defer=True)  # one delta taken, its write at the end of the tick
     h.core.receive_client(b_response_cancel("r1"), h.now)
     h.run_soon()
     assert [t["type"] for t in h.texts()] == ["response.created"]
@@ -229,7 +230,7 @@ def test_taken_events_are_dropped_not_written_once_the_connection_is_gone() -> N
     backlog: deque[object] = deque([object()])
     h = Harness(backlog=backlog)
     h.engine(response_created("r1"))
-    h.writer.pump(h.now, defer=True)
+    pump(h.core, h.writer, h.now, defer=True)
     h.transport.abort()
     h.run_soon()
     assert h.transport.calls == []
@@ -239,7 +240,7 @@ def test_taken_events_are_dropped_not_written_once_the_connection_is_gone() -> N
 def test_delivered_reports_each_written_event_to_core_and_hooks() -> None:
     h = Harness()
     h.engine(response_created("r1"), response_done("r1"))
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     assert [e.event.type for e in h.hooks.entries] == ["response.created", "response.done"]
     assert h.writer.frames_written == 2
     assert h.hooks.written_calls >= 1
@@ -264,7 +265,7 @@ def test_pongs_above_the_mark_are_coalesced_to_the_latest() -> None:
     assert h.writer.pongs_coalesced == 999
     assert h.hooks.blocked_calls >= 1, "the delivery task is woken to write it later"
     h.protocol.resume()
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     frames = parse_frames(h.transport.data)
     assert [(f.opcode, f.data) for f in frames] == [(Opcode.PONG, b"999")]
 
@@ -280,13 +281,13 @@ def test_close_frame_goes_after_taken_events_once_and_nothing_follows() -> None:
     backlog: deque[object] = deque([object()])
     h = Harness(backlog=backlog)
     h.engine(response_created("r1"))
-    h.writer.pump(h.now, defer=True)
+    pump(h.core, h.writer, h.now, defer=True)
     assert h.writer.close(1008, b"overflow")
     assert not h.writer.close(1000), "a second close writes nothing"
     h.writer.ping()
     h.writer.pong(b"x")
     h.engine(response_done("r1"))
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     h.run_soon()
     frames = parse_frames(h.transport.data)
     assert [f.opcode for f in frames] == [Opcode.TEXT, Opcode.CLOSE]
@@ -317,7 +318,7 @@ def test_closure_notice_is_the_last_event_taken() -> None:
     h = Harness()
     h.engine(response_created("r1"))
     h.core.shutdown(h.now)
-    h.writer.pump(h.now)
+    pump(h.core, h.writer, h.now)
     types = [t["type"] for t in h.texts()]
     assert types[-1] == "session.closed"
     assert h.core.state is SessionState.CLOSED

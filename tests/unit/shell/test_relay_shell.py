@@ -73,7 +73,6 @@ class Session:
         manual_soon: bool = False,
         core_settings: SessionSettings | None = None,
         answer_close: bool = True,
-        sends_without_waiting: bool = False,
         **relay_kwargs: Any,
     ) -> None:
         #: End-of-tick writes, run by the test when ``manual_soon``.
@@ -83,9 +82,7 @@ class Session:
         self.scheduler = ManualScheduler()
         self.protocol = FakeProtocol()
         self.client = FakeClient()
-        self.upstream = FakeUpstream(
-            answer_close=answer_close, sends_without_waiting=sends_without_waiting
-        )
+        self.upstream = FakeUpstream(answer_close=answer_close)
         self.observer = Observer()
         self.core = SessionCore(
             core_settings or make_settings(), new_event_id=lambda: "event_proxy"
@@ -501,10 +498,10 @@ async def _client_sends(s: Session, text: str) -> None:
     await s.settle()
 
 
-async def test_a_link_that_sends_without_waiting_acks_from_the_timer_callback_itself(
+async def test_the_ack_timer_sends_the_ack_from_its_own_callback(
     session_factory: Any,
 ) -> None:
-    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    s = await session_factory(core_settings=_acking())
     await _play_one_second(s)
     s.scheduler.advance(0.25)
     # No settle: the timer callback sent it, no task had to wake up for it.
@@ -515,7 +512,7 @@ async def test_a_link_that_sends_without_waiting_acks_from_the_timer_callback_it
 async def test_a_due_ack_rides_along_right_behind_the_next_client_frame(
     session_factory: Any,
 ) -> None:
-    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    s = await session_factory(core_settings=_acking())
     await _client_sends(s, _APPEND)  # the client streams: the ack timer is armed late
     await _play_one_second(s)
     s.scheduler.advance(0.25)  # an ack is due now; its timer waits another interval
@@ -532,7 +529,7 @@ async def test_a_due_ack_rides_along_right_behind_the_next_client_frame(
 async def test_while_the_client_streams_the_ack_timer_fires_an_interval_late(
     session_factory: Any,
 ) -> None:
-    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    s = await session_factory(core_settings=_acking())
     await _client_sends(s, _APPEND)
     await _play_one_second(s)
     s.scheduler.advance(0.25)  # the exact due time: no ack yet, a ride may come
@@ -549,7 +546,7 @@ async def test_while_the_client_streams_the_ack_timer_fires_an_interval_late(
 async def test_no_ack_rides_along_before_an_interval_of_audio_has_played(
     session_factory: Any,
 ) -> None:
-    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    s = await session_factory(core_settings=_acking())
     await _play_one_second(s)
     s.scheduler.advance(0.2)
     await _client_sends(s, _APPEND)
@@ -562,7 +559,7 @@ async def test_no_ack_rides_along_before_an_interval_of_audio_has_played(
 async def test_after_the_clients_own_ack_nothing_rides_along_in_auto_mode(
     session_factory: Any,
 ) -> None:
-    s = await session_factory(core_settings=_acking(), sends_without_waiting=True)
+    s = await session_factory(core_settings=_acking())
     own = '{"type":"playback.ack","response_id":"r0","played_ms":0}'
     await _client_sends(s, own)
     await _play_one_second(s)
@@ -594,7 +591,7 @@ class Pusher:
 
 async def _pushed_session(**kwargs: Any) -> tuple[Session, Pusher]:
     pusher = Pusher()
-    s = Session(sends_without_waiting=True, client_push=pusher, **kwargs)
+    s = Session(client_push=pusher, **kwargs)
     pusher.client = s.client
     return s, pusher
 
