@@ -13,6 +13,11 @@ tracks (so a stray local file cannot make them pass):
 * every citation of the form "docs/design.md, Section" (or of
   docs/engine-protocol.md) names a real heading of that document, so that
   section titles can be cited from code and renaming one is caught.
+
+The reference tables have one home each (every metric in docs/metrics.md, the
+settings in docs/configuration.md, the exit statuses in docs/operations.md, the
+verified clients and engines in docs/works_with.md), checked against the code;
+the README stays a short front door whose key-settings table names real keys.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from omni_sidecar.cli import EXIT_STATUSES
 from omni_sidecar.metrics import SidecarMetrics, definitions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,9 +220,27 @@ def _exposed_metric_names() -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("doc", ["README.md", "deploy/README.md"])
-def test_metric_tables_list_every_metric_and_label_value(doc: str) -> None:
+#: Each reference table's header row → the one document that holds it. Every other
+#: page links to that home instead of carrying a copy that would drift.
+TABLE_HOMES = {
+    "| name | type | labels | meaning |": "docs/metrics.md",
+    "| label | values |": "docs/metrics.md",
+    "| key | default | meaning |": "docs/configuration.md",
+    "| status | meaning | systemd |": "docs/operations.md",
+    "| Client / engine | Version | What was verified | How (test) |": "docs/works_with.md",
+}
+
+#: The front door's length limit: what the sidecar is, how to run and install it,
+#: the key settings and the links; everything else lives in docs/.
+README_MAX_LINES = 150
+#: The README's short table of the settings most deployments touch.
+README_SETTINGS_HEADER = "| setting | default | what it does |"
+README_SETTINGS_ROWS = 10
+
+
+def test_metric_tables_list_every_metric_and_label_value() -> None:
     """The metric tables operators read match what /metrics exposes."""
+    doc = "docs/metrics.md"
     text = _text(ROOT / doc)
     missing = [name for name in _exposed_metric_names() if f"`{name}`" not in text]
     missing += [
@@ -228,7 +252,34 @@ def test_metric_tables_list_every_metric_and_label_value(doc: str) -> None:
     assert not missing, f"{doc} does not list:\n" + "\n".join(missing)
 
 
-def _setting_names() -> set[str]:
+def test_each_reference_table_has_one_home() -> None:
+    """A metric, setting, exit status or verified client is written in one table only."""
+    misplaced = []
+    for path in _markdown_docs():
+        name = str(path.relative_to(ROOT))
+        for line_number, line in enumerate(_text(path).splitlines(), start=1):
+            home = TABLE_HOMES.get(line.strip())
+            if home is not None and home != name:
+                misplaced.append(f"{name}:{line_number}: {line.strip()} (belongs in {home})")
+    homes_found = {
+        header for header, home in TABLE_HOMES.items() if header in _text(ROOT / home).splitlines()
+    }
+    assert not misplaced, "reference tables outside their home (link to it):\n" + "\n".join(
+        misplaced
+    )
+    assert homes_found == set(TABLE_HOMES), sorted(set(TABLE_HOMES) - homes_found)
+
+
+def test_exit_status_table_matches_the_cli() -> None:
+    table = _table(ROOT / "docs/operations.md", "| status | meaning | systemd |")
+    documented = [int(row.split("|")[1]) for row in table]
+    assert documented == sorted(EXIT_STATUSES), (
+        f"docs/operations.md lists exit statuses {documented}; serve has {sorted(EXIT_STATUSES)}"
+    )
+
+
+@cache
+def _setting_names() -> frozenset[str]:
     """Every key ``serve --print-config`` knows, set or commented out as unset."""
     code = (
         "import sys; from omni_sidecar.cli import main; sys.exit(main(['serve', '--print-config']))"
@@ -242,15 +293,22 @@ def _setting_names() -> set[str]:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    return set(re.findall(r"^(?:# )?([a-z_][a-z0-9_.]*) = ", result.stdout, re.MULTILINE))
+    return frozenset(re.findall(r"^(?:# )?([a-z_][a-z0-9_.]*) = ", result.stdout, re.MULTILINE))
 
 
-def _readme_setting_keys() -> list[str]:
-    text = _text(ROOT / "README.md")
-    table = text[text.index("| key | default | meaning |") :]
-    table = table[: table.index("\n\n")]
+def _table(path: Path, header: str) -> list[str]:
+    """The body rows of the Markdown table that starts with ``header`` in ``path``."""
+    text = _text(path)
+    assert header in text, f"{path.relative_to(ROOT)} has no table {header!r}"
+    table = text[text.index(header) :]
+    table = table[: table.index("\n\n")] if "\n\n" in table else table
+    return table.splitlines()[2:]
+
+
+def _setting_keys(path: Path, header: str) -> list[str]:
+    """The keys named in the first column of a settings table."""
     keys: list[str] = []
-    for row in table.splitlines()[2:]:
+    for row in _table(path, header):
         previous = ""
         for name in re.findall(r"`([a-z_][a-z0-9_.]*)`", row.split("|")[1]):
             if name.startswith("_"):  # `max_pending_output_bytes` / `_events`
@@ -260,9 +318,35 @@ def _readme_setting_keys() -> list[str]:
     return keys
 
 
-def test_readme_settings_table_names_real_settings() -> None:
+def test_settings_table_names_real_settings() -> None:
     known = _setting_names()
-    keys = _readme_setting_keys()
+    keys = _setting_keys(ROOT / "docs/configuration.md", "| key | default | meaning |")
     assert len(keys) > 30
     unknown = [key for key in keys if key not in known]
-    assert not unknown, f"README's settings table names keys serve does not know: {unknown}"
+    assert not unknown, (
+        f"docs/configuration.md's settings table names keys serve does not know: {unknown}"
+    )
+
+
+def test_readme_stays_a_short_front_door() -> None:
+    lines = _text(ROOT / "README.md").splitlines()
+    assert len(lines) < README_MAX_LINES, (
+        f"README.md has {len(lines)} lines; keep it under {README_MAX_LINES} and move"
+        " the rest to docs/ (one home per fact)"
+    )
+
+
+def test_readme_key_settings_are_real_settings() -> None:
+    """The README's ten key settings exist, and the full settings table has each one."""
+    known = _setting_names()
+    rows = _table(ROOT / "README.md", README_SETTINGS_HEADER)
+    keys = _setting_keys(ROOT / "README.md", README_SETTINGS_HEADER)
+    assert len(rows) == README_SETTINGS_ROWS == len(keys), (
+        f"README's key settings: {len(rows)} rows naming {keys}; want {README_SETTINGS_ROWS}"
+        " rows of one key each"
+    )
+    unknown = [key for key in keys if key not in known]
+    assert not unknown, f"README's key settings name keys serve does not know: {unknown}"
+    full = set(_setting_keys(ROOT / "docs/configuration.md", "| key | default | meaning |"))
+    absent = [key for key in keys if key not in full]
+    assert not absent, f"README's key settings missing from docs/configuration.md: {absent}"
