@@ -10,15 +10,20 @@ Layout: ``config`` (flags), ``protocol`` (names, errors, ids), ``audio``
 (voice, RMS), ``settings`` (``session.update``), ``conversation`` (input and
 items), ``playback`` (playback ledger, commit policies, what history keeps of
 each reply), ``responses`` (response event builders), ``handlers`` (client event
-dispatch), ``delivery`` (each session's output queue), ``session`` (sans-I/O core), ``connection`` (per-socket tasks),
+dispatch), ``delivery`` (each session's output queue), ``counters`` (session
+slots, process stats), ``outbox`` (numbering and queueing of a session's
+output), the sans-I/O session core in three layers: ``session_state`` (state,
+queries, emitting, closing), ``generation`` (the response lifecycle) and
+``session`` (opening, client input), then ``connection`` (per-socket tasks) and
 ``server`` (aiohttp app and process lifecycle).
 """
 
 from __future__ import annotations
 
 from omni_sidecar.simulator.config import SimulatorConfig, parse_args
+from omni_sidecar.simulator.counters import SimulatorStats
 from omni_sidecar.simulator.server import build_app, build_audio_bank, run, serve
-from omni_sidecar.simulator.session import DuplexSession, SimulatorStats
+from omni_sidecar.simulator.session import DuplexSession
 
 __all__ = [
     "DuplexSession",

@@ -27,14 +27,11 @@ from aiohttp import WSMsgType, web
 
 from omni_sidecar.simulator.audio import AudioBank
 from omni_sidecar.simulator.config import SimulatorConfig
+from omni_sidecar.simulator.counters import SessionSlots, SimulatorStats
+from omni_sidecar.simulator.outbox import CloseFrame
 from omni_sidecar.simulator.protocol import MAX_CLIENT_MESSAGE_BYTES
-from omni_sidecar.simulator.session import (
-    CloseFrame,
-    DuplexSession,
-    Phase,
-    SessionSlots,
-    SimulatorStats,
-)
+from omni_sidecar.simulator.session import DuplexSession
+from omni_sidecar.simulator.session_state import Phase
 
 __all__ = [
     "FIRST_MESSAGE_TIMEOUT",

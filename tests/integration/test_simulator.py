@@ -34,8 +34,10 @@ import pytest
 
 from omni_sidecar.simulator.audio import load_wav, make_audio_bank, pcm16_rms
 from omni_sidecar.simulator.config import SimulatorConfig
+from omni_sidecar.simulator.counters import SimulatorStats
 from omni_sidecar.simulator.handlers import HANDLERS
-from omni_sidecar.simulator.session import CloseFrame, DuplexSession, SimulatorStats
+from omni_sidecar.simulator.outbox import CloseFrame
+from omni_sidecar.simulator.session import DuplexSession
 
 # Timeouts scale with the shared factor so slow CI machines can stretch them.
 FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))

@@ -19,6 +19,7 @@ import pytest
 
 from omni_sidecar.simulator.audio import make_audio_bank
 from omni_sidecar.simulator.config import SimulatorConfig, build_parser, parse_args
+from omni_sidecar.simulator.counters import SimulatorStats
 from omni_sidecar.simulator.delivery import (
     OutputEntry,
     OutputLimits,
@@ -26,7 +27,8 @@ from omni_sidecar.simulator.delivery import (
     OutputQueue,
 )
 from omni_sidecar.simulator.handlers import HANDLERS
-from omni_sidecar.simulator.session import CloseFrame, DuplexSession, SimulatorStats
+from omni_sidecar.simulator.outbox import CloseFrame
+from omni_sidecar.simulator.session import DuplexSession
 from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,

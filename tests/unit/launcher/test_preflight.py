@@ -1,4 +1,4 @@
-"""``omni-sidecar preflight`` checks (omni_sidecar/engines/preflight.py).
+"""``omni-sidecar preflight`` checks (omni_sidecar/engines/preflight/).
 
 Two machines are played: this one as it is (no vllm, vllm_omni or torch
 installed: those checks FAIL saying what to install, exit status 3) and an
@@ -29,6 +29,7 @@ from omni_sidecar.engines.preflight import (
     add_preflight_arguments,
     cheap_checks,
     engine_config_from_file,
+    interpreter,
     main_preflight,
     read_deploy_spec,
     run_checks,
@@ -82,9 +83,9 @@ def hf_cache(tmp_path: Path, repo_id: str) -> dict[str, str]:
 @pytest.fixture
 def not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine without vllm, vllm_omni and torch, even where they are installed."""
-    real = preflight._find_spec
+    real = interpreter.find_package_spec
     monkeypatch.setattr(
-        preflight, "_find_spec", lambda name: None if name in STAND_INS else real(name)
+        interpreter, "find_package_spec", lambda name: None if name in STAND_INS else real(name)
     )
 
 
@@ -387,8 +388,10 @@ def test_vllm_omni_without_vllm_fails(tmp_path: Path, monkeypatch: pytest.Monkey
     (package / "__init__.py").write_text("raise ImportError('not to be imported')\n")
     monkeypatch.delitem(sys.modules, "vllm_omni", raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
-    real = preflight._find_spec
-    monkeypatch.setattr(preflight, "_find_spec", lambda n: None if n == "vllm" else real(n))
+    real = interpreter.find_package_spec
+    monkeypatch.setattr(
+        interpreter, "find_package_spec", lambda n: None if n == "vllm" else real(n)
+    )
     result = by_name(run_checks(minicpmo(), environ={}))["vllm"]
     assert result.status is FAIL
     assert result.reason.startswith("vllm_omni is installed but vllm is not: pip install ")
