@@ -60,7 +60,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from omni_sidecar.settings.engine import EngineConfig, EngineConfigError
+from omni_sidecar.settings import EngineConfig, EngineConfigError
 
 __all__ = [
     "CheckResult",
@@ -276,7 +276,7 @@ def main_preflight(
     Args:
         ns: Parsed flags from :func:`add_preflight_arguments`.
         config: The engine settings. The CLI passes ``settings.engine`` from
-            ``omni_sidecar.settings.proxy.load`` (file < env < flags); without it the
+            ``omni_sidecar.settings.load`` (file < env < flags); without it the
             ``[engine]`` table of ``ns.config`` is read as it stands.
         environ: As in :func:`run_checks`.
         out: Where the lines go (default stdout).
@@ -308,7 +308,7 @@ def main_preflight(
 def engine_config_from_file(path: str | None) -> EngineConfig:
     """The ``[engine]`` table of a TOML config file as an :class:`EngineConfig`.
 
-    No env or flag precedence (that is ``omni_sidecar.settings.proxy.load``'s job); a
+    No env or flag precedence (that is ``omni_sidecar.settings.load``'s job); a
     top-level ``upstream`` turns the default simulator into ``external`` as it
     does there.
 

@@ -35,7 +35,7 @@ import picows
 
 from omni_sidecar import compat
 from omni_sidecar.session.frames import OP_TEXT, masked_frame_header
-from omni_sidecar.settings.proxy import UpstreamClient
+from omni_sidecar.settings import UpstreamClient
 
 __all__ = [
     "AiohttpUpstreamLink",
