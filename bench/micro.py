@@ -32,7 +32,7 @@ from omni_sidecar.metrics.definitions import SidecarMetrics
 from omni_sidecar.session.engine_link import UpstreamHandler
 from omni_sidecar.session.observer import SessionRegistry
 from omni_sidecar.session.relay import Relay, new_event_id
-from omni_sidecar.settings.proxy import Settings
+from omni_sidecar.settings import Settings
 
 __all__ = ["main"]
 

@@ -25,7 +25,7 @@ from omni_sidecar.engines.preflight import (
 )
 from omni_sidecar.errors import ConfigError
 from omni_sidecar.logs import configure as configure_logging
-from omni_sidecar.settings.proxy import (
+from omni_sidecar.settings import (
     CONFIG_PATH_ENV,
     LoadedSettings,
     add_cli_arguments,
@@ -137,7 +137,7 @@ def _drain(ns: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from omni_sidecar.settings.proxy import parse_listen
+    from omni_sidecar.settings import parse_listen
 
     try:
         settings = load({}, os.environ, _config_path(ns)).settings

@@ -81,10 +81,10 @@ from omni_sidecar.logs import configure as configure_logging
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.native import CORE_BUILD
 from omni_sidecar.session.observer import SessionRegistry, Tracing
-from omni_sidecar.settings.engine import EngineConfigError
-from omni_sidecar.settings.proxy import (
+from omni_sidecar.settings import (
     LIVE_KEYS,
     SETTING_KEYS,
+    EngineConfigError,
     LoadedSettings,
     Settings,
     parse_listen,

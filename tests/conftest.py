@@ -22,8 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from omni_sidecar.settings.engine import EngineConfig
-from omni_sidecar.settings.proxy import Settings
+from omni_sidecar.settings import EngineConfig, Settings
 
 TIMEOUT_FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
 MS = 0.001 * TIMEOUT_FACTOR

@@ -7,6 +7,9 @@ The product is one package, ``omni_sidecar``, whose subpackages are layers;
 * ``core`` does no I/O: it imports nothing that does, nor any other part of
   the package; time and randomness are arguments.
 * ``metrics`` and ``simulator`` stand alone (the simulator is another process).
+* ``settings`` may import ``core`` (I/O-free, importing nothing of the package),
+  so that a default the two share is the core's named constant, written once
+  (docs/design.md, Dependency direction).
 * ``engines`` (launch, supervise, place) never reaches into sessions, the edge
   or the admin listener; ``session`` never into the edge; and so on up.
 * ``opentelemetry`` is imported by ``omni_sidecar/session/tracing.py`` alone,
@@ -118,7 +121,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "native": frozenset(),
     "logs": frozenset(),
     "compat": frozenset({""}),
-    "settings": frozenset({"", "errors"}),
+    "settings": frozenset({"", "core", "errors"}),
     "probe": frozenset({"", "core", "errors"}),
     "engines": frozenset({"", "settings", "metrics", "errors"}),
     "session": frozenset({"", "core", "metrics", "settings", "compat", "errors"}),

@@ -220,12 +220,16 @@ def _exposed_metric_names() -> list[str]:
     return names
 
 
+#: The generated references' table headers (omni_sidecar/metrics/reference.py,
+#: omni_sidecar/settings/render.py; tests/test_reference_docs.py keeps them current).
+METRICS_HEADER = "| metric | type | labels (every value) | meaning |"
+SETTINGS_HEADER = "| key | env / flag | type | default | reload | meaning |"
+
 #: Each reference table's header row → the one document that holds it. Every other
 #: page links to that home instead of carrying a copy that would drift.
 TABLE_HOMES = {
-    "| name | type | labels | meaning |": "docs/metrics.md",
-    "| label | values |": "docs/metrics.md",
-    "| key | default | meaning |": "docs/configuration.md",
+    METRICS_HEADER: "docs/metrics.md",
+    SETTINGS_HEADER: "docs/configuration.md",
     "| status | meaning | systemd |": "docs/operations.md",
     "| Client / engine | Version | What was verified | How (test) |": "docs/works_with.md",
 }
@@ -297,12 +301,15 @@ def _setting_names() -> frozenset[str]:
 
 
 def _table(path: Path, header: str) -> list[str]:
-    """The body rows of the Markdown table that starts with ``header`` in ``path``."""
+    """The body rows of every Markdown table that starts with ``header`` in ``path``."""
     text = _text(path)
     assert header in text, f"{path.relative_to(ROOT)} has no table {header!r}"
-    table = text[text.index(header) :]
-    table = table[: table.index("\n\n")] if "\n\n" in table else table
-    return table.splitlines()[2:]
+    rows: list[str] = []
+    for start in [m.start() for m in re.finditer(re.escape(header), text)]:
+        table = text[start:]
+        table = table[: table.index("\n\n")] if "\n\n" in table else table
+        rows += table.splitlines()[2:]
+    return rows
 
 
 def _setting_keys(path: Path, header: str) -> list[str]:
@@ -320,7 +327,7 @@ def _setting_keys(path: Path, header: str) -> list[str]:
 
 def test_settings_table_names_real_settings() -> None:
     known = _setting_names()
-    keys = _setting_keys(ROOT / "docs/configuration.md", "| key | default | meaning |")
+    keys = _setting_keys(ROOT / "docs/configuration.md", SETTINGS_HEADER)
     assert len(keys) > 30
     unknown = [key for key in keys if key not in known]
     assert not unknown, (
@@ -347,6 +354,6 @@ def test_readme_key_settings_are_real_settings() -> None:
     )
     unknown = [key for key in keys if key not in known]
     assert not unknown, f"README's key settings name keys serve does not know: {unknown}"
-    full = set(_setting_keys(ROOT / "docs/configuration.md", "| key | default | meaning |"))
+    full = set(_setting_keys(ROOT / "docs/configuration.md", SETTINGS_HEADER))
     absent = [key for key in keys if key not in full]
     assert not absent, f"README's key settings missing from docs/configuration.md: {absent}"

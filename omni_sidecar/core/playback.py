@@ -58,6 +58,9 @@ from omni_sidecar.core.ratelimit import BYTES_PER_SAMPLE
 __all__ = [
     "ACK_EVENT_PREFIX",
     "ANSWER_TIMEOUT",
+    "DEFAULT_ACK_INTERVAL",
+    "DEFAULT_MAX_AUDIO_LEAD",
+    "DEFAULT_MAX_PACED_AUDIO_BYTES",
     "AckErrorCode",
     "AckMode",
     "ItemPlayback",
@@ -84,6 +87,11 @@ MAX_OUTSTANDING: Final = 256
 #: code we do not know, without event_id) must not shift every later answer
 #: onto the wrong frame for the rest of the session.
 ANSWER_TIMEOUT: Final = 10.0
+#: Defaults of :class:`PlaybackSettings`, also the defaults of the settings
+#: ``max_audio_lead``, ``max_paced_audio_bytes`` and ``playback_ack_interval``.
+DEFAULT_MAX_AUDIO_LEAD: Final = 0.5
+DEFAULT_MAX_PACED_AUDIO_BYTES: Final = 1024 * 1024
+DEFAULT_ACK_INTERVAL: Final = 0.25
 
 
 class AckMode(enum.Enum):
@@ -143,10 +151,10 @@ class PlaybackSettings:
     """The ledger's settings (seconds and bytes)."""
 
     pacing: bool = False
-    max_audio_lead: float = 0.5
-    max_paced_audio_bytes: int = 1024 * 1024
+    max_audio_lead: float = DEFAULT_MAX_AUDIO_LEAD
+    max_paced_audio_bytes: int = DEFAULT_MAX_PACED_AUDIO_BYTES
     ack: AckMode = AckMode.OFF  # the product default ("auto") comes from the settings
-    ack_interval: float = 0.25
+    ack_interval: float = DEFAULT_ACK_INTERVAL
 
 
 def audio_seconds(chars: int, audio_format: str | None, sample_rate_hz: int | None) -> float:

@@ -43,7 +43,13 @@ from omni_sidecar.core.events import (
     classify_client,
     classify_upstream,
 )
-from omni_sidecar.core.ledger import CancellationLedger, LedgerStatistics, Verdict
+from omni_sidecar.core.ledger import (
+    DEFAULT_MAX_TOMBSTONES,
+    DEFAULT_TOMBSTONE_TTL,
+    CancellationLedger,
+    LedgerStatistics,
+    Verdict,
+)
 from omni_sidecar.core.playback import PlaybackLedger, PlaybackSettings
 from omni_sidecar.core.ratelimit import TokenBucket, audio_bytes_per_second
 from omni_sidecar.core.usage import UsageMeter
@@ -163,8 +169,8 @@ class SessionSettings:
     buffer: BufferLimits = field(default_factory=BufferLimits)
     overflow_policy: OverflowPolicy = OverflowPolicy.CLOSE_SESSION
     interrupt_on_speech_started: bool = False
-    max_tombstones: int = 256
-    tombstone_ttl: float = 60.0
+    max_tombstones: int = DEFAULT_MAX_TOMBSTONES
+    tombstone_ttl: float = DEFAULT_TOMBSTONE_TTL
     #: Appended audio seconds per wall second (0 = off), bursts up to
     #: ``input_burst_seconds`` of audio.
     max_input_audio_rate: float = 0.0

@@ -62,7 +62,7 @@ from omni_sidecar.session.observer import SessionObserver, SessionRegistry, Sess
 from omni_sidecar.session.relay import Relay, new_event_id
 from omni_sidecar.session.usage_log import UsageBook, UsageFile
 from omni_sidecar.session.writer import AiohttpWriterAdapter
-from omni_sidecar.settings.proxy import Settings
+from omni_sidecar.settings import Settings
 
 __all__ = [
     "Admission",

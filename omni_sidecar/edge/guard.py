@@ -71,7 +71,7 @@ from omni_sidecar.edge.forwarded import (
     proxy_header_kind,
 )
 from omni_sidecar.edge.reverse_proxy import DEFAULT_MAX_HTTP_BODY_BYTES
-from omni_sidecar.settings.proxy import Settings
+from omni_sidecar.settings import Settings
 
 __all__ = [
     "DEFAULT_LINGERING_TIME",

@@ -45,7 +45,7 @@ from omni_sidecar.engines.errors import RestartBudgetExhausted
 from omni_sidecar.engines.policy import EngineState, Observation
 from omni_sidecar.engines.supervisor import Supervisor
 from omni_sidecar.engines.systemd import Notifier
-from omni_sidecar.settings.engine import MAX_REPLICAS, EngineConfig, EngineConfigError
+from omni_sidecar.settings import MAX_REPLICAS, EngineConfig, EngineConfigError
 
 __all__ = [
     "EnginePool",

@@ -47,7 +47,7 @@ import aiohttp
 
 from omni_sidecar.engines.errors import EngineStartError
 from omni_sidecar.engines.policy import HealthVerdict, health_verdict
-from omni_sidecar.settings.engine import EngineConfig, ProbeKind
+from omni_sidecar.settings import EngineConfig, ProbeKind
 
 __all__ = [
     "MAX_PROBE_TIMEOUT",

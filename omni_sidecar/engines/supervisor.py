@@ -73,7 +73,7 @@ from omni_sidecar.engines.process import (
     free_port,
 )
 from omni_sidecar.engines.systemd import Notifier
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 
 __all__ = [
     "Clock",

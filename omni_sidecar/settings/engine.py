@@ -1,17 +1,18 @@
-"""Engine settings: which engine to run and how to supervise it.
+"""The ``[engine]`` section: which engine to run and how to supervise it.
 
 :class:`EngineConfig` is a frozen value object. It validates itself in
 ``__post_init__`` and raises :class:`EngineConfigError` (a ``ValueError``) that
-names the offending field; ``omni_sidecar.settings.proxy`` turns that into its own
-``ConfigError`` naming ``engine.<field>`` and the value's source (file, env,
-flag). This module never imports ``proxy`` (docs/design.md, Architecture).
+names the offending field; the loader (``omni_sidecar.settings.load``) turns
+that into its own ``ConfigError`` naming ``engine.<field>`` and the value's
+source (file, env, flag). The engines layer reads this section alone; it
+never needs the sidecar's ``Settings`` (docs/design.md, Settings).
 
-Each field is declared once, with :func:`setting`: its default and a
-:class:`SettingDoc` (meaning, unit, bounds, whether a reload may change it).
-``omni_sidecar.settings.proxy`` derives the TOML keys, env vars, flags, ``--help``,
-``--print-config`` and the example config from these declarations and from
-the top-level ``Settings`` declared the same way. The helper lives here, not in
-``proxy``, because ``proxy`` may import this module but not the reverse.
+Each field is declared once, with ``omni_sidecar.settings.schema.setting``:
+its default and a ``SettingDoc`` (meaning, unit, bounds, whether a reload
+may change it). The TOML keys, env vars, flags, ``--help``,
+``--print-config``, the example config and docs/configuration.md are
+derived from these declarations and from the top-level ``Settings``
+declared the same way.
 
 Units: durations are float seconds, counts are ints.
 """
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar, get_args
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
 from urllib.parse import urlsplit
+
+from omni_sidecar.settings.schema import SECONDS, setting
 
 __all__ = [
     "DEFAULT_HEALTH_FAILURES",
@@ -38,82 +41,12 @@ __all__ = [
     "ENGINE_VERSIONS",
     "MAX_REPLICAS",
     "PROBE_KINDS",
-    "SETTING_METADATA",
     "EngineConfig",
     "EngineConfigError",
     "EngineKind",
     "EngineVersionSetting",
     "ProbeKind",
-    "SettingDoc",
-    "setting",
 ]
-
-SECONDS: Final = 1.0
-
-_T = TypeVar("_T")
-
-#: Key of :class:`SettingDoc` in a dataclass field's ``metadata``.
-SETTING_METADATA: Final = "omni_sidecar_setting"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SettingDoc:
-    """Everything about one setting except its name, type and default.
-
-    The name, the Python type and the default come from the dataclass field
-    that carries this object in its metadata (see :func:`setting`), so a
-    setting is declared in exactly one place.
-
-    Attributes:
-        help: What the setting means, for ``--help`` and the example config.
-            The first sentence is the short form shown in ``--help``.
-        unit: ``"seconds"``, ``"bytes"``, ``"count"``, ``"ratio"`` or ``""``.
-        minimum: Smallest allowed number (inclusive), or ``None``.
-        maximum: Largest allowed number (inclusive), or ``None``.
-        positive: The number must be > 0.
-        live: A SIGHUP reload applies a new value at once (to new sessions
-            and handshakes); ``False`` means a restart is needed.
-        section: Heading under which the example config lists the setting.
-        example: TOML text of a typical value, shown commented out in the
-            example config when the default is unset or empty.
-        metavar: The flag's value placeholder; derived from the unit when empty.
-        argv: A list given as text is split like a shell command line
-            (``shlex``) instead of at commas.
-        check: Further validation of the parsed value; raises ``ValueError``
-            with a message that does not repeat the key.
-        mask: Returns the value with its secret parts replaced by ``***``, for
-            ``--print-config``; ``None`` when the value holds no secret.
-    """
-
-    help: str
-    unit: str = ""
-    minimum: float | None = None
-    maximum: float | None = None
-    positive: bool = False
-    live: bool = False
-    section: str = ""
-    example: str | None = None
-    metavar: str = ""
-    argv: bool = False
-    check: Callable[[Any], None] | None = None
-    mask: Callable[[Any], Any] | None = None
-
-
-def setting(default: _T, **doc: Any) -> _T:
-    """Declare a settings field: its default and its :class:`SettingDoc`.
-
-    Use as ``max_sessions: int = setting(64, help="...", unit="count")``.
-
-    Args:
-        default: The default value (immutable: tuples, not lists).
-        **doc: The :class:`SettingDoc` fields.
-
-    Returns:
-        A dataclass ``field`` (typed as the default, for the type checker).
-    """
-    result: _T = field(default=default, metadata={SETTING_METADATA: SettingDoc(**doc)})
-    return result
-
 
 EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
 ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)

@@ -1,108 +1,80 @@
-"""Settings: one flat namespace, loaded from defaults < TOML file < env < flags.
+"""The sidecar's settings: one declaration per setting, and its validators.
 
 Each setting is declared once, as a field of :class:`Settings` (or of
 ``EngineConfig`` for the ``[engine]`` table) made with
-``omni_sidecar.settings.engine.setting``: name, type (the annotation), default,
-bounds, unit, meaning and whether a SIGHUP reload may change it. Everything
-else is derived from those declarations (:data:`SETTINGS`): the loader, the
-env and flag names, ``serve --help``, ``--print-config`` and the example
-config (``python -m omni_sidecar.settings.proxy --example``). Adding a setting is one edit:
-a new field.
+``omni_sidecar.settings.schema.setting``: name, type (the annotation),
+default, bounds, unit, meaning and whether a SIGHUP reload may change it.
+Everything else is derived from those declarations (:data:`SETTINGS`): the
+loader (``settings/load.py``), the env and flag names, ``serve --help``,
+``--print-config``, the example config and docs/configuration.md
+(``settings/render.py``). Adding a setting is one edit: a new field.
 
-Every key has the same name in each source (docs/design.md, Settings): TOML key
-``max_sessions`` = env ``OMNI_SIDECAR_MAX_SESSIONS`` = flag ``--max-sessions``.
-The ``[engine]`` table maps to ``OMNI_SIDECAR_ENGINE_<KEY>`` and
-``--engine-<key>``. Durations are float seconds, sizes int bytes, counts ints.
+A default that is also the I/O-free core's default (the buffer limits, the
+tombstones, the playback ledger's) is the core's named constant, so it is
+written once. Durations are float seconds, sizes int bytes, counts ints.
 
-:func:`load` is pure: the caller passes the flag values, the environment and
-the file path, so tests need no monkeypatching. It returns the frozen
-:class:`Settings` and, for each key, where its value came from, which
-:func:`format_settings` prints for ``--print-config``.
-
-Text values (env and flags) are parsed by the field's type: booleans accept
-``1/0/true/false/yes/no/on/off``; integers may contain underscores; lists are
-comma-separated (``OMNI_SIDECAR_API_KEYS=k1,k2``); ``engine.env`` is
-``K=V,K2=V2``; argv fields (``engine.extra_args``, ``engine.command``,
-``engine.simulator_args``) are split like a shell (``shlex``). An empty value
-unsets an optional key.
-
-Env vars that start with ``OMNI_SIDECAR_TESTS_`` belong to the test suite and
-``OMNI_SIDECAR_CONFIG`` names the config file for the CLI; :func:`load`
-ignores both. Any other unknown ``OMNI_SIDECAR_*`` variable is an error, as is
-an unknown key in the file, so a typo never goes unnoticed.
+Apart from the declarations this module holds only what they name (value
+checks, secret masks) and the cross-field rules of ``Settings.__post_init__``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
-import enum
 import ipaddress
-import json
-import math
-import shlex
-import sys
-import textwrap
-import tomllib
-import types
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from omni_sidecar.errors import ConfigError
-from omni_sidecar.settings.engine import (
-    SETTING_METADATA,
-    EngineConfig,
-    EngineConfigError,
-    SettingDoc,
-    setting,
+from omni_sidecar.core.buffer import (
+    DEFAULT_MAX_CLOSE_NOTICE_BYTES,
+    DEFAULT_MAX_PENDING_OUTPUT_BYTES,
+    DEFAULT_MAX_PENDING_OUTPUT_EVENTS,
+    DEFAULT_OUTPUT_RESERVE_BYTES,
+    DEFAULT_OUTPUT_RESERVE_EVENTS,
 )
+from omni_sidecar.core.ledger import DEFAULT_MAX_TOMBSTONES, DEFAULT_TOMBSTONE_TTL
+from omni_sidecar.core.playback import (
+    DEFAULT_ACK_INTERVAL,
+    DEFAULT_MAX_AUDIO_LEAD,
+    DEFAULT_MAX_PACED_AUDIO_BYTES,
+)
+from omni_sidecar.errors import ConfigError
+from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings.schema import (
+    KIB,
+    MIB,
+    SECONDS,
+    SettingSpec,
+    setting,
+    specs_of,
+)
+from omni_sidecar.settings.values import check, coerce, parse_listen
 
 __all__ = [
-    "CONFIG_PATH_ENV",
+    "CONSTRUCTOR_SOURCE",
     "DEFAULT_ADMIN_LISTEN",
     "DEFAULT_LISTEN",
-    "ENV_PREFIX",
-    "KIB",
+    "ENGINE_SPECS",
     "LIVE_KEYS",
     "LOG_FORMATS",
     "LOG_LEVELS",
-    "MIB",
     "OVERFLOW_POLICIES",
     "SETTINGS",
     "SETTING_KEYS",
-    "TESTS_ENV_PREFIX",
+    "SPECS",
+    "TOP_SPECS",
     "TRACING_MODES",
-    "LoadedSettings",
     "LogFormat",
     "LogLevel",
     "OverflowPolicy",
-    "SettingSpec",
+    "PlaybackAck",
     "Settings",
     "TracingMode",
-    "add_cli_arguments",
-    "env_name",
-    "example_config",
-    "flag_name",
-    "flag_values",
-    "format_settings",
-    "load",
-    "parse_listen",
+    "UpstreamClient",
+    "mask_url",
     "setting_value",
 ]
-
-BYTES: Final = 1
-KIB: Final = 1024 * BYTES
-MIB: Final = 1024 * KIB
-SECONDS: Final = 1.0
-
-ENV_PREFIX: Final = "OMNI_SIDECAR_"
-TESTS_ENV_PREFIX: Final = "OMNI_SIDECAR_TESTS_"
-CONFIG_PATH_ENV: Final = "OMNI_SIDECAR_CONFIG"
-"""Env var the CLI may read for the config file path; :func:`load` ignores it."""
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8000"
 DEFAULT_ADMIN_LISTEN: Final = "127.0.0.1:9464"
@@ -119,9 +91,10 @@ UpstreamClient = Literal["picows", "aiohttp"]
 TracingMode = Literal["off", "otlp"]
 TRACING_MODES: Final[tuple[str, ...]] = typing.get_args(TracingMode)
 
-_CONSTRUCTOR_SOURCE: Final = "Settings()"
+#: The source named by errors of a directly built ``Settings``.
+CONSTRUCTOR_SOURCE: Final = "Settings()"
 
-# Section headings of the example config, in order.
+# Section headings of the example config and docs/configuration.md, in order.
 _LISTENERS: Final = "Listeners"
 _ADMISSION: Final = "Admission"
 _LIMITS: Final = "Per-session limits"
@@ -184,7 +157,7 @@ def _check_upstream_authorization(value: str) -> None:
         raise ValueError("expected 'pass-through', 'none' or 'key:<KEY>' (a non-empty token)")
 
 
-def _mask_url(value: str | None) -> str | None:
+def mask_url(value: str | None) -> str | None:
     if value is None:
         return None
     parts = urlsplit(value)
@@ -334,7 +307,7 @@ class Settings:
         example='"ws://127.0.0.1:8091"',
         metavar="URL",
         check=_check_ws_url,
-        mask=_mask_url,
+        mask=mask_url,
     )
     max_sessions: int = setting(
         64,
@@ -406,7 +379,7 @@ class Settings:
         section=_LIMITS,
     )
     max_pending_output_bytes: int = setting(
-        2 * MIB,
+        DEFAULT_MAX_PENDING_OUTPUT_BYTES,
         help="Ordinary output budget per session: queued bytes toward the client.",
         unit="bytes",
         positive=True,
@@ -414,7 +387,7 @@ class Settings:
         section=_LIMITS,
     )
     max_pending_output_events: int = setting(
-        512,
+        DEFAULT_MAX_PENDING_OUTPUT_EVENTS,
         help="Ordinary output budget per session: queued events toward the client.",
         unit="count",
         positive=True,
@@ -422,7 +395,7 @@ class Settings:
         section=_LIMITS,
     )
     output_reserve_bytes: int = setting(
-        64 * KIB,
+        DEFAULT_OUTPUT_RESERVE_BYTES,
         help="Reserve usable only by `error` and `response.done` once the budget is full "
         "(bytes); at most max_pending_output_bytes.",
         unit="bytes",
@@ -431,7 +404,7 @@ class Settings:
         section=_LIMITS,
     )
     output_reserve_events: int = setting(
-        8,
+        DEFAULT_OUTPUT_RESERVE_EVENTS,
         help="Reserve usable only by `error` and `response.done` once the budget is full "
         "(events); at most max_pending_output_events.",
         unit="count",
@@ -440,7 +413,7 @@ class Settings:
         section=_LIMITS,
     )
     max_close_notice_bytes: int = setting(
-        4096 * BYTES,
+        DEFAULT_MAX_CLOSE_NOTICE_BYTES,
         help="Largest final `session.closed` notice; a larger one is replaced by a compact "
         "one (reason close_details_exceed_output_limit).",
         unit="bytes",
@@ -515,7 +488,7 @@ class Settings:
         section=_PLAYBACK,
     )
     max_audio_lead: float = setting(
-        0.5 * SECONDS,
+        DEFAULT_MAX_AUDIO_LEAD,
         help="With playback_pacing: audio seconds a client may hold ahead of real time.",
         unit="seconds",
         minimum=0,
@@ -523,7 +496,7 @@ class Settings:
         section=_PLAYBACK,
     )
     max_paced_audio_bytes: int = setting(
-        1 * MIB,
+        DEFAULT_MAX_PACED_AUDIO_BYTES,
         help="With playback_pacing: pending output above this is released at once (counted "
         "as omni_sidecar_paced_bound_releases_total) rather than failing the session. "
         "At most max_pending_output_bytes.",
@@ -542,7 +515,7 @@ class Settings:
         metavar="MODE",
     )
     playback_ack_interval: float = setting(
-        0.25 * SECONDS,
+        DEFAULT_ACK_INTERVAL,
         help="Seconds between the sidecar's playback.ack frames for one playing item "
         "(plus one when its audio is done, and one at a cancel). Longer costs the "
         "engine link fewer frames; shorter keeps the engine's ledger closer to what "
@@ -559,7 +532,7 @@ class Settings:
         section=_CANCELLATION,
     )
     max_tombstones: int = setting(
-        256,
+        DEFAULT_MAX_TOMBSTONES,
         help="Cancelled responses remembered per session, so late audio of them is dropped.",
         unit="count",
         minimum=1,
@@ -567,7 +540,7 @@ class Settings:
         section=_CANCELLATION,
     )
     tombstone_ttl: float = setting(
-        60 * SECONDS,
+        DEFAULT_TOMBSTONE_TTL,
         help="Seconds a cancelled response is remembered after its response.done passed.",
         unit="seconds",
         minimum=0,
@@ -672,7 +645,7 @@ class Settings:
         section=_AUTH,
         example='"redis://127.0.0.1:6379/0"',
         metavar="URL",
-        mask=_mask_url,
+        mask=mask_url,
     )
     quota_redis_timeout: float = setting(
         0.25,
@@ -798,13 +771,13 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        for spec in _TOP_SPECS.values():
-            value = _coerce(spec, getattr(self, spec.name), _CONSTRUCTOR_SOURCE)
-            _check(spec, value, _CONSTRUCTOR_SOURCE)
+        for spec in TOP_SPECS.values():
+            value = coerce(spec, getattr(self, spec.name), CONSTRUCTOR_SOURCE)
+            check(spec, value, CONSTRUCTOR_SOURCE)
             object.__setattr__(self, spec.name, value)
         if not isinstance(self.engine, EngineConfig):
             raise ConfigError(
-                "engine", f"expected an EngineConfig, got {self.engine!r}", _CONSTRUCTOR_SOURCE
+                "engine", f"expected an EngineConfig, got {self.engine!r}", CONSTRUCTOR_SOURCE
             )
         # Cross-field bounds: a reserve larger than its budget makes no sense.
         for reserve, budget in (
@@ -815,7 +788,7 @@ class Settings:
                 raise ConfigError(
                     reserve,
                     f"must be <= {budget} ({getattr(self, budget)}), got {getattr(self, reserve)}",
-                    _CONSTRUCTOR_SOURCE,
+                    CONSTRUCTOR_SOURCE,
                 )
         # "upstream implies external" (docs/design.md, Settings), kept consistent both ways.
         engine = self.engine
@@ -827,452 +800,35 @@ class Settings:
                 raise ConfigError(
                     "upstream",
                     f"cannot be combined with engine.kind {engine.kind!r}",
-                    _CONSTRUCTOR_SOURCE,
+                    CONSTRUCTOR_SOURCE,
                 )
             elif engine.upstream != self.upstream:
                 raise ConfigError(
                     "upstream",
                     f"{self.upstream!r} differs from engine.upstream {engine.upstream!r}",
-                    _CONSTRUCTOR_SOURCE,
+                    CONSTRUCTOR_SOURCE,
                 )
             object.__setattr__(self, "engine", engine)
         elif engine.kind == "external":
             object.__setattr__(self, "upstream", engine.upstream)
 
 
-@dataclass(frozen=True, slots=True)
-class LoadedSettings:
-    """What :func:`load` returns.
-
-    Attributes:
-        settings: The validated settings.
-        sources: For every key in :data:`SETTING_KEYS` (engine keys as
-            ``engine.<field>``): ``"default"``, ``"file <path>"``,
-            ``"env OMNI_SIDECAR_<KEY>"`` or ``"flag --<key>"``.
-    """
-
-    settings: Settings
-    sources: dict[str, str]
-
-
 # --------------------------------------------------------------------------
 # Specs derived from the declarations.
 
+TOP_SPECS: Final[dict[str, SettingSpec]] = specs_of(Settings, "")
+ENGINE_SPECS: Final[dict[str, SettingSpec]] = specs_of(EngineConfig, "engine.")
+SPECS: Final[dict[str, SettingSpec]] = {**TOP_SPECS, **ENGINE_SPECS}
+"""Every setting by key; engine keys are written ``engine.<field>``."""
 
-class _Type(enum.Enum):
-    BOOL = "boolean"
-    INT = "integer"
-    OPT_INT = "integer or nothing"
-    FLOAT = "number"
-    STR = "string"
-    OPT_STR = "string or nothing"
-    STR_LIST = "list of strings"
-    ARGV = "argument list"
-    ENV = "table of strings"
-
-
-_UNIT_METAVARS: Final = {"seconds": "SECONDS", "bytes": "BYTES", "count": "N", "ratio": "RATIO"}
-
-
-@dataclass(frozen=True, slots=True)
-class SettingSpec:
-    """One setting as derived from its declaration (see :data:`SETTINGS`).
-
-    Attributes:
-        key: ``max_sessions``; engine fields as ``engine.<field>``.
-        name: The dataclass field's name (the key without ``engine.``).
-        type: How text is parsed and which TOML type is expected.
-        default: The declared default.
-        doc: The declaration's :class:`SettingDoc`.
-        choices: Allowed values of a ``Literal`` type, else empty.
-    """
-
-    key: str
-    name: str
-    type: _Type
-    default: object
-    doc: SettingDoc
-    choices: tuple[str, ...]
-
-    @property
-    def env(self) -> str:
-        return env_name(self.key)
-
-    @property
-    def flag(self) -> str:
-        return flag_name(self.key)
-
-    @property
-    def metavar(self) -> str:
-        return self.doc.metavar or _UNIT_METAVARS.get(self.doc.unit, "VALUE")
-
-
-def _type_of(hint: object, doc: SettingDoc) -> tuple[_Type, tuple[str, ...]]:
-    """Map a field's annotation to the loader's value type (and Literal choices)."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is Literal:
-        return _Type.STR, tuple(str(a) for a in args)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        if inner == [int]:
-            return _Type.OPT_INT, ()
-        if inner == [str]:
-            return _Type.OPT_STR, ()
-    if origin is tuple:
-        if args == (str, Ellipsis):
-            return (_Type.ARGV if doc.argv else _Type.STR_LIST), ()
-        if args and typing.get_origin(args[0]) is tuple:
-            return _Type.ENV, ()
-    simple = {bool: _Type.BOOL, int: _Type.INT, float: _Type.FLOAT, str: _Type.STR}
-    if isinstance(hint, type) and hint in simple:
-        return simple[hint], ()
-    raise TypeError(f"no loader for a setting of type {hint!r}")  # pragma: no cover
-
-
-def _specs_of(cls: type, prefix: str) -> dict[str, SettingSpec]:
-    hints = typing.get_type_hints(cls)
-    specs: dict[str, SettingSpec] = {}
-    for f in dataclasses.fields(cls):
-        doc = f.metadata.get(SETTING_METADATA)
-        if doc is None:
-            continue
-        kind, choices = _type_of(hints[f.name], doc)
-        key = prefix + f.name
-        specs[key] = SettingSpec(key, f.name, kind, f.default, doc, choices)
-    return specs
-
-
-_TOP_SPECS: Final[dict[str, SettingSpec]] = _specs_of(Settings, "")
-_ENGINE_SPECS: Final[dict[str, SettingSpec]] = _specs_of(EngineConfig, "engine.")
-_SPECS: Final[dict[str, SettingSpec]] = {**_TOP_SPECS, **_ENGINE_SPECS}
-
-SETTINGS: Final[tuple[SettingSpec, ...]] = tuple(_SPECS.values())
+SETTINGS: Final[tuple[SettingSpec, ...]] = tuple(SPECS.values())
 """Every setting, in display order (top-level first, then ``[engine]``)."""
 
-SETTING_KEYS: Final[tuple[str, ...]] = tuple(_SPECS)
+SETTING_KEYS: Final[tuple[str, ...]] = tuple(SPECS)
 """Every key, in display order; engine keys are written ``engine.<field>``."""
 
 LIVE_KEYS: Final[frozenset[str]] = frozenset(s.key for s in SETTINGS if s.doc.live)
 """Keys a SIGHUP reload applies; a change to any other key needs a restart."""
-
-_TRUE: Final = frozenset({"1", "true", "yes", "on"})
-_FALSE: Final = frozenset({"0", "false", "no", "off"})
-
-
-def env_name(key: str) -> str:
-    """Return the env var for a key: ``engine.port`` → ``OMNI_SIDECAR_ENGINE_PORT``."""
-    return ENV_PREFIX + key.replace(".", "_").upper()
-
-
-def flag_name(key: str) -> str:
-    """Return the flag for a key: ``engine.deploy_config`` → ``--engine-deploy-config``."""
-    return "--" + key.replace(".", "-").replace("_", "-")
-
-
-_ENV_TO_KEY: Final[dict[str, str]] = {env_name(key): key for key in SETTING_KEYS}
-_DEST_TO_KEY: Final[dict[str, str]] = {key.replace(".", "_"): key for key in SETTING_KEYS}
-
-
-# --------------------------------------------------------------------------
-# Parsing and checking single values.
-
-
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _coerce(spec: SettingSpec, value: object, source: str) -> object:
-    """Check a typed value (TOML, flags, constructor) and normalise it."""
-    key, kind = spec.key, spec.type
-    if kind is _Type.BOOL:
-        if isinstance(value, bool):
-            return value
-    elif kind in (_Type.INT, _Type.OPT_INT):
-        if value is None and kind is _Type.OPT_INT:
-            return None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif kind is _Type.FLOAT:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                result = float(value)
-            except OverflowError:
-                result = math.inf
-            if not math.isfinite(result):
-                raise ConfigError(key, f"must be a finite number, got {value!r}", source)
-            return result
-    elif kind in (_Type.STR, _Type.OPT_STR):
-        if value is None and kind is _Type.OPT_STR:
-            return None
-        if isinstance(value, str):
-            # Choices are lower case; accept "INFO" for "info".
-            return value.lower() if value.lower() in spec.choices else value
-    elif kind in (_Type.STR_LIST, _Type.ARGV):
-        if isinstance(value, str) and kind is _Type.ARGV:
-            return _parse_text(spec, value, source)
-        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-    elif kind is _Type.ENV:
-        if isinstance(value, Mapping):
-            value = list(value.items())
-        if isinstance(value, (list, tuple)) and all(
-            isinstance(p, (list, tuple))
-            and len(p) == 2
-            and isinstance(p[0], str)
-            and isinstance(p[1], str)
-            for p in value
-        ):
-            return tuple((str(p[0]), str(p[1])) for p in value)
-    raise ConfigError(key, f"expected a {kind.value}, got {_describe(value)}", source)
-
-
-def _parse_text(spec: SettingSpec, text: str, source: str) -> object:
-    """Parse a value given as text (env var or flag) by the key's type."""
-    key, kind = spec.key, spec.type
-    stripped = text.strip()
-    if kind is _Type.BOOL:
-        lowered = stripped.lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        raise ConfigError(
-            key, f"invalid boolean {text!r} (use 1/0, true/false, yes/no, on/off)", source
-        )
-    if kind in (_Type.OPT_INT, _Type.OPT_STR) and not stripped:
-        return None
-    if kind in (_Type.INT, _Type.OPT_INT):
-        try:
-            return int(stripped, 10)
-        except ValueError:
-            raise ConfigError(key, f"invalid integer {text!r}", source) from None
-    if kind is _Type.FLOAT:
-        try:
-            number = float(stripped)
-        except ValueError:
-            raise ConfigError(key, f"invalid number {text!r}", source) from None
-        return _coerce(spec, number, source)
-    if kind in (_Type.STR, _Type.OPT_STR):
-        return _coerce(spec, stripped, source)
-    if kind is _Type.STR_LIST:
-        return tuple(item.strip() for item in text.split(",") if item.strip())
-    if kind is _Type.ARGV:
-        try:
-            return tuple(shlex.split(text))
-        except ValueError as exc:
-            raise ConfigError(key, f"cannot split {text!r} like a shell: {exc}", source) from None
-    pairs: list[tuple[str, str]] = []  # _Type.ENV: "K=V,K2=V2"
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        name, sep, val = item.partition("=")
-        if not sep or not name.strip():
-            raise ConfigError(key, f"expected NAME=VALUE items, got {item.strip()!r}", source)
-        pairs.append((name.strip(), val))
-    return tuple(pairs)
-
-
-def _check(spec: SettingSpec, value: object, source: str) -> None:
-    """The declared bounds, choices and check of one normalised value."""
-    key, doc = spec.key, spec.doc
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if doc.positive and value <= 0:
-            raise ConfigError(key, f"must be > 0, got {value!r}", source)
-        if doc.minimum is not None and value < doc.minimum:
-            raise ConfigError(key, f"must be >= {doc.minimum:g}, got {value!r}", source)
-        if doc.maximum is not None and value > doc.maximum:
-            raise ConfigError(key, f"must be <= {doc.maximum:g}, got {value!r}", source)
-    if spec.choices and value not in spec.choices:
-        choices = ", ".join(repr(c) for c in spec.choices)
-        raise ConfigError(key, f"unknown value {value!r}; expected one of {choices}", source)
-    if doc.check is not None:
-        try:
-            doc.check(value)
-        except ValueError as exc:
-            raise ConfigError(key, str(exc), source) from None
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """Split a listen address into host and port.
-
-    Args:
-        value: ``"host:port"``; an IPv6 host goes in brackets (``"[::1]:8000"``).
-            Port 0 asks the OS for a free port.
-
-    Returns:
-        ``(host, port)``, the host without brackets.
-
-    Raises:
-        ValueError: The address is malformed.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"invalid listen address {value!r}; expected HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        if not host or ":" not in host:
-            raise ValueError(f"invalid IPv6 address in {value!r}")
-    elif ":" in host or "[" in host or "]" in host:
-        raise ValueError(f"invalid listen address {value!r}; write IPv6 as [ADDR]:PORT")
-    if any(c.isspace() for c in host):
-        raise ValueError(f"invalid listen address {value!r}")
-    if not port_text.isdigit() or not port_text.isascii() or int(port_text) > 65535:
-        raise ValueError(f"invalid port {port_text!r} in {value!r}; expected 0..65535")
-    return host, int(port_text)
-
-
-# --------------------------------------------------------------------------
-# Loading.
-
-
-def _unknown(key: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(key, SETTING_KEYS, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(key, f"unknown setting{hint}", source)
-
-
-def _read_file(path: str) -> dict[str, object]:
-    source = f"file {path}"
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read: {exc.strerror or exc}", source) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", f"invalid TOML: {exc}", source) from None
-    values: dict[str, object] = {}
-    for name, value in data.items():
-        if name == "engine":
-            if not isinstance(value, dict):
-                raise ConfigError("engine", "expected a table ([engine])", source)
-            for sub, sub_value in value.items():
-                key = f"engine.{sub}"
-                if key not in _SPECS:
-                    raise _unknown(key, source)
-                values[key] = _coerce(_SPECS[key], sub_value, source)
-        elif name in _TOP_SPECS:
-            values[name] = _coerce(_SPECS[name], value, source)
-        else:
-            raise _unknown(name, source)
-    return values
-
-
-def load(
-    argv_values: Mapping[str, object] | None,
-    environ: Mapping[str, str],
-    path: str | None,
-) -> LoadedSettings:
-    """Load and validate settings: defaults < TOML file < env < flags.
-
-    Args:
-        argv_values: Flag values keyed by setting key (``"max_sessions"``,
-            ``"engine.kind"``), as :func:`flag_values` returns them. A ``str``
-            is parsed like an env value; other values must already have the
-            key's type. ``None`` means no flags.
-        environ: The environment (pass ``os.environ``); only
-            ``OMNI_SIDECAR_*`` variables are read.
-        path: A TOML file to read, or ``None``.
-
-    Returns:
-        The settings and the source of each key.
-
-    Raises:
-        ConfigError: A key is unknown or a value is invalid; the error names
-            the key and the source it came from.
-    """
-    values: dict[str, object] = {}
-    sources: dict[str, str] = dict.fromkeys(SETTING_KEYS, "default")
-
-    if path is not None:
-        file_values = _read_file(path)
-        values.update(file_values)
-        sources.update(dict.fromkeys(file_values, f"file {path}"))
-
-    for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        if name.startswith(TESTS_ENV_PREFIX) or name == CONFIG_PATH_ENV:
-            continue
-        source = f"env {name}"
-        key = _ENV_TO_KEY.get(name)
-        if key is None:
-            guess = name[len(ENV_PREFIX) :].lower()
-            if guess.startswith("engine_"):
-                guess = "engine." + guess[len("engine_") :]
-            raise _unknown(guess, source)
-        values[key] = _parse_text(_SPECS[key], environ[name], source)
-        sources[key] = source
-
-    for key, value in (argv_values or {}).items():
-        source = f"flag {flag_name(key)}"
-        if key not in _SPECS:
-            raise _unknown(key, source)
-        spec = _SPECS[key]
-        if isinstance(value, str) and spec.type not in (_Type.STR, _Type.OPT_STR):
-            values[key] = _parse_text(spec, value, source)
-        else:
-            values[key] = _coerce(spec, value, source)
-        sources[key] = source
-
-    # Check top-level values first, so that a bad `upstream` is reported as
-    # itself and not as the engine.upstream it is copied to.
-    for key, value in values.items():
-        _check(_SPECS[key], value, sources[key])
-    _resolve_upstream(values, sources)
-
-    engine_values = {k[len("engine.") :]: v for k, v in values.items() if k.startswith("engine.")}
-    try:
-        engine = EngineConfig(**engine_values)  # type: ignore[arg-type]
-    except EngineConfigError as exc:
-        raise _engine_error(exc, sources) from None
-    top_values = {k: v for k, v in values.items() if k in _TOP_SPECS}
-    try:
-        settings = Settings(**top_values, engine=engine)  # type: ignore[arg-type]
-    except ConfigError as exc:
-        raise exc.with_source(sources.get(exc.key, "default")) from None
-    return LoadedSettings(settings=settings, sources=sources)
-
-
-def _resolve_upstream(values: dict[str, object], sources: dict[str, str]) -> None:
-    """Apply "upstream implies engine kind external", naming sources on conflict."""
-    upstream = values.get("upstream")
-    kind = values.get("engine.kind", "simulator")
-    if upstream is None:
-        if kind == "external" and values.get("engine.upstream") is not None:
-            values["upstream"] = values["engine.upstream"]
-            sources["upstream"] = sources["engine.upstream"]
-        return
-    if sources["engine.kind"] == "default":
-        values["engine.kind"] = "external"
-        sources["engine.kind"] = sources["upstream"]
-    elif kind != "external":
-        raise ConfigError(
-            "upstream",
-            f"cannot be combined with engine.kind {kind!r} (from {sources['engine.kind']}); "
-            "upstream means engine kind 'external'",
-            sources["upstream"],
-        )
-    engine_upstream = values.get("engine.upstream")
-    if engine_upstream is None:
-        values["engine.upstream"] = upstream
-        sources["engine.upstream"] = sources["upstream"]
-    elif engine_upstream != upstream:
-        raise ConfigError(
-            "upstream",
-            f"{upstream!r} differs from engine.upstream {engine_upstream!r} "
-            f"(from {sources['engine.upstream']})",
-            sources["upstream"],
-        )
-
-
-def _engine_error(exc: EngineConfigError, sources: Mapping[str, str]) -> ConfigError:
-    key = f"engine.{exc.field}"
-    message = exc.message
-    if exc.depends_on is not None:
-        other = f"engine.{exc.depends_on}"
-        message += f" (set by {other} from {sources.get(other, 'default')})"
-    return ConfigError(key, message, sources.get(key, _CONSTRUCTOR_SOURCE))
 
 
 def setting_value(settings: Settings, key: str) -> object:
@@ -1280,263 +836,3 @@ def setting_value(settings: Settings, key: str) -> object:
     if key.startswith("engine."):
         return getattr(settings.engine, key[len("engine.") :])
     return getattr(settings, key)
-
-
-# --------------------------------------------------------------------------
-# Command line, --print-config and the example config.
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add a ``--key-with-dashes`` flag for every setting to ``parser``.
-
-    Flags default to ``argparse.SUPPRESS``, so only the flags given appear in
-    the namespace; pass it through :func:`flag_values` to :func:`load`.
-    Booleans get ``--x/--no-x``; other values are taken as text and parsed by
-    :func:`load` like env values, so a bad value raises ``ConfigError`` naming
-    the flag. Engine fields get ``--engine-<field>`` (``--engine-kind``,
-    ``--engine-model``, ...). Each flag's help is the setting's meaning, its
-    env var and its default.
-
-    Args:
-        parser: The parser to extend; the flags go in a "settings" group.
-    """
-    group = parser.add_argument_group(
-        "settings",
-        "override the config file and OMNI_SIDECAR_* env vars (docs/design.md, Settings); "
-        "[live] = a SIGHUP reload applies a change at once",
-    )
-    for spec in SETTINGS:
-        dest = spec.key.replace(".", "_")
-        default = _format_value(spec.default, table=spec.type is _Type.ENV)
-        live = "; live" if spec.doc.live else ""
-        choices = f" ({'|'.join(spec.choices)})" if spec.choices else ""
-        help_text = f"{spec.doc.help}{choices} [env {spec.env}; default {default}{live}]"
-        help_text = help_text.replace("%", "%%")
-        if spec.type is _Type.BOOL:
-            group.add_argument(
-                spec.flag,
-                dest=dest,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                spec.flag,
-                dest=dest,
-                metavar=spec.metavar,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-
-
-def flag_values(namespace: argparse.Namespace) -> dict[str, object]:
-    """Return the setting flags present in ``namespace``, keyed by setting key.
-
-    Args:
-        namespace: The result of ``parser.parse_args()`` after
-            :func:`add_cli_arguments`; other attributes are ignored.
-
-    Returns:
-        ``{key: value}`` for each flag given, ready for :func:`load`.
-    """
-    found = vars(namespace)
-    return {key: found[dest] for dest, key in _DEST_TO_KEY.items() if dest in found}
-
-
-def _is_unset(value: object) -> bool:
-    return value is None
-
-
-def format_settings(loaded: LoadedSettings) -> str:
-    """Render settings for ``--print-config``: TOML that ``--config`` accepts back.
-
-    One ``key = value  # source`` per line (engine keys as dotted
-    ``engine.<field>`` keys, which TOML reads as the ``[engine]`` table).
-    Unset keys are comments: ``# upstream = "ws://..."  # (unset) default``,
-    showing the declared example. Secrets stay valid TOML but are masked, and
-    their line says so: each API key is shown as ``"***"``, as are the key of
-    ``upstream_authorization = "key:..."``, URL passwords and ``engine.env``
-    values whose name looks secret (``*TOKEN*``, ``*KEY*``, ``*SECRET*``,
-    ``*PASS*``).
-
-    Args:
-        loaded: What :func:`load` returned.
-
-    Returns:
-        The lines, joined with newlines, ending with a newline.
-    """
-    settings = loaded.settings
-    lines = [
-        "# omni-sidecar settings (serve --print-config): valid TOML for --config;",
-        '# values marked "masked" had secrets replaced by "***".',
-    ]
-    for spec in SETTINGS:
-        value = setting_value(settings, spec.key)
-        source = loaded.sources.get(spec.key, "default")
-        if _is_unset(value):
-            example = spec.doc.example or '""'
-            lines.append(f"# {spec.key} = {example}  # (unset) {source}")
-            continue
-        shown = _mask(spec, value)
-        note = " (masked)" if shown != value else ""
-        text = _format_value(shown, table=spec.type is _Type.ENV)
-        lines.append(f"{spec.key} = {text}  # {source}{note}")
-    return "\n".join(lines) + "\n"
-
-
-_SECRET_WORDS: Final = ("TOKEN", "KEY", "SECRET", "PASS", "CREDENTIAL", "AUTH")
-
-
-def _mask(spec: SettingSpec, value: object) -> object:
-    if spec.doc.mask is not None:
-        return spec.doc.mask(value)
-    if spec.key in ("engine.upstream", "engine.health_url"):
-        return _mask_url(value)  # type: ignore[arg-type]
-    if spec.type is _Type.ENV:
-        assert isinstance(value, tuple)
-        return tuple(
-            (name, "***" if any(w in name.upper() for w in _SECRET_WORDS) else val)
-            for name, val in value
-        )
-    return value
-
-
-def _format_value(value: object, *, underscores: bool = False, table: bool = False) -> str:
-    """TOML text of a value (``(unset)`` for ``None``, which TOML cannot express).
-
-    ``table`` renders ``(name, value)`` pairs (``engine.env``) as an inline table.
-    """
-    if value is None:
-        return "(unset)"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return f"{value:_}" if underscores and abs(value) >= 10_000 else repr(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    assert isinstance(value, tuple)
-    if table:
-        items = [f"{name} = {json.dumps(val, ensure_ascii=False)}" for name, val in value]
-        return "{" + ", ".join(items) + "}"
-    return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
-
-
-def _size_note(spec: SettingSpec) -> str:
-    value = spec.default
-    if spec.doc.unit != "bytes" or not isinstance(value, int) or value < KIB:
-        return ""
-    if value % MIB == 0:
-        return f" ({value // MIB} MiB)"
-    if value % KIB == 0:
-        return f" ({value // KIB} KiB)"
-    return ""
-
-
-_EXAMPLE_HEADER: Final = """\
-# omni-sidecar example configuration (docs/design.md, Settings).
-#
-# Generated from the settings' declarations in omni_sidecar/settings/proxy.py by
-#   .venv/bin/python -m omni_sidecar.settings.proxy --example > configs/omni-sidecar.example.toml
-# (a test checks that this file matches); edit the declarations, not this file.
-#
-# Every value below is the built-in default, so this file changes nothing as
-# it stands; edit what you need. Keys that are unset by default are commented
-# out. Each key may also be set by env OMNI_SIDECAR_<KEY> (the [engine] table:
-# OMNI_SIDECAR_ENGINE_<KEY>) or by the flag --key-with-dashes; precedence is
-# defaults < this file < env < flags. `omni-sidecar serve --print-config` shows
-# every value and where it came from. SIGHUP reloads this file: settings
-# marked "reload: live" apply to new sessions at once, the others need a
-# restart.
-#
-# Units: durations are float seconds, sizes are int bytes, counts are ints.
-# 1 KiB = 1024 bytes, 1 MiB = 1_048_576 bytes.
-"""
-
-_EXAMPLE_TRAILER: Final = """\
-
-# --- Example: a real vLLM-Omni engine ---------------------------------------
-# Replace the [engine] table above with:
-#
-# [engine]
-# kind = "vllm-omni"
-# model = "openbmb/MiniCPM-o-4_5"
-# port = 8091
-# # A bare file name is looked up in the vllm_omni/deploy/ package folder.
-# deploy_config = "minicpmo_4_5.yaml"
-# extra_args = ["--trust-remote-code"]
-# startup_timeout = 1200.0
-#
-# [engine.env]
-# CUDA_VISIBLE_DEVICES = "0"
-"""
-
-
-def _heading(title: str) -> str:
-    return f"# --- {title} ".ljust(78, "-")
-
-
-def _example_entry(spec: SettingSpec) -> list[str]:
-    lines = [f"# {line}" for line in textwrap.wrap(spec.doc.help, 76, break_on_hyphens=False)]
-    unit = f"Unit: {spec.doc.unit}{_size_note(spec)}. " if spec.doc.unit else ""
-    reload = "live" if spec.doc.live else "restart"
-    lines.append(f"# {unit}Reload: {reload}.")
-    if _is_unset(spec.default):
-        lines.append(f"# {spec.name} = {spec.doc.example or '...'}")
-    else:
-        lines.append(f"{spec.name} = {_format_value(spec.default, underscores=True)}")
-    return lines
-
-
-def example_config() -> str:
-    """Return the example config file: every setting, its meaning and default.
-
-    ``configs/omni-sidecar.example.toml`` is this text (a test checks it);
-    ``python -m omni_sidecar.settings.proxy --example`` prints it.
-    """
-    out = [_EXAMPLE_HEADER]
-    section = None
-    for spec in _TOP_SPECS.values():
-        if spec.doc.section != section:
-            section = spec.doc.section
-            out.append(_heading(section or "Other"))
-            out.append("")
-        out.extend(_example_entry(spec))
-        out.append("")
-    out.append(_heading("Engine"))
-    out.append("")
-    out.append("[engine]")
-    tables = [s for s in _ENGINE_SPECS.values() if s.type is _Type.ENV]
-    for spec in _ENGINE_SPECS.values():
-        if spec.type is _Type.ENV:
-            continue
-        out.extend(_example_entry(spec))
-        out.append("")
-    for spec in tables:  # sub-tables must come after the table's plain keys
-        out.extend(f"# {line}" for line in textwrap.wrap(spec.doc.help, 76, break_on_hyphens=False))
-        out.append(f"# Reload: {'live' if spec.doc.live else 'restart'}.")
-        out.append(f"[engine.{spec.name}]")
-        example = tomllib.loads(f"x = {spec.doc.example or '{}'}")["x"]
-        out.extend(f"# {name} = {json.dumps(val)}" for name, val in example.items())
-        out.append("")
-    return "\n".join(out).rstrip("\n") + "\n" + _EXAMPLE_TRAILER
-
-
-def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m omni_sidecar.settings.proxy",
-        description="Print the generated example config.",
-    )
-    parser.add_argument("--example", action="store_true", help="print the example config")
-    ns = parser.parse_args(argv)
-    if not ns.example:
-        parser.print_help()
-        return 2
-    sys.stdout.write(example_config())
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(_main(sys.argv[1:]))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from omni_sidecar.engines.process import ProbeResult
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 
 __all__ = ["HANG", "FakeChild", "FakeClock", "ScriptedProbe", "Spawner"]
 

@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 from tests.conftest import DEADLINE, MS, free_port, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.fakes.stall_engine import StallEngine

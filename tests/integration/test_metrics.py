@@ -29,7 +29,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as parse_text_format
 
 from omni_sidecar.metrics import DROP_REASONS
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 from tests.conftest import (
     DEADLINE,
     MS,
@@ -855,7 +855,7 @@ async def test_sessions_are_paged_above_500_and_lifecycles_are_bounded() -> None
 
     from omni_sidecar.admin.console import MAX_PAGE_SESSIONS, sessions_page
     from omni_sidecar.session.observer import LIFECYCLE_EVENTS
-    from omni_sidecar.settings.proxy import Settings
+    from omni_sidecar.settings import Settings
 
     registry = _fake_registry(MAX_PAGE_SESSIONS + 1)
     state: Any = types.SimpleNamespace(registry=registry, settings=Settings())

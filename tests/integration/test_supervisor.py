@@ -40,8 +40,7 @@ from omni_sidecar.engines.errors import RestartBudgetExhausted
 from omni_sidecar.engines.policy import EngineState
 from omni_sidecar.engines.supervisor import Supervisor
 from omni_sidecar.server import Sidecar
-from omni_sidecar.settings.engine import EngineConfig
-from omni_sidecar.settings.proxy import Settings
+from omni_sidecar.settings import EngineConfig, Settings
 from tests.conftest import DEADLINE, MS, RunningSidecar, wait_until
 
 pytestmark = pytest.mark.timeout(60)

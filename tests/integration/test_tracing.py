@@ -301,7 +301,7 @@ async def test_tracing_off_exports_nothing(
 _IMPORTS_CHECK = textwrap.dedent(
     """
     import sys
-    from omni_sidecar.settings.proxy import Settings
+    from omni_sidecar.settings import Settings
     import omni_sidecar.cli, omni_sidecar.server, omni_sidecar.edge.app, omni_sidecar.session.relay, omni_sidecar.session.observer
     from omni_sidecar.server import start_tracing
 

@@ -20,13 +20,14 @@ from omni_sidecar.errors import (
     SessionClosed,
     UpstreamUnavailable,
 )
-from omni_sidecar.settings.engine import EngineConfig, EngineConfigError
-from omni_sidecar.settings.proxy import (
+from omni_sidecar.settings import (
     KIB,
     LIVE_KEYS,
     MIB,
     SETTING_KEYS,
     SETTINGS,
+    EngineConfig,
+    EngineConfigError,
     LoadedSettings,
     Settings,
     add_cli_arguments,
@@ -645,7 +646,7 @@ class TestDeclaration:
                 assert spec.doc.example, f"{spec.key}: unset by default, needs an example"
 
     def test_committed_example_is_the_generated_one(self) -> None:
-        # Regenerate with: python -m omni_sidecar.settings.proxy --example > configs/omni-sidecar.example.toml
+        # Regenerate with: python -m omni_sidecar.settings --example > configs/omni-sidecar.example.toml
         assert EXAMPLE.read_text(encoding="utf-8") == example_config()
 
     def test_help_shows_meaning_env_and_default(self) -> None:

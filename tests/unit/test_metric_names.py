@@ -449,7 +449,7 @@ def test_two_registries_do_not_collide() -> None:
 
 def test_engine_label_is_bounded() -> None:
     """``engine`` is a replica index below engine_launcher's MAX_REPLICAS, one series each."""
-    from omni_sidecar.settings.engine import MAX_REPLICAS
+    from omni_sidecar.settings import MAX_REPLICAS
 
     assert d.ENGINE_REPLICAS == tuple(str(i) for i in range(MAX_REPLICAS))
     registry = CollectorRegistry()

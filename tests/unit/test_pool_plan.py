@@ -13,7 +13,7 @@ import pytest
 from omni_sidecar.engines.errors import RestartBudgetExhausted
 from omni_sidecar.engines.policy import EngineState, Observation
 from omni_sidecar.engines.pool import EnginePool, plan_replicas, visible_gpus
-from omni_sidecar.settings.engine import MAX_REPLICAS, EngineConfig, EngineConfigError
+from omni_sidecar.settings import MAX_REPLICAS, EngineConfig, EngineConfigError
 from tests.conftest import DEADLINE, wait_until
 
 SMI = "GPU 0: NVIDIA H100 (UUID: GPU-a)\nGPU 1: NVIDIA H100 (UUID: GPU-b)\n"
@@ -214,7 +214,7 @@ def test_a_pool_whose_ports_run_out_is_a_config_error_before_anything_starts() -
     """``serve`` exits 2 naming engine.port and its source, not with a traceback."""
     from omni_sidecar.errors import ConfigError
     from omni_sidecar.server import validate_runtime
-    from omni_sidecar.settings.proxy import load
+    from omni_sidecar.settings import load
 
     loaded = load(
         None, {"OMNI_SIDECAR_ENGINE_PORT": "65535", "OMNI_SIDECAR_ENGINE_REPLICAS": "2"}, None

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from omni_sidecar.server import Sidecar
-from omni_sidecar.settings.engine import EngineConfig
-from omni_sidecar.settings.proxy import LoadedSettings, load
+from omni_sidecar.settings import EngineConfig, LoadedSettings, load
 
 
 @pytest.fixture(autouse=True)

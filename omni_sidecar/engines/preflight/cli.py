@@ -16,7 +16,7 @@ from typing import Any, Final, TextIO
 
 from omni_sidecar.engines.preflight.results import CheckStatus
 from omni_sidecar.engines.preflight.runner import run_checks
-from omni_sidecar.settings.engine import EngineConfig, EngineConfigError
+from omni_sidecar.settings import EngineConfig, EngineConfigError
 
 __all__ = [
     "EXIT_CONFIG",

@@ -25,7 +25,7 @@ from omni_sidecar.engines.preflight.results import (
     pass_result,
     skip_result,
 )
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 
 __all__ = ["GpuMemory", "check_gpu_memory", "check_gpus"]
 

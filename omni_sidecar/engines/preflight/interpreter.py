@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
 
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 
 __all__ = ["Interpreter", "find_package_spec"]
 

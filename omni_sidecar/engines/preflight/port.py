@@ -14,7 +14,7 @@ from omni_sidecar.engines.preflight.results import (
     pass_result,
     skip_result,
 )
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 
 __all__ = ["check_port"]
 

@@ -18,7 +18,7 @@ from omni_sidecar.engines.preflight.model import check_model
 from omni_sidecar.engines.preflight.packages import check_deploy_config, check_vllm
 from omni_sidecar.engines.preflight.port import check_port
 from omni_sidecar.engines.preflight.results import CheckResult
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 
 __all__ = ["cheap_checks", "engine_package_version", "run_checks", "run_checks_and_version"]
 

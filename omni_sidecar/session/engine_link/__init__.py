@@ -41,7 +41,7 @@ from omni_sidecar.session.engine_link.protocol import (
     UpstreamHandler,
     UpstreamLink,
 )
-from omni_sidecar.settings.proxy import UpstreamClient
+from omni_sidecar.settings import UpstreamClient
 
 __all__ = [
     "CLEAN_CLOSES",

@@ -1,7 +1,7 @@
 """Golden command lines: ``build_argv`` for every shipped config (configs/*.toml).
 
 Each model config is loaded the way ``omni-sidecar serve --config`` loads it
-(``omni_sidecar.settings.proxy.load``) and must produce exactly the documented vLLM-Omni
+(``omni_sidecar.settings.load``) and must produce exactly the documented vLLM-Omni
 command (docs/design.md, Engine launcher, docs/engine-protocol.md, Launching): ``PYTHON -m
 vllm_omni.entrypoints.cli.main serve MODEL --omni --host 127.0.0.1 --port PORT
 --deploy-config YAML [extra_args]``. ``--omni`` matters: without it the CLI
@@ -17,8 +17,7 @@ import pytest
 
 from omni_sidecar.engines.errors import EngineStartError
 from omni_sidecar.engines.process import build_argv
-from omni_sidecar.settings.engine import EngineConfig
-from omni_sidecar.settings.proxy import load
+from omni_sidecar.settings import EngineConfig, load
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 PY = sys.executable

@@ -35,8 +35,7 @@ from omni_sidecar.engines.preflight import (
     run_checks,
     scan_deploy_yaml,
 )
-from omni_sidecar.settings.engine import EngineConfig
-from omni_sidecar.settings.proxy import load
+from omni_sidecar.settings import EngineConfig, load
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKES = ROOT / "tests" / "fakes" / "preflight_modules"

@@ -21,7 +21,7 @@ from omni_sidecar.engines.policy import NO_HEALTH_ROUTE_STATUSES, HealthVerdict,
 from omni_sidecar.engines.pool import plan_replicas
 from omni_sidecar.engines.process import HealthProbe, UpstreamProbe, probe_websocket_url
 from omni_sidecar.engines.supervisor import default_probe
-from omni_sidecar.settings.engine import PROBE_KINDS, EngineConfig, EngineConfigError
+from omni_sidecar.settings import PROBE_KINDS, EngineConfig, EngineConfigError
 
 V = HealthVerdict
 

@@ -20,7 +20,7 @@ from omni_sidecar.engines.errors import RestartBudgetExhausted
 from omni_sidecar.engines.policy import Backoff, EngineState, Observation
 from omni_sidecar.engines.process import HealthProbe, UpstreamProbe, build_argv
 from omni_sidecar.engines.supervisor import Supervisor, default_probe, probe_timeout
-from omni_sidecar.settings.engine import EngineConfig
+from omni_sidecar.settings import EngineConfig
 from tests.conftest import DEADLINE, wait_until
 from tests.fakes.supervision import HANG, FakeClock, ScriptedProbe, Spawner
 

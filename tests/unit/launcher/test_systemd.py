@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 from omni_sidecar.engines.systemd import Notifier, watchdog_interval
-from omni_sidecar.settings.engine import EngineConfig
-from omni_sidecar.settings.proxy import Settings
+from omni_sidecar.settings import EngineConfig, Settings
 
 UNIT = Path(__file__).resolve().parents[3] / "deploy" / "systemd" / "omni-sidecar.service"
 INSTALLED_EXEC = "/opt/omni-sidecar/venv/bin/omni-sidecar"
