@@ -154,7 +154,7 @@ class EngineAdmission:
 
     def _not_ready(self, reason: str) -> None:
         self.ready = False
-        self.not_ready_reason = reason or "engine is not ready"
+        self.not_ready_reason = reason
 
     def publish_to(self, metrics: SidecarMetrics) -> None:
         """Set the engine gauges from here from now on (the metrics need the count first)."""
