@@ -27,7 +27,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from omni_sidecar.core.session import SessionCore
-from omni_sidecar.edge.app import session_settings
+from omni_sidecar.edge.state import session_settings
 from omni_sidecar.metrics.definitions import SidecarMetrics
 from omni_sidecar.session.engine_link import UpstreamHandler
 from omni_sidecar.session.observer import SessionRegistry

@@ -207,7 +207,8 @@ def _serve(ns: argparse.Namespace) -> int:
     if ns.print_config:
         return _print_config(loaded)
     from omni_sidecar.compat import AiohttpHookMissing, require_hooks
-    from omni_sidecar.server import serve, validate_runtime
+    from omni_sidecar.server import serve
+    from omni_sidecar.startup import validate_runtime
 
     try:
         # Every aiohttp internal the relay uses must be there, before anything binds.

@@ -5,9 +5,10 @@ says 503 until the engine is ready), then start the engine; ``READY=1`` goes
 to systemd once the listener is bound and the engine answered its health
 check.
 
-Before anything listens, :func:`validate_runtime` builds every object a
-session will need from the settings, so a value the core rejects fails the
-start (exit 2) instead of a client's upgrade.
+Before anything listens, ``validate_runtime`` (omni_sidecar/startup.py, with
+tracing's start and the gc tuning) builds every object a session will need
+from the settings, so a value the core rejects fails the start (exit 2)
+instead of a client's upgrade.
 
 Shutdown (SIGTERM or SIGINT; handlers only set an event): readiness 503 and
 ``STOPPING=1``; no new sessions; live sessions may finish for up to
@@ -42,13 +43,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any, Final
 
@@ -57,42 +56,31 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from omni_sidecar import compat
 from omni_sidecar.admin.app import build_admin_app
-from omni_sidecar.admin.console import EngineView
 from omni_sidecar.core.capabilities import EngineCapabilities
-from omni_sidecar.core.session import SessionCore
-from omni_sidecar.edge.app import (
-    Admission,
-    ProxyState,
-    UpstreamTarget,
-    build_client_app,
-    max_per_engine,
-    session_settings,
-)
-from omni_sidecar.edge.auth import load_api_keys
+from omni_sidecar.edge.admission import Admission
+from omni_sidecar.edge.app import build_client_app
 from omni_sidecar.edge.guard import EdgeAppRunner
+from omni_sidecar.edge.state import ProxyState, UpstreamTarget, max_per_engine
+from omni_sidecar.engines.admission import EngineAdmission
 from omni_sidecar.engines.errors import LauncherError
-from omni_sidecar.engines.placement import Router
 from omni_sidecar.engines.policy import EngineState, Observation
-from omni_sidecar.engines.pool import EnginePool, plan_replicas
+from omni_sidecar.engines.pool import EnginePool
 from omni_sidecar.engines.supervisor import Supervisor
 from omni_sidecar.engines.systemd import Notifier, watchdog_interval
 from omni_sidecar.errors import ConfigError
 from omni_sidecar.logs import configure as configure_logging
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.native import CORE_BUILD
-from omni_sidecar.session.observer import SessionRegistry, Tracing
+from omni_sidecar.session.observer import SessionRegistry
 from omni_sidecar.settings import (
     LIVE_KEYS,
     SETTING_KEYS,
-    EngineConfigError,
     LoadedSettings,
     Settings,
     parse_listen,
     setting_value,
 )
-
-#: Allocations between young-generation collections (CPython's default: 700).
-GC_YOUNG_THRESHOLD: Final = 10_000
+from omni_sidecar.startup import start_tracing, tune_gc, validate_runtime
 
 __all__ = [
     "EXIT_ENGINE_FAILED",
@@ -100,9 +88,6 @@ __all__ = [
     "EXIT_OK",
     "Sidecar",
     "serve",
-    "start_tracing",
-    "tune_gc",
-    "validate_runtime",
 ]
 
 log = logging.getLogger("omni_sidecar")
@@ -119,16 +104,6 @@ class _BindError(Exception):
 
 _FAILING_CAUSES: Final = frozenset(
     {Observation.EXITED, Observation.UNHEALTHY, Observation.START_FAILED}
-)
-#: The pool's unlabelled engine_state is its most serving replica's, in this order.
-_STATE_RANK: Final = (
-    "ready",
-    "unhealthy",
-    "starting",
-    "restarting",
-    "stopping",
-    "failed",
-    "stopped",
 )
 
 
@@ -170,30 +145,27 @@ class Sidecar:
         self.pool = EnginePool(
             settings.engine,
             on_state=self._engine_state,
-            sessions=lambda index: self.router.sessions[index],
+            max_per_engine=max_per_engine(settings),
             on_drain=self._engine_draining,
             on_drain_timeout=self._close_drained,
             drain_timeout=settings.drain_timeout,
             notifier=self.notifier,
             environ=self.environ,
         )
-        self.router = Router(
-            len(self.pool),
-            max_per_engine(settings),
-            on_release=self._session_released,
-        )
+        #: Whether and where each replica admits: the pool reports into it, the
+        #: edge places sessions with it, /readyz and the console read it.
+        self.router: EngineAdmission = self.pool.admission
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(
             self.registry, version=_version(), core_build=CORE_BUILD, replicas=len(self.pool)
         )
-        for index in range(len(self.pool)):
-            self.metrics.engine_replica_sessions.labels(str(index)).set_function(
-                lambda index=index: self.router.sessions[index]  # type: ignore[misc]
-            )
+        # The engine-state and per-replica gauges are set from the admission state.
+        self.router.publish_to(self.metrics)
         self.admission = Admission(
             settings.max_sessions,
             settings.admission_timeout,
             max_sessions_per_ip=settings.max_sessions_per_ip,
+            engines=self.router,
         )
         capabilities = EngineCapabilities.resolve(settings.engine.version, engine_version)
         self.sessions = SessionRegistry(
@@ -201,15 +173,6 @@ class Sidecar:
             max_total_pending_output_bytes=settings.max_total_pending_output_bytes,
             capabilities=capabilities,
         )
-        self.engine_views = [
-            EngineView(
-                settings.engine.kind,
-                restarts=lambda r=replica: r.supervisor.restarts + r.earlier_restarts,  # type: ignore[misc]
-                target=lambda r=replica: r.supervisor.target,  # type: ignore[misc]
-            )
-            for replica in self.pool.replicas
-        ]
-        self.engine_view = self.engine_views[0]
         #: OpenTelemetry tracing; None when off (docs/design.md, Tracing).
         self.tracing = start_tracing(settings, os.environ)
         self.state = ProxyState(
@@ -218,7 +181,6 @@ class Sidecar:
             admission=self.admission,
             registry=self.sessions,
             target=self._target,
-            engines=self._engines,
             router=self.router,
             drain_engine=self.drain_engine,
             tracing=self.tracing,
@@ -233,7 +195,6 @@ class Sidecar:
         self._runners: list[web.AppRunner] = []
         self._announced = False
         self._restart_reason = "exited"
-        self.metrics.set_engine_state("starting")
 
     # -- engine state → proxy ------------------------------------------------------------
 
@@ -244,47 +205,17 @@ class Sidecar:
 
     def _target(self) -> UpstreamTarget | None:
         """Where plain HTTP requests go: the first replica that admits."""
-        for index in range(self.router.count):
-            target = self.router.targets[index]
-            if target is not None and self.router.serving(index):
-                return UpstreamTarget.from_url(target)
-        return None
-
-    def _engines(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [
-            {
-                **view.snapshot()[0],
-                "engine": index,
-                "draining": self.router.draining[index],
-                # Seconds it still admits nothing after saying it is full (0: admits).
-                "engine_full_for_seconds": self.router.full_for(index, now),
-            }
-            for index, view in enumerate(self.engine_views)
-        ]
+        target = self.router.first_serving_target()
+        return None if target is None else UpstreamTarget.from_url(target)
 
     def _engine_state(
         self, index: int, state: EngineState, cause: Observation, detail: str
     ) -> None:
-        """One replica's supervisor moved: placement, readiness, metrics, its sessions."""
-        replica = self.pool.replicas[index]
-        supervisor = replica.supervisor
-        self.router.update(index, state.value, supervisor.target, detail)
-        self.engine_views[index].observe(state.value, cause.value, detail)
+        """One replica's supervisor moved; the pool's admission state already took it in
+        (placement, readiness, gauges). What is left is the sidecar's: announcing
+        readiness, the restart counters, failing that replica's sessions."""
+        supervisor = self.pool.replicas[index].supervisor
         label = str(index)
-        self.metrics.engine_replica_up.labels(label).set(
-            1.0 if state is EngineState.READY and not replica.draining else 0.0
-        )
-        # The unlabelled family describes the pool: its most serving replica.
-        self.metrics.set_engine_state(self._pool_state())
-        if any(self.router.serving(k) for k in range(self.router.count)):
-            if not self.admission.draining:
-                self.admission.set_ready(True)
-        else:
-            prefix = "engine" if self.router.count == 1 else f"engine {index}"
-            self.admission.set_ready(
-                False, f"{prefix} is {state.value}" + (f": {detail}" if detail else "")
-            )
         if state is EngineState.READY and cause is Observation.READY:
             if supervisor.last_start_seconds is not None:
                 self.metrics.engine_start_seconds.set(supervisor.last_start_seconds)
@@ -297,13 +228,6 @@ class Sidecar:
             self.metrics.engine_restarts.labels(self._restart_reason).inc()
             self.metrics.engine_replica_restarts.labels(label).inc()
 
-    def _pool_state(self) -> str:
-        states = set(self.router.states)
-        for state in _STATE_RANK:
-            if state in states:
-                return state
-        return self.router.states[0]
-
     def _fail_sessions(self, index: int, detail: str) -> None:
         """A replica failed: only its own sessions end (engine_unavailable, 1011)."""
         relays = self.sessions.relays_on(index)
@@ -313,18 +237,10 @@ class Sidecar:
         for relay in relays:
             relay.engine_unavailable()
 
-    def _session_released(self, index: int) -> None:
-        self.pool.session_released(index)
-
     def _engine_draining(self, index: int, draining: bool) -> None:
-        self.router.set_draining(index, draining)
-        self.metrics.engine_replica_draining.labels(str(index)).set(1.0 if draining else 0.0)
-        if draining:
-            self.metrics.engine_replica_up.labels(str(index)).set(0.0)
-        else:
+        """A drain began or ended (the admission state has it); its end is a restart."""
+        if not draining:
             self.metrics.engine_replica_restarts.labels(str(index)).inc()
-        if not any(self.router.serving(k) for k in range(self.router.count)):
-            self.admission.set_ready(False, f"engine {index} is draining")
 
     def _close_drained(self, index: int) -> None:
         """A drained replica's sessions outlived ``drain_timeout``: close them (1001)."""
@@ -509,7 +425,6 @@ class Sidecar:
         log.info("shutting down: draining %d sessions", len(self.sessions.relays))
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         self.admission.draining = True
-        self.admission.set_ready(False, "draining")
         await self._drain()
         self.sessions.closing_all = True
         for relay in list(self.sessions.relays.values()):
@@ -565,108 +480,6 @@ def _restart_reason(cause: Observation) -> str:
     return "exited"
 
 
-def validate_runtime(loaded: LoadedSettings) -> None:
-    """Build, and throw away, every object a session needs from the settings.
-
-    Called before the listeners open (and on reload), so a value that the
-    loader accepts but the core rejects stops the start with exit 2 instead
-    of failing a client's upgrade later.
-
-    Raises:
-        ConfigError: naming the key and the source of its value.
-    """
-    settings = loaded.settings
-    try:
-        SessionCore(session_settings(settings), new_event_id=lambda: "validate")
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:
-        # The core's messages start with the field's name ("max_tombstones must be >= 1").
-        word = str(exc).split(" ", 1)[0]
-        key = word if word in SETTING_KEYS else "settings"
-        raise ConfigError(key, str(exc), loaded.sources.get(key, "default")) from None
-    try:
-        # The pool's per-replica settings (fixed ports counting up must stay below 65536).
-        plan_replicas(settings.engine, {}, smi=lambda: None)
-    except EngineConfigError as exc:
-        key = f"engine.{exc.field}"
-        raise ConfigError(key, exc.message, loaded.sources.get(key, "default")) from None
-    try:
-        load_api_keys(settings.api_keys, settings.api_keys_file)
-    except ConfigError as exc:
-        raise ConfigError(
-            exc.key, exc.message, loaded.sources.get(exc.key, "default") + f" ({exc.source})"
-        ) from None
-    if tracing_wanted(settings, os.environ):
-        problem = _tracing_problem(os.environ)
-        if problem is not None:
-            raise ConfigError("tracing", problem, loaded.sources.get("tracing", "default"))
-    if settings.quota_slot_ttl < 2 * settings.quota_check_interval:
-        raise ConfigError(
-            "quota_slot_ttl",
-            "must be at least twice quota_check_interval (slots are refreshed at every check)",
-            loaded.sources.get("quota_slot_ttl", "default"),
-        )
-    if settings.quota_redis_url:
-        try:
-            import redis.asyncio  # noqa: F401 - only checks that the extra is installed
-        except ImportError:
-            raise ConfigError(
-                "quota_redis_url",
-                "needs the redis package: pip install 'omni-sidecar[redis]'",
-                loaded.sources.get("quota_redis_url", "default"),
-            ) from None
-
-
-def tracing_wanted(settings: Settings, environ: Mapping[str, str]) -> bool:
-    """``tracing = "otlp"`` and not ``OTEL_SDK_DISABLED=true`` (the SDK's own switch)."""
-    disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    return settings.tracing == "otlp" and not disabled
-
-
-def start_tracing(settings: Settings, environ: Mapping[str, str]) -> Tracing | None:
-    """The process's tracer, or None when tracing is off (nothing of OpenTelemetry imported).
-
-    Raises:
-        ConfigError: tracing is on and the ``otel`` extra is not installed.
-    """
-    if not tracing_wanted(settings, environ):
-        return None
-    problem = _tracing_problem(environ)
-    if problem is not None:
-        raise ConfigError("tracing", problem, "settings")
-    return _import_tracing()(environ)
-
-
-def _tracing_problem(environ: Mapping[str, str]) -> str | None:
-    """Why ``tracing = "otlp"`` cannot start here (None: it can)."""
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        value = environ.get(name, "").strip()
-        if value:
-            if value != "http/protobuf":
-                return f'"otlp" exports over http/protobuf only, not {name}={value}'
-            break
-    try:
-        _import_tracing()
-    except ImportError as exc:
-        return _missing_otel(exc)
-    return None
-
-
-def _import_tracing() -> Callable[[Mapping[str, str]], Tracing]:
-    # Only here: with tracing off, neither omni_sidecar.session.tracing nor opentelemetry is imported.
-    from omni_sidecar.session.tracing import OtlpTracing
-
-    return OtlpTracing
-
-
-def _missing_otel(exc: ImportError) -> str:
-    return (
-        "\"otlp\" needs the OpenTelemetry packages: pip install 'omni-sidecar[otel]' "
-        f"({exc.name or exc})"
-    )
-
-
 async def serve(
     settings: Settings,
     *,
@@ -692,16 +505,3 @@ async def serve(
         if sidecar.tracing is not None:
             # Export what is queued; bounded by OTEL_EXPORTER_OTLP_TIMEOUT.
             sidecar.tracing.shutdown()
-
-
-def tune_gc() -> None:
-    """Set the cyclic garbage collector up for a relay (once everything long-lived is built)."""
-    # Everything built so far (modules, settings, metrics) lives as long as the
-    # process: keep it out of the cyclic collector's full passes, which a flood
-    # of short-lived frames otherwise triggers with 25-70 ms pauses.
-    gc.freeze()
-    # Relayed events allocate a few container objects each (parsed metadata,
-    # entries) that reference counting frees; the young generation was
-    # collected every 700 of them (3 % of the CPU at 12,500 events/s). Cycles
-    # are rare here, so it is collected every GC_YOUNG_THRESHOLD instead.
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])

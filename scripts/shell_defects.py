@@ -161,14 +161,14 @@ DEFECTS = [
     ),
     Defect(
         "admission: one session over max_sessions",
-        "omni_sidecar/edge/app.py",
+        "omni_sidecar/edge/admission.py",
         "return self.max_sessions == 0 or self.active < self.max_sessions",
         "return self.max_sessions == 0 or self.active <= self.max_sessions",
         "tests/unit/shell/test_admission.py",
     ),
     Defect(
         "admission: admission_timeout not waited",
-        "omni_sidecar/edge/app.py",
+        "omni_sidecar/edge/admission.py",
         "        if not self._has_slot() and self.admission_timeout > 0:",
         "        if False:",
         "tests/unit/shell/test_admission.py",

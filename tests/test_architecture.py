@@ -16,7 +16,7 @@ The product is one package, ``omni_sidecar``, whose subpackages are layers;
   and that module only from inside a function (docs/design.md, Tracing): with
   tracing off neither is loaded.
 * ``redis`` is imported only inside functions, by ``omni_sidecar/edge/quota.py``
-  (and by ``omni_sidecar/server.py``'s check that the extra is installed):
+  (and by ``omni_sidecar/startup.py``'s check that the extra is installed):
   without ``quota_redis_url`` it is never loaded (docs/design.md, Quotas).
 
 Every import statement counts, wherever it is (function bodies, ``if
@@ -213,7 +213,7 @@ def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> Non
             assert TRACING_MODULE not in names, f"{module} imports {TRACING_MODULE} at import time"
 
 
-REDIS_IMPORTERS = frozenset({"omni_sidecar.edge.quota", "omni_sidecar.server"})
+REDIS_IMPORTERS = frozenset({"omni_sidecar.edge.quota", "omni_sidecar.startup"})
 
 
 def _imports_outside_functions(tree: ast.AST) -> list[str]:

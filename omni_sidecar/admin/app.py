@@ -47,7 +47,7 @@ from omni_sidecar.admin.console import (
     sessions_page,
     summary,
 )
-from omni_sidecar.edge.app import STATE, ProxyState
+from omni_sidecar.edge.state import STATE, ProxyState
 
 __all__ = ["build_admin_app"]
 

@@ -4,9 +4,12 @@ Full-duplex models run one engine per GPU, and hosts have 2 to 8 of them. The
 pool runs one :class:`~omni_sidecar.engines.supervisor.Supervisor` per replica,
 unchanged: each replica has its own child, port, ``CUDA_VISIBLE_DEVICES``,
 health checks, backoff and restart budget, so one replica's crash, stall or
-restart is invisible to the others. The proxy learns about each replica
-through ``on_state(index, state, cause, detail)`` and places sessions itself
-(omni_sidecar/engines/placement.py).
+restart is invisible to the others. Every replica's state change and drain
+is reported into the pool's :class:`~omni_sidecar.engines.admission.EngineAdmission`
+(``pool.admission``), the one owner of "is this engine admitting", which the
+edge asks where to place a session; the proxy also hears each change through
+``on_state(index, state, cause, detail)`` for what is its own (announcing
+readiness, failing a replica's sessions, restart counters).
 
 How many replicas (:func:`plan_replicas`):
 
@@ -41,6 +44,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import Final
 
+from omni_sidecar.engines.admission import EngineAdmission
 from omni_sidecar.engines.errors import RestartBudgetExhausted
 from omni_sidecar.engines.policy import EngineState, Observation
 from omni_sidecar.engines.supervisor import Supervisor
@@ -166,7 +170,6 @@ class Replica:
     index: int
     config: EngineConfig
     supervisor: Supervisor
-    draining: bool = False
     #: The restart budget ran out: this replica stays down.
     failure: RestartBudgetExhausted | None = None
     #: Restarts of this replica's earlier runs, drains included (the supervisor counts its own).
@@ -180,8 +183,11 @@ class EnginePool:
 
     Args:
         config: the engine settings (``replicas``, ``gpus``, ``upstreams`` decide N).
-        on_state: every replica's state changes, with its index.
-        sessions: live sessions on a replica (the drain waits for 0).
+        on_state: every replica's state changes, with its index (after
+            :attr:`admission` took them in).
+        max_per_engine: sessions per replica for :attr:`admission`; 0 = unlimited.
+        sessions: live sessions on a replica (the drain waits for 0); by
+            default :attr:`admission`'s count.
         on_drain: called with (index, True) when a drain begins and (index,
             False) when the replica was restarted and admits again.
         on_drain_timeout: called with the index when sessions outlived
@@ -198,7 +204,8 @@ class EnginePool:
         config: EngineConfig,
         *,
         on_state: PoolStateCallback | None = None,
-        sessions: Callable[[int], int] = lambda index: 0,
+        max_per_engine: int = 0,
+        sessions: Callable[[int], int] | None = None,
         on_drain: Callable[[int, bool], None] | None = None,
         on_drain_timeout: Callable[[int], None] | None = None,
         drain_timeout: float = 30.0,
@@ -209,7 +216,7 @@ class EnginePool:
     ) -> None:
         self.config = config
         self._on_state = on_state or (lambda index, state, cause, detail: None)
-        self._sessions = sessions
+        self._sessions = sessions or self._admitted_sessions
         self._on_drain = on_drain or (lambda index, draining: None)
         self._on_drain_timeout = on_drain_timeout or (lambda index: None)
         self.drain_timeout = drain_timeout
@@ -220,6 +227,14 @@ class EnginePool:
         self.replicas = [
             Replica(k, plan, self._new_supervisor(k, plan)) for k, plan in enumerate(plans)
         ]
+        #: Whether and where each replica admits; every state change and drain lands here.
+        self.admission = EngineAdmission(
+            len(plans),
+            max_per_engine,
+            on_release=self.session_released,
+            restarts=self._replica_restarts,
+            live_target=self.target,
+        )
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -235,6 +250,8 @@ class EnginePool:
         def on_state(state: EngineState, cause: Observation, detail: str) -> None:
             if len(self.replicas) > 1 or index > 0:
                 log.info("engine %d: %s (%s) %s", index, state.value, cause.value, detail)
+            target = self.replicas[index].supervisor.target
+            self.admission.update(index, state.value, target, detail, cause.value)
             self._on_state(index, state, cause, detail)
 
         return self._make(index, config, on_state)
@@ -254,9 +271,9 @@ class EnginePool:
             IndexError: no such replica.
         """
         replica = self.replicas[index]
-        if replica.draining or replica.failure is not None or self._stop.is_set():
+        if self.admission.draining[index] or replica.failure is not None or self._stop.is_set():
             return False
-        replica.draining = True
+        self.admission.set_draining(index, True)
         self._on_drain(index, True)
         replica.drain_requested.set()
         log.info("engine %d: draining (%d live sessions)", index, self._sessions(index))
@@ -320,7 +337,7 @@ class EnginePool:
             replica.drain_requested.clear()
             replica.earlier_restarts += supervisor.restarts + 1
             replica.supervisor = self._new_supervisor(replica.index, replica.config)
-            replica.draining = False
+            self.admission.set_draining(replica.index, False)
             log.info("engine %d: drained, restarting", replica.index)
             self._on_drain(replica.index, False)
 
@@ -356,4 +373,11 @@ class EnginePool:
 
     def restarts(self) -> int:
         """Engine restarts over every replica and run (drains included)."""
-        return sum(r.supervisor.restarts + r.earlier_restarts for r in self.replicas)
+        return sum(self._replica_restarts(r.index) for r in self.replicas)
+
+    def _admitted_sessions(self, index: int) -> int:
+        return self.admission.sessions[index]
+
+    def _replica_restarts(self, index: int) -> int:
+        replica = self.replicas[index]
+        return replica.supervisor.restarts + replica.earlier_restarts

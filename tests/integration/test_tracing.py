@@ -303,7 +303,7 @@ _IMPORTS_CHECK = textwrap.dedent(
     import sys
     from omni_sidecar.settings import Settings
     import omni_sidecar.cli, omni_sidecar.server, omni_sidecar.edge.app, omni_sidecar.session.relay, omni_sidecar.session.observer
-    from omni_sidecar.server import start_tracing
+    from omni_sidecar.startup import start_tracing
 
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
     assert start_tracing(Settings(), env) is None

@@ -819,7 +819,7 @@ class TestErrorTypes:
 
 def test_playback_settings_reach_the_core() -> None:
     from omni_sidecar.core.playback import AckMode
-    from omni_sidecar.edge.app import session_settings
+    from omni_sidecar.edge.state import session_settings
 
     playback = session_settings(
         Settings(

@@ -1,18 +1,20 @@
-"""Replica choice, socket-free (omni_sidecar/engines/placement.py; docs/design.md, Engine pool)."""
+"""Replica choice, socket-free (omni_sidecar/engines/placement.py, omni_sidecar/engines/admission.py;
+docs/design.md, Engine pool)."""
 
 from __future__ import annotations
 
 import pytest
 
-from omni_sidecar.engines.placement import ReplicaLoad, Router, choose
+from omni_sidecar.engines.admission import EngineAdmission
+from omni_sidecar.engines.placement import ReplicaLoad, choose
 
 
 def load(index: int, sessions: int, pending: int = 0, *, admitting: bool = True) -> ReplicaLoad:
     return ReplicaLoad(index, admitting, sessions, pending)
 
 
-def ready_router(count: int, max_per_engine: int = 0) -> Router:
-    router = Router(count, max_per_engine)
+def ready_router(count: int, max_per_engine: int = 0) -> EngineAdmission:
+    router = EngineAdmission(count, max_per_engine)
     for k in range(count):
         router.update(k, "ready", f"ws://127.0.0.1:{9000 + k}")
     return router
@@ -60,7 +62,7 @@ def test_a_draining_replica_gets_nothing_and_says_so() -> None:
 
 
 def test_refusal_tells_capacity_from_not_ready() -> None:
-    router = Router(2, 1)
+    router = EngineAdmission(2, 1)
     assert router.refusal() is not None and router.refusal()[0] == "not_ready"  # type: ignore[index]
     router.update(0, "ready", "ws://a:1")
     assert router.refusal() is None
@@ -73,7 +75,7 @@ def test_refusal_tells_capacity_from_not_ready() -> None:
 
 def test_slots_are_held_until_released_and_release_is_reported() -> None:
     released: list[int] = []
-    router = Router(2, 2, on_release=released.append)
+    router = EngineAdmission(2, 2, on_release=released.append)
     for k in range(2):
         router.update(k, "ready", f"ws://a:{k + 1}")
     placed = []
@@ -101,7 +103,7 @@ def test_sixty_sessions_spread_evenly_and_pending_bytes_break_ties() -> None:
 
 def test_a_router_needs_a_replica() -> None:
     with pytest.raises(ValueError, match="count"):
-        Router(0)
+        EngineAdmission(0)
 
 
 def test_a_replica_whose_engine_said_full_admits_nothing_until_its_backoff_ends() -> None:

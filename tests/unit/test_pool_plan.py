@@ -213,8 +213,8 @@ async def test_sessions_that_outlive_the_drain_timeout_are_handed_back_to_close(
 def test_a_pool_whose_ports_run_out_is_a_config_error_before_anything_starts() -> None:
     """``serve`` exits 2 naming engine.port and its source, not with a traceback."""
     from omni_sidecar.errors import ConfigError
-    from omni_sidecar.server import validate_runtime
     from omni_sidecar.settings import load
+    from omni_sidecar.startup import validate_runtime
 
     loaded = load(
         None, {"OMNI_SIDECAR_ENGINE_PORT": "65535", "OMNI_SIDECAR_ENGINE_REPLICAS": "2"}, None

@@ -1,7 +1,7 @@
 """The operator console: JSON views for ``/debug/*`` and the page's static files.
 
 Everything here builds plain dicts from what the sidecar already keeps (the
-session registry, the metric objects, the engine's state callbacks); the
+session registry, the metric objects, the engines' admission state); the
 aiohttp handlers in ``omni_sidecar/admin/app.py`` only serialise them. The JSON is
 versioned (``version``, bumped on an incompatible change) and documented in
 docs/console.md, so scripts can rely on it as much as the page does.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
@@ -26,7 +26,7 @@ from omni_sidecar.metrics import DIRECTIONS, DROP_REASONS, OVERFLOW_POLICIES, RE
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from omni_sidecar.edge.app import ProxyState
+    from omni_sidecar.edge.state import ProxyState
 
 __all__ = [
     "API_VERSION",
@@ -36,7 +36,7 @@ __all__ = [
     "STALE_AUDIO_REASONS",
     "VIEW_CHUNK",
     "Asset",
-    "EngineView",
+    "engine_entries",
     "load_assets",
     "session_detail",
     "sessions_page",
@@ -87,67 +87,34 @@ def load_assets() -> dict[str, Asset]:
     return out
 
 
-class EngineView:
-    """What the console shows about the engine, fed by the supervisor's callback.
+def engine_entries(state: ProxyState) -> list[dict[str, Any]]:
+    """The engines as the console shows them, one entry per replica.
 
-    The supervisor reports every state change (state, cause, detail); this
-    keeps what a person asks first during an incident: since when the engine
-    has been up, how often it restarted and why it last failed.
-
-    Args:
-        kind: ``engine.kind`` (simulator, vllm-omni, external, command).
-        restarts: the supervisor's restart count.
-        target: the engine URL the supervisor currently relays to.
-        clock: monotonic seconds; ``wall``: Unix seconds (shown to people).
+    A pure reader of the engines' admission state (omni_sidecar/engines/admission.py),
+    which the supervisors' state changes feed: what a person asks first
+    during an incident, since when each engine has been up, how often it
+    restarted and why it last failed, whether it is draining or said it is full.
     """
-
-    #: Causes that count as a failure worth showing (policy.Observation values).
-    FAILURES: Final = frozenset({"exited", "unhealthy", "start_failed", "give_up", "health_failed"})
-
-    def __init__(
-        self,
-        kind: str,
-        *,
-        restarts: Callable[[], int],
-        target: Callable[[], str | None],
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
-        self.kind = kind
-        self._restarts = restarts
-        self._target = target
-        self._clock = clock
-        self._wall = wall
-        self.state = "starting"
-        self.ready_since: float | None = None
-        self.last_failure = ""
-        self.last_failure_at: float | None = None
-
-    def observe(self, state: str, cause: str, detail: str) -> None:
-        """One supervisor state change (``EngineState``/``Observation`` values)."""
-        if state == "ready" and self.state != "ready":
-            self.ready_since = self._clock()
-        elif state != "ready":
-            self.ready_since = None
-        self.state = state
-        if cause in self.FAILURES:
-            self.last_failure = f"{cause}: {detail}" if detail else cause
-            self.last_failure_at = self._wall()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The engines as JSON (a list: one entry today, a pool later)."""
-        uptime = None if self.ready_since is None else round(self._clock() - self.ready_since, 3)
-        return [
-            {
-                "kind": self.kind,
-                "state": self.state,
-                "uptime_seconds": uptime,
-                "restarts": self._restarts(),
-                "last_failure": self.last_failure or None,
-                "last_failure_at": self.last_failure_at,
-                "target": self._target(),
-            }
-        ]
+    engines = state.router
+    if engines is None:
+        return []
+    now = time.monotonic()
+    return [
+        {
+            "kind": state.settings.engine.kind,
+            "state": engines.states[index],
+            "uptime_seconds": engines.uptime(index),
+            "restarts": engines.restarts(index),
+            "last_failure": engines.last_failure[index] or None,
+            "last_failure_at": engines.last_failure_at[index],
+            "target": engines.live_target(index),
+            "engine": index,
+            "draining": engines.draining[index],
+            # Seconds it still admits nothing after saying it is full (0: admits).
+            "engine_full_for_seconds": engines.full_for(index, now),
+        }
+        for index in range(engines.count)
+    ]
 
 
 def _by_label(counter: Counter, label: str, values: Iterable[str]) -> dict[str, float]:
@@ -201,7 +168,7 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         "uptime_seconds": round(time.monotonic() - started, 3),
         "ready": refusal is None,
         "not_ready_reason": None if refusal is None else refusal[1],
-        "engines": state.engines(),
+        "engines": engine_entries(state),
         # docs/design.md, Engine capabilities: what the sidecar expects of the engine.
         "engine_capabilities": registry.capabilities.current.view(),
         "sessions": {

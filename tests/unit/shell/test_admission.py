@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from omni_sidecar.edge.app import Admission
+from omni_sidecar.edge.admission import Admission
+from omni_sidecar.engines.admission import EngineAdmission
 from tests.conftest import MS
 
 
 async def test_max_sessions_slots_are_taken_and_returned() -> None:
-    admission = Admission(2, 0.0)
-    admission.set_ready(True)
+    engines = EngineAdmission(1)
+    admission = Admission(2, 0.0, engines=engines)
+    engines.update(0, "ready", "ws://127.0.0.1:9000")
     assert await admission.acquire()
     assert await admission.acquire()
     assert not await admission.acquire(), "the third session over max_sessions = 2"
@@ -51,9 +53,10 @@ def test_per_address_limit_counts_each_address_apart() -> None:
 
 
 def test_refusal_reasons_in_order_draining_then_not_ready() -> None:
-    admission = Admission(1, 0.0)
+    engines = EngineAdmission(1)
+    admission = Admission(1, 0.0, engines=engines)
     assert admission.refusal() is not None and admission.refusal()[0] == "not_ready"  # type: ignore[index]
-    admission.set_ready(True)
+    engines.update(0, "ready", "ws://127.0.0.1:9000")
     assert admission.refusal() is None
     admission.draining = True
     assert admission.refusal()[0] == "draining"  # type: ignore[index]
