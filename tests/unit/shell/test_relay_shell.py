@@ -22,7 +22,7 @@ from websockets.frames import Opcode
 from omni_sidecar.core.buffer import Entry
 from omni_sidecar.core.events import UpstreamEvent
 from omni_sidecar.core.playback import AckMode, PlaybackSettings
-from omni_sidecar.core.session import SessionCore, SessionSettings
+from omni_sidecar.core.session import OverflowPolicy, SessionCore, SessionSettings
 from omni_sidecar.session.relay import ACK_RIDE_WAIT, Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
@@ -275,6 +275,21 @@ async def test_overflow_closes_with_1008_after_the_failure_sequence(
     types = s.types()
     assert types[-3:] == ["error", "response.done", "session.closed"]
     assert s.relay.close_code_sent == 1008
+
+
+async def test_a_response_failed_by_an_engine_frame_is_cancelled_upstream_in_the_same_call(
+    session_factory: Any,
+) -> None:
+    """What the core asks to send because of an engine frame is the link's answer to
+    that frame: the engine hears ``response.cancel`` without any task having to run."""
+    s = await session_factory(core_settings=make_settings(policy=OverflowPolicy.FAIL_RESPONSE))
+    s.protocol.pause()
+    assert list(s.relay.upstream_text(response_created("r1"))) == []
+    answers = [list(s.relay.upstream_text(audio("r1", seq=i))) for i in range(600)]
+    sent = [json.loads(text) for answer in answers for text in answer]
+    assert sent == [{"type": "response.cancel", "response_id": "r1"}]
+    assert answers.index(next(a for a in answers if a)) < 512, "at the overflowing frame"
+    assert s.core.state.value == "open", "fail_response keeps the session"
 
 
 async def test_engine_close_after_session_closed_ends_the_session_cleanly(
