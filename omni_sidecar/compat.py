@@ -18,7 +18,7 @@ session on the declared floor version.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sized
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -37,6 +37,8 @@ __all__ = [
     "HOOKS",
     "AiohttpHookMissing",
     "Hook",
+    "HookedAppRunner",
+    "HookedRequestHandler",
     "bound_sockets",
     "client_transport",
     "closing",
@@ -284,6 +286,39 @@ def detach_transport(protocol: Any) -> asyncio.Transport | None:
     protocol.transport = None
     protocol.force_close()
     return transport
+
+
+class HookedRequestHandler(web.RequestHandler):
+    """aiohttp's per-connection request handler, with its per-request step as a hook.
+
+    ``RequestHandler._handle_request`` runs one request and returns
+    ``(response, reset)``; the edge needs to act after each one (count it,
+    open the next head's timer, linger after an error answer). Subclasses
+    override :meth:`around_request` instead of the private method.
+    """
+
+    async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
+        return await self.around_request(super()._handle_request(*args, **kwargs))
+
+    async def around_request(self, handling: Awaitable[Any]) -> Any:
+        """Run one request (await ``handling``) and return its ``(response, reset)``."""
+        return await handling
+
+
+class HookedAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connection factory a subclass may replace.
+
+    aiohttp builds the listener's ``web.Server`` in the private
+    ``BaseRunner._make_server``; subclasses override :meth:`make_server`,
+    which gets the one aiohttp built.
+    """
+
+    async def _make_server(self) -> web.Server:
+        return self.make_server(await super()._make_server())
+
+    def make_server(self, base: web.Server) -> web.Server:
+        """The server the site listens with (``base``: the one aiohttp built)."""
+        return base
 
 
 def handler_kwargs(server: web.Server) -> dict[str, Any]:

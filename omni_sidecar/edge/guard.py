@@ -55,7 +55,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -248,7 +248,7 @@ def _http_response(status: int, reason: str, code: str, message: str) -> bytes:
     return head.encode("ascii") + body
 
 
-class EdgeRequestHandler(web.RequestHandler):
+class EdgeRequestHandler(compat.HookedRequestHandler):
     """aiohttp's per-connection protocol, with the edge's bounds in front of its parser."""
 
     def __init__(self, manager: Any, *, guard: EdgeGuard, **kwargs: Any) -> None:
@@ -344,11 +344,11 @@ class EdgeRequestHandler(web.RequestHandler):
             self.data_received = super().data_received  # type: ignore[method-assign]
         super().data_received(data)
 
-    async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
+    async def around_request(self, handling: Awaitable[Any]) -> Any:
         keep_alive = False
         error_answer = False
         try:
-            result = await super()._handle_request(*args, **kwargs)
+            result = await handling
             response, reset = result
             keep_alive = bool(response.keep_alive) and not reset
             error_answer = not reset and response.status >= 400
@@ -597,7 +597,7 @@ class EdgeServer(web.Server):
         return EdgeRequestHandler(self, guard=self.guard, **compat.handler_kwargs(self))
 
 
-class EdgeAppRunner(web.AppRunner):
+class EdgeAppRunner(compat.HookedAppRunner):
     """``web.AppRunner`` for the client listener: its connections go through the edge.
 
     Args:
@@ -614,8 +614,7 @@ class EdgeAppRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self.guard = guard
 
-    async def _make_server(self) -> web.Server:
-        base = await super()._make_server()
+    def make_server(self, base: web.Server) -> web.Server:
         return EdgeServer(
             base.request_handler,
             request_factory=base.request_factory,
