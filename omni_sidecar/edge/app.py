@@ -58,7 +58,8 @@ from omni_sidecar.edge.reverse_proxy import ProxyRequest, reverse_proxy
 from omni_sidecar.engines.placement import Router
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.session.engine_link import UpstreamConnectError, connect_upstream
-from omni_sidecar.session.observer import SessionObserver, SessionRegistry, SessionTracer, Tracing
+from omni_sidecar.session.observer import SessionObserver, SessionTracer, Tracing
+from omni_sidecar.session.registry import SessionRegistry
 from omni_sidecar.session.relay import Relay, new_event_id
 from omni_sidecar.session.usage_log import UsageBook, UsageFile
 from omni_sidecar.session.writer import AiohttpWriterAdapter
