@@ -30,7 +30,7 @@ from omni_sidecar.core.session import SessionCore
 from omni_sidecar.edge.state import session_settings
 from omni_sidecar.metrics.definitions import SidecarMetrics
 from omni_sidecar.session.engine_link import UpstreamHandler
-from omni_sidecar.session.observer import SessionRegistry
+from omni_sidecar.session.registry import SessionRegistry
 from omni_sidecar.session.relay import Relay, new_event_id
 from omni_sidecar.settings import Settings
 

@@ -71,7 +71,7 @@ from omni_sidecar.errors import ConfigError
 from omni_sidecar.logs import configure as configure_logging
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.native import CORE_BUILD
-from omni_sidecar.session.observer import SessionRegistry
+from omni_sidecar.session.registry import SessionRegistry
 from omni_sidecar.settings import (
     LIVE_KEYS,
     SETTING_KEYS,

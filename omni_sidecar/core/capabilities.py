@@ -15,7 +15,7 @@ sources, the first that knows winning:
 Otherwise the source is ``unknown`` and the sidecar behaves as for 0.30.
 
 I/O-free: plain values, no clock. The shell keeps the process-wide value
-(``omni_sidecar.session.observer.SessionRegistry.capabilities``) and exports it as
+(``omni_sidecar.session.registry.SessionRegistry.capabilities``) and exports it as
 ``omni_sidecar_engine_info{version, source}``; label values are this module's
 enum values, never a version string read from the engine or a package.
 """

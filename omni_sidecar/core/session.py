@@ -5,36 +5,32 @@ and lifecycle facts (``upstream_lost``, ``shutdown``, ``client_gone``), takes
 events to write (``next_delivery``/``delivered``) and frames to send upstream
 (``events_to_upstream``), and closes the client with ``close_code`` once the
 closure notice was delivered. Everything that decides forward / drop / fail /
-close lives here, so every interleaving can be tested without sockets.
+close lives here and in the modules it is built from, so every interleaving
+can be tested without sockets:
 
-States (transitions only forward):
+* omni_sidecar/core/lifecycle.py: ``SessionLifecycle``, the base class: the states
+  (OPEN → CLOSING → CLOSED, a transition table), the closing sequences and
+  the overflow policy;
+* omni_sidecar/core/client_limits.py: the client frame rate and input audio rate;
+* omni_sidecar/core/telemetry.py: what the observer exports (drops, overflows,
+  cancels, timings), as ``core.telemetry``;
+* this module: the intake of both peers, cancellation and delivery.
 
-    OPEN ──overflow / engine lost / shutdown / engine's session.closed──▶ CLOSING
-    OPEN, CLOSING ──closure delivered or client gone──▶ CLOSED
-
-In CLOSING the closure notice is queued; ordinary upstream events are no
-longer accepted (the buffer refuses them after closure).
-
-Overflow (docs/design.md, Overflow policy): ``close_session`` purges the active response's queued
-audio, queues ``error`` (rate_limit_error / output_backpressure) and a failed
-``response.done`` for that response, asks the engine to cancel it and to close
-the session, and closes the client with 1008 after ``session.closed``.
-``fail_response`` does the same without closing, drops every later event of the
-failed response, and falls back to ``close_session`` when there is no response
-to fail or the session is still full after the failure.
+The names the shell imports from here (states, outcomes, close codes, drop
+reasons, settings) are re-exported from those modules.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from omni_sidecar.core import notices
-from omni_sidecar.core.buffer import BufferLimits, BufferStatistics, Entry, Offer, OutputBuffer
+from omni_sidecar.core.buffer import BufferStatistics, Entry, Offer
 from omni_sidecar.core.capabilities import EngineCapabilities, EngineVersion
+from omni_sidecar.core.client_limits import ClientLimits
 from omni_sidecar.core.events import (
     ClientEvent,
     ClientKind,
@@ -43,15 +39,22 @@ from omni_sidecar.core.events import (
     classify_client,
     classify_upstream,
 )
-from omni_sidecar.core.ledger import (
-    DEFAULT_MAX_TOMBSTONES,
-    DEFAULT_TOMBSTONE_TTL,
-    CancellationLedger,
-    LedgerStatistics,
-    Verdict,
+from omni_sidecar.core.ledger import LedgerStatistics, Verdict
+from omni_sidecar.core.lifecycle import (
+    CLOSE_ABNORMAL_ENGINE,
+    CLOSE_GOING_AWAY,
+    CLOSE_NORMAL,
+    CLOSE_POLICY_VIOLATION,
+    InvalidState,
+    Outcome,
+    SessionEvent,
+    SessionLifecycle,
+    SessionState,
+    next_state,
 )
-from omni_sidecar.core.playback import PlaybackLedger, PlaybackSettings
-from omni_sidecar.core.ratelimit import TokenBucket, audio_bytes_per_second
+from omni_sidecar.core.playback import PlaybackLedger
+from omni_sidecar.core.session_settings import OverflowPolicy, SessionSettings
+from omni_sidecar.core.telemetry import DropReason
 from omni_sidecar.core.usage import UsageMeter
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "ENGINE_FULL_CODE",
     "ClientDecision",
     "DropReason",
+    "InvalidState",
     "Outcome",
     "OverflowPolicy",
     "SessionCore",
@@ -71,10 +75,6 @@ __all__ = [
     "is_engine_full",
 ]
 
-CLOSE_NORMAL: Final = 1000
-CLOSE_GOING_AWAY: Final = 1001
-CLOSE_POLICY_VIOLATION: Final = 1008
-CLOSE_ABNORMAL_ENGINE: Final = 1011
 
 #: A response request still unanswered after this long no longer counts as in flight.
 _CREATE_IN_FLIGHT: Final = 10.0
@@ -92,8 +92,6 @@ def _commit_creates_response(event: ClientEvent) -> bool:
         return False
     return bool(event.body.get("response_create") or event.body.get("create_response"))
 
-
-_NOTHING: Final[tuple[tuple[float, ...], tuple[float, ...]]] = ((), ())
 
 #: Response creations remembered for first-audio timing (oldest dropped).
 _MAX_PENDING_CREATES: Final = 64
@@ -119,81 +117,6 @@ def is_engine_full(event: UpstreamEvent) -> bool:
     return event.kind is EventKind.ERROR and _error_code(event) == ENGINE_FULL_CODE
 
 
-#: A rate-limited frame less than this many seconds after the previous one
-#: continues the same rate-limit episode (one error per episode).
-_RATE_EPISODE_GAP: Final = 1.0
-
-
-class OverflowPolicy(enum.Enum):
-    CLOSE_SESSION = "close_session"
-    FAIL_RESPONSE = "fail_response"
-
-
-class SessionState(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-class DropReason(enum.Enum):
-    """Label values of ``dropped_*_total{reason}`` (docs/design.md, Metrics)."""
-
-    CANCELLED_AUDIO = "cancelled_audio"
-    LATE_AUDIO = "late_audio"
-    OVERFLOW = "overflow"
-    FAILED_RESPONSE = "failed_response"
-    INVALID_CLIENT_FRAME = "invalid_client_frame"
-    INVALID_UPSTREAM_FRAME = "invalid_upstream_frame"
-    INPUT_BACKPRESSURE = "input_backpressure"  # client audio over max_input_audio_rate
-    SESSION_CLOSED = "session_closed"  # engine output after the session began closing
-    CLIENT_RATE_LIMITED = "client_rate_limited"  # client frames over max_client_frame_rate
-    PLAYBACK_ANSWER = "playback_answer"  # the engine's answers to the sidecar's own acks
-
-
-class Outcome(enum.Enum):
-    """Label values of ``sessions_total{outcome}``."""
-
-    CLIENT_CLOSED = "client_closed"
-    UPSTREAM_CLOSED = "upstream_closed"
-    OVERFLOW = "overflow"
-    ENGINE_UNAVAILABLE = "engine_unavailable"
-    SHUTDOWN = "shutdown"
-    ERROR = "error"
-    RATE_LIMITED = "rate_limited"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionSettings:
-    """Value object with everything the policy needs."""
-
-    buffer: BufferLimits = field(default_factory=BufferLimits)
-    overflow_policy: OverflowPolicy = OverflowPolicy.CLOSE_SESSION
-    interrupt_on_speech_started: bool = False
-    max_tombstones: int = DEFAULT_MAX_TOMBSTONES
-    tombstone_ttl: float = DEFAULT_TOMBSTONE_TTL
-    #: Appended audio seconds per wall second (0 = off), bursts up to
-    #: ``input_burst_seconds`` of audio.
-    max_input_audio_rate: float = 0.0
-    input_burst_seconds: float = 10.0
-    #: Client data frames per second (0 = off) and the burst allowed above it.
-    #: Frames over it are dropped with one ``error`` {client_rate_limited} per
-    #: episode; an episode longer than ``client_rate_limit_close_after`` seconds
-    #: ends the session with 1008.
-    max_client_frame_rate: float = 0.0
-    client_frame_burst: float = 0.0
-    client_rate_limit_close_after: float = 2.0
-    #: Pacing, acks on the client's behalf, truncation (omni_sidecar.core.playback).
-    playback: PlaybackSettings = field(default_factory=PlaybackSettings)
-
-    def __post_init__(self) -> None:
-        paced = self.playback.max_paced_audio_bytes
-        if self.playback.pacing and paced > self.buffer.max_pending_output_bytes:
-            raise ValueError(
-                f"max_paced_audio_bytes ({paced}) must not exceed max_pending_output_bytes "
-                f"({self.buffer.max_pending_output_bytes}): held audio would overflow the session"
-            )
-
-
 class ClientDecision(NamedTuple):
     """What to do with a client frame: forward its original text or not.
 
@@ -217,7 +140,7 @@ class SessionStatistics:
     open_responses: tuple[str, ...]
 
 
-class SessionCore:
+class SessionCore(SessionLifecycle):
     """Per-session policy. Sync, I/O-free; ``now`` is a float of seconds.
 
     Args:
@@ -233,32 +156,10 @@ class SessionCore:
         new_event_id: Callable[[], str],
         capabilities: EngineCapabilities | None = None,
     ) -> None:
-        self.settings = settings
-        self._new_id = new_event_id
-        self.buffer = OutputBuffer(settings.buffer)
-        self.ledger = CancellationLedger(
-            max_tombstones=settings.max_tombstones, tombstone_ttl=settings.tombstone_ttl
-        )
-        self.state = SessionState.OPEN
-        self.outcome: Outcome | None = None
-        self.close_code: int | None = None
-        self.session_id: str | None = None
-        self.client_close_requested = False
-        self.upstream_close_sent = False
-        self._to_upstream: list[str] = []
-        # drops by reason: [events since take_drops, bytes since, events total, bytes total]
-        self._drops: dict[DropReason, list[int]] = {r: [0, 0, 0, 0] for r in DropReason}
-        self._drops_dirty = False
-        #: Set when drops, overflows or timing observations changed; the shell
-        #: clears it after exporting them (keeps the per-event path cheap).
-        self.news = False
-        self._overflows = 0
-        self._cancels = 0
-        self._overflowed = False
-        # cancel_to_silence: response → [cancelled_at, last audio write after it]
-        self._silence: dict[str, list[float]] = {}
-        self._silence_observed: list[float] = []
-        # first_audio: response.create times waiting for their response.created
+        super().__init__(settings, new_event_id)
+        # The telemetry's open cancel-to-silence windows, held here too: read
+        # per delivered audio event, so one attribute away.
+        self._silence = self.telemetry.silence_windows
         # Responses the client asked for (response.create, or a commit with
         # response_create) whose response.created has not arrived yet:
         # (time asked, client event_id). A cancel without a response id also
@@ -266,16 +167,10 @@ class SessionCore:
         # arrives, so a cancel racing a create leaks no audio.
         self._pending_creates: deque[tuple[float, str | None]] = deque(maxlen=_MAX_PENDING_CREATES)
         self._born_cancelled = 0
+        # first_audio: when each created response was asked for.
         self._create_time: dict[str, float] = {}
-        self._first_audio_observed: list[float] = []
-        self._input_bucket = TokenBucket(
-            settings.max_input_audio_rate, settings.input_burst_seconds
-        )
-        self._input_bytes_per_second = audio_bytes_per_second(None, None)
-        rate = settings.max_client_frame_rate
-        self._frame_bucket = TokenBucket(rate, settings.client_frame_burst or 2 * rate)
-        self._limited_since: float | None = None
-        self._last_limited = 0.0
+        #: Frame rate and input audio rate (omni_sidecar/core/client_limits.py).
+        self.limits = ClientLimits(settings)
         self.playback = PlaybackLedger(settings.playback, capabilities)
         #: What this session used (omni_sidecar/core/usage.py), for its usage record.
         self.usage = UsageMeter()
@@ -300,24 +195,18 @@ class SessionCore:
             lasts ``client_rate_limit_close_after`` seconds ends the session
             (``session.closed`` {client_rate_limited}, close 1008).
         """
-        if self._frame_bucket.take(1.0, now):
+        limits = self.limits
+        if limits.frame_bucket.take(1.0, now):
             return True
-        self._count_drop(DropReason.CLIENT_RATE_LIMITED, size)
+        self.telemetry.count_drop(DropReason.CLIENT_RATE_LIMITED, size)
         if self.state is not SessionState.OPEN:
             return False
-        settings = self.settings
-        if self._limited_since is None or now - self._last_limited > _RATE_EPISODE_GAP:
-            self._limited_since = now
-            burst = settings.client_frame_burst or 2 * settings.max_client_frame_rate
+        if limits.episode_begins(now):
             error = notices.error_event(
-                self._new_id(),
-                "client_rate_limited",
-                f"more than {settings.max_client_frame_rate:g} frames per second "
-                f"(burst {burst:g}); frames are dropped",
+                self._new_id(), "client_rate_limited", limits.frame_rate_message()
             )
             self.buffer.offer(error, now)
-        self._last_limited = now
-        if now - self._limited_since >= settings.client_rate_limit_close_after:
+        if limits.episode_too_long(now):
             self.end(
                 now,
                 reason="client_rate_limited",
@@ -325,22 +214,6 @@ class SessionCore:
                 outcome=Outcome.RATE_LIMITED,
             )
         return False
-
-    def end_for_quota(self, now: float, message: str) -> None:
-        """The key's day audio quota ran out (docs/design.md, Quotas).
-
-        Queues ``error`` {rate_limit_error, quota_exceeded}, then
-        ``session.closed`` {quota_exceeded}; the client is closed with 1008,
-        as for the other limits a client runs into.
-        """
-        self.end(
-            now,
-            reason="quota_exceeded",
-            code=CLOSE_POLICY_VIOLATION,
-            outcome=Outcome.RATE_LIMITED,
-            error_code="quota_exceeded",
-            error_message=message,
-        )
 
     # -- client → upstream ---------------------------------------------------------------
 
@@ -367,12 +240,12 @@ class SessionCore:
         if event.cancels:
             self._cancel_from_client(event, now)
         elif event.kind is ClientKind.AUDIO_APPEND:
-            seconds = event.audio_chars * 0.75 / self._input_bytes_per_second
-            if not self._input_bucket.take(seconds, now):
+            limits = self.limits
+            seconds = event.audio_chars * 0.75 / limits.input_bytes_per_second
+            if not limits.input_bucket.take(seconds, now):
                 self.reject_client_frame(
                     "input_backpressure",
-                    "input audio arrives faster than "
-                    f"{self.settings.max_input_audio_rate:g}x real time; frame dropped",
+                    limits.input_rate_message(),
                     now,
                     client_event_id=event.event_id,
                     size=event.size,
@@ -381,7 +254,7 @@ class SessionCore:
                 return ClientDecision(event, forward=False)
             self.usage.input_seconds += seconds
         elif event.kind is ClientKind.SESSION_UPDATE:
-            self._note_input_format(event)
+            self.limits.note_input_format(event.body)
         elif event.kind is ClientKind.RESPONSE_CREATE or (
             event.kind is ClientKind.OTHER and _commit_creates_response(event)
         ):
@@ -410,33 +283,12 @@ class SessionCore:
         reason: DropReason = DropReason.INVALID_CLIENT_FRAME,
     ) -> None:
         """Answer a bad client frame with an ``error`` to this client only."""
-        self._count_drop(reason, size)
+        self.telemetry.count_drop(reason, size)
         if self.state is SessionState.OPEN:
             error = notices.error_event(
                 self._new_id(), code, message, client_event_id=client_event_id
             )
             self.buffer.offer(error, now)
-
-    def _note_input_format(self, event: ClientEvent) -> None:
-        """Track the session's input audio format for the input rate limit."""
-        session = (event.body or {}).get("session")
-        if not isinstance(session, dict):
-            return
-        fmt = session.get("input_audio_format")
-        rate = session.get("sample_rate_hz")
-        audio = session.get("audio")
-        if isinstance(audio, dict) and isinstance(audio.get("input"), dict):
-            spec = audio["input"].get("format")
-            if isinstance(spec, dict):
-                fmt = spec.get("type", fmt)
-                rate = spec.get("rate", rate)
-            elif isinstance(spec, str):
-                fmt = spec
-        if fmt is None and rate is None:
-            return
-        self._input_bytes_per_second = audio_bytes_per_second(
-            fmt if isinstance(fmt, str) else None, rate if isinstance(rate, int) else None
-        )
 
     def _cancel_from_client(self, event: ClientEvent, now: float) -> None:
         named = event.response_id
@@ -465,7 +317,7 @@ class SessionCore:
         event = classify_upstream(text)
         kind = event.kind
         if kind is EventKind.MALFORMED:
-            self._count_drop(DropReason.INVALID_UPSTREAM_FRAME, event.size)
+            self.telemetry.count_drop(DropReason.INVALID_UPSTREAM_FRAME, event.size)
             return event
         # Usage counts what the engine produced, before any filter drops it.
         usage = self.usage
@@ -479,13 +331,13 @@ class SessionCore:
             usage.on_response_done(event.status, event.body)
         if self.state is not SessionState.OPEN:
             reason = DropReason.OVERFLOW if self._overflowed else DropReason.SESSION_CLOSED
-            self._count_drop(reason, event.size)
+            self.telemetry.count_drop(reason, event.size)
             return event
         rid = event.response_id
         playback = self.playback
         if playback.awaiting_answers and playback.swallow(event, now):
             # It answers the sidecar's own ack: the client never asked for it.
-            self._count_drop(DropReason.PLAYBACK_ANSWER, event.size)
+            self.telemetry.count_drop(DropReason.PLAYBACK_ANSWER, event.size)
             return event
         if kind is EventKind.SESSION_CREATED:
             self._note_session_id(event)
@@ -525,13 +377,13 @@ class SessionCore:
             rid = self._response_of_item(event.body)
         verdict = self.ledger.verdict(rid, is_audio=event.is_audio, now=now)
         if verdict is Verdict.CANCELLED:
-            self._count_drop(DropReason.LATE_AUDIO, event.size)
+            self.telemetry.count_drop(DropReason.LATE_AUDIO, event.size)
             return event
         if verdict is Verdict.FAILED:
-            self._count_drop(DropReason.FAILED_RESPONSE, event.size)
+            self.telemetry.count_drop(DropReason.FAILED_RESPONSE, event.size)
             return event
         if verdict is Verdict.EVICTED:
-            self.news = True  # late_audio_after_eviction changed
+            self.telemetry.news = True  # late_audio_after_eviction changed
 
         if event.size > self._max_frame_bytes:
             self._refuse_oversized(event, now)
@@ -563,13 +415,10 @@ class SessionCore:
         code = _error_code(event)
         if code == ENGINE_FULL_CODE and self.session_id is None and not self.engine_full:
             self.engine_full = True
-            self.news = True
+            self.telemetry.news = True
         elif code == _ENGINE_BACKPRESSURE_CODE:
             self.playback.learn(EngineVersion.V0_31)
-            self.news = True
-
-    def _closed_outcome(self) -> Outcome:
-        return Outcome.CLIENT_CLOSED if self.client_close_requested else Outcome.UPSTREAM_CLOSED
+            self.telemetry.news = True
 
     def _note_session_id(self, event: UpstreamEvent) -> None:
         body = event.body or {}
@@ -584,15 +433,11 @@ class SessionCore:
         if told:
             # What the user heard goes to the engine before anything else we send.
             self._to_upstream.extend(told)
-            self.news = True
+            self.telemetry.news = True
         if self.ledger.cancel(response_id, now):
-            self._cancels += 1
-            if len(self._silence) >= self.settings.max_tombstones:
-                oldest = next(iter(self._silence))
-                self._observe_silence(oldest)
-            self._silence[response_id] = [now, now]
+            self.telemetry.response_cancelled(response_id, now)
         removed, removed_bytes = self.buffer.invalidate(response_id)
-        self._count_drop(DropReason.CANCELLED_AUDIO, removed_bytes, events=removed)
+        self.telemetry.count_drop(DropReason.CANCELLED_AUDIO, removed_bytes, events=removed)
 
     def _cancel_all_open(self, now: float) -> None:
         for response_id in self.ledger.open_responses():
@@ -618,217 +463,6 @@ class SessionCore:
             return
         del pending[index]
         self._born_cancelled = min(self._born_cancelled, len(pending))
-
-    # -- overflow ---------------------------------------------------------------------------------
-
-    def _response_to_fail(self, event: UpstreamEvent) -> str | None:
-        rid = event.response_id
-        if (
-            rid is not None
-            and event.kind is EventKind.RESPONSE_DONE
-            and self.ledger.is_open(rid)
-            and self.ledger.cancelled_at(rid) is None
-        ):
-            return rid  # convert the not-yet-queued completion into the failure
-        return self.ledger.active_response()
-
-    def _fail_response(
-        self,
-        response_id: str,
-        reason: DropReason,
-        now: float,
-        *,
-        error: UpstreamEvent | None = None,
-        done_reason: str = "output_backpressure",
-    ) -> None:
-        """Purge, tombstone (failed), queue error + failed done, cancel upstream."""
-        if self.ledger.cancel(response_id, now, failed=True):
-            self._cancels += 1
-        removed, removed_bytes = self.buffer.invalidate(response_id)
-        self._count_drop(reason, removed_bytes, events=removed)
-        if error is None:
-            self._queue_backpressure_error(now)
-        else:
-            self.buffer.offer(error, now)
-        done = notices.response_failed(self._new_id(), response_id, done_reason)
-        if self.buffer.offer(done, now).accepted:
-            self.ledger.on_done_received(response_id)
-        else:
-            # No room even in the reserve: the response is over for the client anyway.
-            self.ledger.on_done_delivered(response_id, now)
-            self._observe_silence(response_id)
-        self._to_upstream.append(notices.response_cancel(response_id))
-
-    def _queue_backpressure_error(self, now: float) -> None:
-        error = notices.error_event(
-            self._new_id(),
-            "output_backpressure",
-            "client is not reading output fast enough; pending output exceeded "
-            f"{self.settings.buffer.max_pending_output_bytes} bytes or "
-            f"{self.settings.buffer.max_pending_output_events} events",
-        )
-        self.buffer.offer(error, now)
-
-    def _refuse_oversized(self, event: UpstreamEvent, now: float) -> None:
-        """An engine frame larger than the whole output budget can never be
-        queued, whatever the client does: drop it and fail its response at
-        once, with an error that names the frame's size (not an overflow of a
-        client that does not read). The session stays open."""
-        self._count_drop(DropReason.OVERFLOW, event.size)
-        self.news = True
-        limit = self.settings.buffer.max_pending_output_bytes
-        target = self._response_to_fail(event) if event.response_id is None else event.response_id
-        detail = f" for response {target}" if target is not None else ""
-        error = notices.error_event(
-            self._new_id(),
-            "upstream_frame_too_large",
-            f"the engine sent a {event.size}-byte {event.type or 'frame'}{detail}, larger "
-            f"than the session's whole output budget ({limit} bytes); it was dropped",
-        )
-        # A response whose terminal is already queued is not failed again:
-        # never a second response.done for one response.
-        if target is not None and self.ledger.is_producing(target):
-            self._fail_response(
-                target,
-                DropReason.FAILED_RESPONSE,
-                now,
-                error=error,
-                done_reason="upstream_frame_too_large",
-            )
-        else:
-            self.buffer.offer(error, now)
-
-    def _overflow(self, event: UpstreamEvent, now: float) -> None:
-        self._overflows += 1
-        self.news = True
-        target = self._response_to_fail(event)
-        if self.settings.overflow_policy is OverflowPolicy.FAIL_RESPONSE and target is not None:
-            self._fail_response(target, DropReason.FAILED_RESPONSE, now)
-            if event.response_id == target:
-                self._count_drop(DropReason.FAILED_RESPONSE, event.size)
-                return
-            retry = self.buffer.offer(event, now)
-            if retry.accepted:
-                if event.kind is EventKind.RESPONSE_DONE and event.response_id is not None:
-                    self.ledger.on_done_received(event.response_id)
-                return
-            target = None  # still full with nothing left to fail: close the session
-        self.close_for_overflow(now, target=target, dropped=event)
-
-    def control_overflow(self, now: float) -> None:
-        """The client keeps sending control frames (pings) whose answers it does
-        not read: their answers count against the event budget, so this is an
-        overflow like any other (the ``close_session`` sequence, 1008)."""
-        if self.state is not SessionState.OPEN:
-            return
-        self._overflows += 1
-        self.news = True
-        self.close_for_overflow(now, target=self.ledger.active_response())
-
-    def close_for_overflow(
-        self,
-        now: float,
-        *,
-        target: str | None = None,
-        dropped: UpstreamEvent | None = None,
-    ) -> None:
-        """The ``close_session`` sequence; also used to shed this session
-        when the process-wide pending total is exceeded.
-        """
-        if self.state is not SessionState.OPEN:
-            return
-        if dropped is None:
-            # Shedding for the process-wide cap: the registry counts it under
-            # policy="process_total", so it is not a session overflow here.
-            target = self.ledger.active_response()
-        if dropped is not None:
-            self._count_drop(DropReason.OVERFLOW, dropped.size)
-        if target is not None:
-            self._fail_response(target, DropReason.OVERFLOW, now)
-        else:
-            self._queue_backpressure_error(now)
-        self._overflowed = True
-        self._request_upstream_close("output_backpressure")
-        self._close(
-            notices.session_closed(self._new_id(), self.session_id, "output_backpressure"),
-            CLOSE_POLICY_VIOLATION,
-            Outcome.OVERFLOW,
-            now,
-        )
-
-    # -- lifecycle ---------------------------------------------------------------------------------
-
-    def upstream_lost(self, now: float, *, clean: bool = False) -> None:
-        """The engine socket ended without ``session.closed``.
-
-        Args:
-            clean: the engine closed normally (1000) rather than vanishing; the
-                client then gets ``session.closed`` {reason upstream_closed} and 1000.
-        """
-        if self.state is not SessionState.OPEN:
-            return
-        if clean:
-            notice = notices.session_closed(self._new_id(), self.session_id, "upstream_closed")
-            self._close(notice, CLOSE_NORMAL, self._closed_outcome(), now)
-            return
-        error = notices.error_event(
-            self._new_id(), "engine_unavailable", "the engine connection was lost"
-        )
-        self.buffer.offer(error, now)
-        notice = notices.session_closed(self._new_id(), self.session_id, "engine_unavailable")
-        self._close(notice, CLOSE_ABNORMAL_ENGINE, Outcome.ENGINE_UNAVAILABLE, now)
-
-    def shutdown(self, now: float) -> None:
-        """The proxy is shutting down: close with ``session.closed`` {shutdown} and 1001."""
-        self.end(now, reason="shutdown", code=CLOSE_GOING_AWAY, outcome=Outcome.SHUTDOWN)
-
-    def end(
-        self,
-        now: float,
-        *,
-        reason: str,
-        code: int,
-        outcome: Outcome,
-        error_code: str | None = None,
-        error_message: str = "",
-    ) -> None:
-        """End the session on the proxy's initiative (shutdown, a limit).
-
-        Queues an optional ``error``, then ``session.closed`` {reason}; asks the
-        engine to close; the client is closed with ``code`` after delivery.
-        """
-        if self.state is not SessionState.OPEN:
-            return
-        if error_code is not None:
-            error = notices.error_event(self._new_id(), error_code, error_message)
-            self.buffer.offer(error, now)
-        self._request_upstream_close(reason)
-        notice = notices.session_closed(self._new_id(), self.session_id, reason)
-        self._close(notice, code, outcome, now)
-
-    def client_gone(self) -> None:
-        """The client socket is closed: nothing more can be delivered."""
-        if self.outcome is None:
-            self.outcome = Outcome.CLIENT_CLOSED
-        if self.state is not SessionState.CLOSED:
-            stranded = self.buffer.statistics()
-            self._count_drop(
-                DropReason.SESSION_CLOSED, stranded.pending_bytes, events=stranded.pending_events
-            )
-        self.state = SessionState.CLOSED
-        self._request_upstream_close("client_close")
-
-    def _request_upstream_close(self, reason: str) -> None:
-        if not self.upstream_close_sent:
-            self.upstream_close_sent = True
-            self._to_upstream.append(notices.session_close(reason))
-
-    def _close(self, notice: UpstreamEvent, code: int, outcome: Outcome, now: float) -> None:
-        compact = notices.compact_session_closed(self._new_id(), self.session_id)
-        if self.buffer.close(notice, compact=compact, now=now):
-            self.state = SessionState.CLOSING
-            self.close_code = code
-            self.outcome = outcome
 
     # -- delivery ------------------------------------------------------------------------------------
 
@@ -865,7 +499,7 @@ class SessionCore:
                     and self.ledger.cancelled_at(event.response_id) is not None
                 )
             ):
-                self._count_drop(DropReason.CANCELLED_AUDIO, event.size)
+                self.telemetry.count_drop(DropReason.CANCELLED_AUDIO, event.size)
                 buffer.release_held()
                 continue
             if event.is_audio:
@@ -904,20 +538,19 @@ class SessionCore:
         event = entry.event
         rid = event.response_id
         if entry.closure:
-            self.state = SessionState.CLOSED
+            self.state = next_state(self.state, SessionEvent.CLOSURE_DELIVERED)
             return
         if event.is_audio:
             self.usage.delivered_chars += event.audio_chars
         if rid is None:
             return
         if event.is_audio:
-            silence = self._silence.get(rid)
-            if silence is not None:
-                silence[1] = now
+            window = self._silence.get(rid)
+            if window is not None:
+                window.last_audio_at = now
             created = self._create_time.pop(rid, None)
             if created is not None:
-                self._first_audio_observed.append(max(0.0, now - created))
-                self.news = True
+                self.telemetry.first_audio(max(0.0, now - created))
         elif event.kind is EventKind.RESPONSE_DONE:
             self.playback.done_delivered(rid)
             self.ledger.on_done_delivered(rid, now)
@@ -925,7 +558,7 @@ class SessionCore:
             # when an event of their response happens to arrive.
             self.ledger.expire(now)
             self._create_time.pop(rid, None)
-            self._observe_silence(rid)
+            self.telemetry.observe_silence(rid)
 
     def still_valid(self, entry: Entry) -> bool:
         """Re-check an entry taken earlier, just before it is written."""
@@ -937,76 +570,28 @@ class SessionCore:
 
     def drop_taken(self, entry: Entry, reason: DropReason) -> None:
         """An entry taken for writing will not be written after all."""
-        self._count_drop(reason, entry.event.size)
-
-    def _observe_silence(self, response_id: str) -> None:
-        window = self._silence.pop(response_id, None)
-        if window is not None:
-            self._silence_observed.append(max(0.0, window[1] - window[0]))
-            self.news = True
+        self.telemetry.count_drop(reason, entry.event.size)
 
     # -- outputs for the shell -------------------------------------------------------------------------
 
-    @property
-    def has_upstream_commands(self) -> bool:
-        return bool(self._to_upstream)
-
-    def events_to_upstream(self) -> list[str]:
-        """Frames the proxy itself must send to the engine (cancel, close)."""
-        out, self._to_upstream = self._to_upstream, []
-        return out
-
-    def take_observations(self) -> tuple[Sequence[float], Sequence[float]]:
-        """(cancel_to_silence seconds, first_audio seconds) observed since last call."""
-        if not self._silence_observed and not self._first_audio_observed:
-            return _NOTHING
-        silence, self._silence_observed = self._silence_observed, []
-        first, self._first_audio_observed = self._first_audio_observed, []
-        return silence, first
-
     def finish(self) -> None:
         """Session over: observe what is still open (no more audio can follow)."""
-        for response_id in list(self._silence):
-            self._observe_silence(response_id)
-
-    def take_drops(self) -> dict[DropReason, tuple[int, int]]:
-        """Drops by reason since the last call, as (events, bytes)."""
-        if not self._drops_dirty:
-            return {}
-        self._drops_dirty = False
-        out = {r: (v[0], v[1]) for r, v in self._drops.items() if v[0] or v[1]}
-        for v in self._drops.values():
-            v[0] = v[1] = 0
-        return out
-
-    @property
-    def overflow_count(self) -> int:
-        return self._overflows
+        self.telemetry.finish()
 
     def statistics(self) -> SessionStatistics:
+        telemetry = self.telemetry
         return SessionStatistics(
             state=self.state,
             session_id=self.session_id,
             buffer=self.buffer.statistics(),
             ledger=self.ledger.statistics(),
-            drops=self.drop_totals(),
-            overflows=self._overflows,
-            cancels=self._cancels,
+            drops=telemetry.drop_totals(),
+            overflows=telemetry.overflows,
+            cancels=telemetry.cancels,
             active_response=self.ledger.active_response(),
             open_responses=tuple(self.ledger.open_responses()),
         )
 
     def drop_totals(self) -> dict[DropReason, tuple[int, int]]:
         """Drops by reason over the session's life, as (events, bytes)."""
-        return {r: (v[2], v[3]) for r, v in self._drops.items()}
-
-    def _count_drop(self, reason: DropReason, size: int, *, events: int = 1) -> None:
-        if events <= 0:
-            return
-        self._drops_dirty = True
-        self.news = True
-        counter = self._drops[reason]
-        counter[0] += events
-        counter[1] += size
-        counter[2] += events
-        counter[3] += size
+        return self.telemetry.drop_totals()

@@ -32,7 +32,8 @@ from omni_sidecar.edge.guard import EdgeGuard, EdgeLimits
 from omni_sidecar.edge.quota import QuotaGate
 from omni_sidecar.engines.admission import EngineAdmission
 from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.session.observer import SessionRegistry, Tracing
+from omni_sidecar.session.observer import Tracing
+from omni_sidecar.session.registry import SessionRegistry
 from omni_sidecar.session.usage_log import UsageBook, UsageFile
 from omni_sidecar.settings import Settings
 

@@ -1,17 +1,16 @@
-"""Session registry and the hooks that turn relay activity into metrics.
+"""The hooks that turn relay activity into metrics, lifecycle events and traces.
 
-``SessionRegistry`` knows every live relay (for shutdown, engine loss,
-``/debug/sessions`` and the process-wide pending-output cap) and keeps an
-exact running total of pending output bytes: each relay reports the change
-of its buffer after every core call, so enforcing
-``max_total_pending_output_bytes`` costs O(1) per event.
+A relay calls its :class:`SessionObserver` per event with plain integer
+arithmetic, and after every core call (``after_core_call``): the observer
+reports the session's buffer size to the registry
+(omni_sidecar/session/registry.py) and, when the core's telemetry
+(``core.telemetry``, omni_sidecar/core/telemetry.py) has news, exports drops,
+overflows and timings.
 
-For the operator console (``omni_sidecar/admin/app.py``) each session also keeps its last
-``LIFECYCLE_EVENTS`` lifecycle events (created, engine session, cancels,
-overflows, closing, close) with wall-clock timestamps, noticed by comparing a
-few core fields after each core call; the registry keeps the final view of the
-last ``RECENT_CLOSED_SESSIONS`` sessions so a session that just ended can still
-be inspected. Both rings are bounded and drop their oldest entry when full.
+For the operator console each session keeps its last ``LIFECYCLE_EVENTS``
+lifecycle events (created, engine session, cancels, overflows, closing,
+close) with wall-clock timestamps, noticed by comparing a few core fields
+after each core call; the ring is bounded and drops its oldest entry when full.
 
 Tracing (docs/design.md, Tracing) hangs off the same hooks: a session's
 :class:`SessionTracer` (None when ``tracing = "off"``) hears response-level
@@ -22,15 +21,13 @@ is one None check per non-audio event.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from omni_sidecar.core.buffer import Entry
-from omni_sidecar.core.capabilities import EngineCapabilities, EngineVersion
+from omni_sidecar.core.capabilities import EngineVersion
 from omni_sidecar.core.events import ClientEvent, EventKind, UpstreamEvent
 from omni_sidecar.core.usage import UNNAMED_KEY
 from omni_sidecar.metrics import SidecarMetrics
@@ -40,32 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LIFECYCLE_EVENTS",
-    "RECENT_CLOSED_SESSIONS",
-    "CapabilityBook",
+    "Registry",
     "SessionObserver",
-    "SessionRegistry",
     "SessionTracer",
     "Tracing",
 ]
-
-log = logging.getLogger(__name__)
-
-
-class Relay(Protocol):
-    """What the registry needs of a live session (``omni_sidecar.session.relay.Relay`` has this
-    shape; a Protocol here keeps ``omni_sidecar.session.relay`` → ``omni_sidecar.session.observer`` one-way)."""
-
-    key: str
-    core: SessionCore
-    started_at: float
-    bytes_client_to_upstream: int
-    bytes_upstream_to_client: int
-
-    def shed(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-    def engine_unavailable(self) -> None: ...
 
 
 class SessionTracer(Protocol):
@@ -106,289 +82,31 @@ class Tracing(Protocol):
         """Export what is queued (bounded by the exporter's timeout) and stop."""
 
 
+class _Capabilities(Protocol):
+    """What an observer tells the process's engine capabilities (``CapabilityBook``)."""
+
+    def learn(self, version: EngineVersion) -> bool: ...
+
+
+class Registry(Protocol):
+    """What an observer reports to (``omni_sidecar.session.registry.SessionRegistry`` has this
+    shape; a Protocol here keeps ``registry`` → ``observer`` one-way)."""
+
+    metrics: SidecarMetrics
+    total_cancels: int
+    on_engine_full: Callable[[int | None], None]
+
+    @property
+    def capabilities(self) -> _Capabilities: ...
+
+    def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None: ...
+
+
 _C2U = "client_to_upstream"
 _U2C = "upstream_to_client"
 
 #: Lifecycle events kept per session (events); the oldest is dropped when full.
 LIFECYCLE_EVENTS: Final = 50
-#: Ended sessions whose final view stays readable (sessions); oldest dropped.
-RECENT_CLOSED_SESSIONS: Final = 100
-
-
-class CapabilityBook:
-    """The process's engine capabilities (docs/design.md, Engine capabilities) and their gauge.
-
-    New sessions start from :attr:`current`; what a session learns on the wire
-    comes back through :meth:`learn` (never over config or preflight).
-
-    Args:
-        metrics: ``omni_sidecar_engine_info`` is kept equal to :attr:`current`.
-        initial: from ``engine.version`` and preflight.
-    """
-
-    def __init__(self, metrics: SidecarMetrics, initial: EngineCapabilities) -> None:
-        self._metrics = metrics
-        self.current = initial
-        self._export()
-
-    def learn(self, version: EngineVersion) -> bool:
-        """A session saw ``version``'s behaviour. Returns whether that changed anything."""
-        learned = self.current.learn(version)
-        if learned is self.current:
-            return False
-        log.info(
-            "the engine behaves like vLLM-Omni %s (seen on the wire; was %s from %s)",
-            version.value,
-            self.current.version.value,
-            self.current.source.value,
-        )
-        self.current = learned
-        self._export()
-        return True
-
-    def _export(self) -> None:
-        self._metrics.set_engine_info(self.current.version.value, self.current.source.value)
-
-
-class SessionRegistry:
-    """Live relays and the process-wide pending-output total.
-
-    Args:
-        metrics: where to report.
-        max_total_pending_output_bytes: above this, the largest session is shed.
-        capabilities: what the engine does, as far as known at start.
-    """
-
-    def __init__(
-        self,
-        metrics: SidecarMetrics,
-        *,
-        max_total_pending_output_bytes: int,
-        capabilities: EngineCapabilities | None = None,
-    ) -> None:
-        self.metrics = metrics
-        self.capabilities = CapabilityBook(
-            metrics, capabilities if capabilities is not None else EngineCapabilities()
-        )
-        #: Called with a session's engine replica (None: the one engine) when
-        #: that engine refused the session as full (set by omni_sidecar.edge.app.ProxyState).
-        self.on_engine_full: Callable[[int | None], None] = lambda engine: None
-        self.max_total = max_total_pending_output_bytes
-        self.relays: dict[str, Relay] = {}
-        self._observers: dict[str, SessionObserver] = {}
-        self._pending_bytes: dict[str, int] = {}
-        self._pending_events: dict[str, int] = {}
-        self.total_pending_bytes = 0
-        self.total_pending_events = 0
-        #: Final views of ended sessions, newest last (see RECENT_CLOSED_SESSIONS).
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CLOSED_SESSIONS)
-        #: Responses cancelled, all sessions, since start (the console's total).
-        self.total_cancels = 0
-        self._empty: asyncio.Event | None = None
-        #: Set at shutdown: a session admitted after it is told to close at once.
-        self.closing_all = False
-        # Read at scrape time: no gauge update on the per-event path.
-        metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
-        metrics.output_pending_events.set_function(lambda: self.total_pending_events)
-
-    async def wait_empty(self) -> None:
-        """Wait until no session is live."""
-        if not self.relays:
-            return
-        if self._empty is None:
-            self._empty = asyncio.Event()
-        self._empty.clear()
-        await self._empty.wait()
-
-    def add(self, relay: Relay) -> None:
-        self.relays[relay.key] = relay
-        self._pending_bytes[relay.key] = 0
-        self._pending_events[relay.key] = 0
-        self.metrics.sessions_active.set(len(self.relays))
-
-    def remove(self, relay: Relay) -> None:
-        if relay.key in self.relays:
-            self.recent.append(self.detail(relay.key) or {"id": relay.key})
-        self.relays.pop(relay.key, None)
-        self._observers.pop(relay.key, None)
-        self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
-        self.total_pending_events -= self._pending_events.pop(relay.key, 0)
-        self.metrics.sessions_active.set(len(self.relays))
-        if not self.relays and self._empty is not None:
-            self._empty.set()
-
-    def observer(
-        self,
-        key: str,
-        *,
-        client_address: str = "",
-        engine: int | None = None,
-        key_name: str = UNNAMED_KEY,
-        tracer: SessionTracer | None = None,
-    ) -> SessionObserver:
-        observer = SessionObserver(
-            self,
-            key,
-            client_address=client_address,
-            engine=engine,
-            key_name=key_name,
-            tracer=tracer,
-        )
-        self._observers[key] = observer
-        return observer
-
-    def relays_on(self, engine: int) -> list[Relay]:
-        """Live sessions placed on one engine replica (its failure ends only these)."""
-        return [
-            relay
-            for key, relay in self.relays.items()
-            if (observer := self._observers.get(key)) is not None and observer.engine == engine
-        ]
-
-    def pending_by_engine(self, count: int) -> list[int]:
-        """Pending output bytes per engine replica: placement's tie-breaker."""
-        totals = [0] * count
-        for key, observer in self._observers.items():
-            if observer.engine is not None and 0 <= observer.engine < count:
-                totals[observer.engine] += self._pending_bytes.get(key, 0)
-        return totals
-
-    def flush_metrics(self) -> None:
-        """Move per-session event/byte counts into the counters (before a scrape)."""
-        for observer in self._observers.values():
-            observer.flush()
-
-    def unflushed(self) -> tuple[int, int, int, int]:
-        """Events and bytes (client→upstream, then upstream→client) not in the counters yet.
-
-        Counters plus these are the exact totals now, without a flush: the
-        console asks every second, and flushing 500 sessions (thousands of
-        labelled-counter increments) would hold the relay up for milliseconds.
-        """
-        c2u_events = c2u_bytes = u2c_events = u2c_bytes = 0
-        for observer in self._observers.values():
-            a, b, c, d = observer.unflushed()
-            c2u_events += a
-            c2u_bytes += b
-            u2c_events += c
-            u2c_bytes += d
-        return c2u_events, c2u_bytes, u2c_events, u2c_bytes
-
-    def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
-        """Record a session's current buffer size; shed the largest if over the cap."""
-        if key not in self._pending_bytes:
-            return
-        self.total_pending_bytes += pending_bytes - self._pending_bytes[key]
-        self.total_pending_events += pending_events - self._pending_events[key]
-        self._pending_bytes[key] = pending_bytes
-        self._pending_events[key] = pending_events
-        if self.max_total and self.total_pending_bytes > self.max_total:
-            self._shed_largest()
-
-    def _shed_largest(self) -> None:
-        candidates = [key for key, relay in self.relays.items() if not relay.core.buffer.closed]
-        if not candidates:
-            return
-        key = max(candidates, key=self._pending_bytes.__getitem__)
-        relay = self.relays[key]
-        log.warning(
-            "pending output %d bytes over the process cap %d; shedding session %s (%d bytes)",
-            self.total_pending_bytes,
-            self.max_total,
-            key,
-            self._pending_bytes[key],
-        )
-        self.metrics.overflows.labels("process_total").inc()
-        relay.shed()
-
-    def statistics(self) -> list[dict[str, Any]]:
-        """Per-session JSON for /debug/sessions, oldest session first."""
-        now = time.monotonic()
-        return [self._view(key, relay, now) for key, relay in self.relays.items()]
-
-    def select(self, offset: int, limit: int, query: str = "") -> tuple[int, list[str]]:
-        """(sessions matching ``query``, the ids of ``limit`` of them from ``offset``).
-
-        Oldest first. ``query`` filters by substring of our id, the engine's
-        session id or the client address before paging, so only the page is
-        then rendered (with :meth:`view`).
-        """
-        keys = list(self.relays)
-        if query:
-            keys = [key for key in keys if query in self._search_text(key)]
-        return len(keys), keys[offset : offset + limit]
-
-    def view(self, key: str, *, max_ids: int | None = None) -> dict[str, Any] | None:
-        """One live session's JSON (None once it ended); id lists cut to the newest ``max_ids``."""
-        relay = self.relays.get(key)
-        if relay is None:
-            return None
-        return self._view(key, relay, time.monotonic(), max_ids=max_ids)
-
-    def detail(self, key: str) -> dict[str, Any] | None:
-        """One live session's view and its lifecycle events; None when not live."""
-        relay = self.relays.get(key)
-        if relay is None:
-            return None
-        view = self._view(key, relay, time.monotonic())
-        observer = self._observers.get(key)
-        view["events"] = [] if observer is None else observer.lifecycle()
-        return view
-
-    def _search_text(self, key: str) -> str:
-        relay = self.relays[key]
-        observer = self._observers.get(key)
-        address = observer.client_address if observer is not None else ""
-        return f"{key} {relay.core.session_id or ''} {address}"
-
-    def _view(
-        self, key: str, relay: Relay, now: float, *, max_ids: int | None = None
-    ) -> dict[str, Any]:
-        stats = relay.core.statistics()
-        cancelled = relay.core.ledger.tombstoned()
-        if max_ids is not None:
-            cancelled = cancelled[-max_ids:] if max_ids else []
-        buffer = stats.buffer
-        observer = self._observers.get(key)
-        playback = relay.core.playback.view(now)
-        # Audio the client holds unplayed (the largest over its items), when paced.
-        leads = [item["lead_ms"] for item in playback["items"] if not item["finished"]]
-        lead_ms = max(leads, default=0) if playback["pacing"] else None
-        if max_ids is not None:
-            playback["items"] = playback["items"][-max_ids:] if max_ids else []
-        return {
-            "id": key,
-            "upstream_session_id": stats.session_id,
-            "client_address": observer.client_address if observer is not None else "",
-            "key": observer.key_name if observer is not None else UNNAMED_KEY,
-            "engine": observer.engine if observer is not None else None,
-            "started_at": observer.started_at if observer is not None else None,
-            "age_seconds": round(now - relay.started_at, 3),
-            "state": stats.state.value,
-            "outcome": relay.core.outcome.value if relay.core.outcome is not None else None,
-            "close_code": relay.core.close_code,
-            "pending_bytes": buffer.pending_bytes,
-            "pending_events": buffer.pending_events,
-            "reserve_bytes": buffer.reserve_bytes,
-            "reserve_events": buffer.reserve_events,
-            "peak_pending_bytes": buffer.peak_pending_bytes,
-            "active_response": stats.active_response,
-            "open_responses": list(stats.open_responses),
-            "cancelled_responses": cancelled,
-            "tombstones": stats.ledger.tombstones,
-            "tombstone_evictions": stats.ledger.evictions,
-            "late_audio_after_eviction": stats.ledger.late_after_eviction,
-            "overflows": stats.overflows,
-            "overflowed": relay.core.outcome is not None and relay.core.outcome.value == "overflow",
-            "cancels": stats.cancels,
-            "dropped": {
-                r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e
-            },
-            "bytes_client_to_upstream": relay.bytes_client_to_upstream,
-            "bytes_upstream_to_client": relay.bytes_upstream_to_client,
-            "playback": playback,
-            "playback_lead_ms": lead_ms,
-        }
 
 
 class SessionObserver:
@@ -434,7 +152,7 @@ class SessionObserver:
 
     def __init__(
         self,
-        registry: SessionRegistry,
+        registry: Registry,
         key: str,
         *,
         client_address: str = "",
@@ -561,13 +279,14 @@ class SessionObserver:
         if pending != self._last_pending:
             self._last_pending = pending
             self._registry.update_pending(self._key, pending[0], pending[1])
-        if core.news:
-            core.news = False
+        telemetry = core.telemetry
+        if telemetry.news:
+            telemetry.news = False
             self._export_news(core)
         if (
             core.state is not self._state_seen
             or core.session_id is not self._session_id_seen
-            or _cancels(core) != self._cancels_seen
+            or telemetry.cancels != self._cancels_seen
         ):
             self._note_lifecycle(core)
 
@@ -585,7 +304,7 @@ class SessionObserver:
             self._session_id_seen = core.session_id
             if core.session_id is not None:
                 self.note("engine_session", core.session_id)
-        cancels = _cancels(core)
+        cancels = core.telemetry.cancels
         if cancels != self._cancels_seen:
             tombstoned = core.ledger.tombstoned()
             latest = tombstoned[-1] if tombstoned else "?"
@@ -604,10 +323,11 @@ class SessionObserver:
 
     def _export_news(self, core: SessionCore) -> None:
         m = self._m
-        for reason, (events, size) in core.take_drops().items():
+        telemetry = core.telemetry
+        for reason, (events, size) in telemetry.take_drops().items():
             m.dropped_events.labels(reason.value).inc(events)
             m.dropped_bytes.labels(reason.value).inc(size)
-        overflows = core.overflow_count
+        overflows = telemetry.overflows
         if overflows != self._overflows_seen:
             m.overflows.labels(core.settings.overflow_policy.value).inc(
                 overflows - self._overflows_seen
@@ -620,7 +340,7 @@ class SessionObserver:
         if late_evicted != self._late_evicted_seen:
             m.late_audio_after_eviction.inc(late_evicted - self._late_evicted_seen)
             self._late_evicted_seen = late_evicted
-        silence, first = core.take_observations()
+        silence, first = telemetry.take_observations()
         for value in silence:
             m.cancel_to_silence.observe(value)
         for value in first:
@@ -669,7 +389,7 @@ class SessionObserver:
 
     def session_observations(self, core: SessionCore) -> None:
         """The session ended: final sync and its outcome."""
-        core.news = False
+        core.telemetry.news = False
         self._export_news(core)
         self.after_core_call(core)
         self.flush()
@@ -680,8 +400,3 @@ class SessionObserver:
         )
         if self.tracer is not None:
             self.tracer.end(outcome.value if outcome else "error", core.close_code)
-
-
-def _cancels(core: SessionCore) -> int:
-    """Cancels so far: the core counts them for ``statistics()``; read without building it."""
-    return core._cancels

@@ -830,7 +830,7 @@ def _fake_registry(sessions: int) -> Any:
 
     from omni_sidecar.core.session import SessionCore, SessionSettings
     from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session.observer import SessionRegistry
+    from omni_sidecar.session.registry import SessionRegistry
 
     registry = SessionRegistry(
         SidecarMetrics(CollectorRegistry(), process_metrics=False),

@@ -117,7 +117,7 @@ def test_unread_control_frames_overflow_like_output() -> None:
     assert types(delivered)[-3:] == ["error", "response.done", "session.closed"]
     assert delivered[-1].body["reason"] == "output_backpressure"
     assert pair.core.close_code == CLOSE_POLICY_VIOLATION
-    assert pair.core.overflow_count == 1
+    assert pair.core.telemetry.overflows == 1
     assert json.loads(delivered[-2].text)["response"]["status"] == "failed"
 
 

@@ -136,8 +136,8 @@ class TestRelay:
     def test_take_drops_resets(self) -> None:
         p = pair()
         p.upstream("x")
-        assert p.core.take_drops() == {DropReason.INVALID_UPSTREAM_FRAME: (1, 1)}
-        assert p.core.take_drops() == {}
+        assert p.core.telemetry.take_drops() == {DropReason.INVALID_UPSTREAM_FRAME: (1, 1)}
+        assert p.core.telemetry.take_drops() == {}
         assert p.core.drop_totals()[DropReason.INVALID_UPSTREAM_FRAME] == (1, 1)
 
 
@@ -956,14 +956,14 @@ class TestObservations:
         p.client(h.b_response_cancel())
         p.now = 1.25
         p.write(entry)
-        assert tuple(map(list, p.core.take_observations())) == ([], [])
+        assert tuple(map(list, p.core.telemetry.take_observations())) == ([], [])
         p.now = 2.0
         p.upstream(h.response_done("r1", "cancelled"))
         p.deliver()
-        silence, first = p.core.take_observations()
+        silence, first = p.core.telemetry.take_observations()
         assert silence == [pytest.approx(0.25)]
         assert first == []
-        assert tuple(map(list, p.core.take_observations())) == ([], [])
+        assert tuple(map(list, p.core.telemetry.take_observations())) == ([], [])
 
     def test_cancel_to_silence_zero_when_purged(self) -> None:
         p = pair()
@@ -974,7 +974,7 @@ class TestObservations:
         p.now = 4.0
         p.upstream(h.response_done("r1", "cancelled"))
         p.deliver()
-        assert p.core.take_observations()[0] == [0.0]
+        assert p.core.telemetry.take_observations()[0] == [0.0]
 
     def test_cancel_to_silence_for_engine_cancel(self) -> None:
         p = pair()
@@ -984,15 +984,15 @@ class TestObservations:
         p.upstream(h.response_done("r1", "cancelled"))
         p.now = 1.5
         p.deliver()
-        assert p.core.take_observations()[0] == [0.0]
+        assert p.core.telemetry.take_observations()[0] == [0.0]
 
     def test_finish_observes_open_windows(self) -> None:
         p = pair()
         p.upstream(h.response_created("r1"))
         p.client(h.b_response_cancel("r1"))
-        assert list(p.core.take_observations()[0]) == []
+        assert list(p.core.telemetry.take_observations()[0]) == []
         p.core.finish()
-        assert p.core.take_observations()[0] == [0.0]
+        assert p.core.telemetry.take_observations()[0] == [0.0]
 
     def test_first_audio_from_response_create(self) -> None:
         p = pair()
@@ -1005,7 +1005,7 @@ class TestObservations:
         assert types(p.deliver(2)) == ["response.created", AUDIO]
         p.now = 10.5
         p.deliver()
-        silence, first = p.core.take_observations()
+        silence, first = p.core.telemetry.take_observations()
         assert silence == []
         assert first == [pytest.approx(0.3)]
 
@@ -1013,7 +1013,7 @@ class TestObservations:
         p = pair()
         p.upstream(h.response_created("r1"), h.audio("r1"))  # e.g. server VAD response
         p.deliver()
-        assert tuple(map(list, p.core.take_observations())) == ([], [])
+        assert tuple(map(list, p.core.telemetry.take_observations())) == ([], [])
 
     def test_first_audio_pairs_creates_in_order(self) -> None:
         p = pair()
@@ -1023,7 +1023,7 @@ class TestObservations:
         p.now = 2.0
         p.upstream(h.response_created("r1"), h.response_created("r2"), h.audio("r2"), h.audio("r1"))
         p.deliver()
-        assert p.core.take_observations()[1] == [pytest.approx(1.0), pytest.approx(2.0)]
+        assert p.core.telemetry.take_observations()[1] == [pytest.approx(1.0), pytest.approx(2.0)]
 
 
 # ================================================================================

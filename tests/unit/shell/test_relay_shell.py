@@ -359,7 +359,7 @@ async def test_pinging_without_reading_ends_in_the_overflow_sequence(session_fac
         s.client.send(aiohttp.WSMsgType.PING, str(i).encode())
     await wait_until(lambda: s.core.outcome is not None, what="the session closing")
     assert s.core.outcome is not None and s.core.outcome.value == "overflow"
-    assert s.core.overflow_count == 1
+    assert s.core.telemetry.overflows == 1
     s.scheduler.advance(CLOSE_TIMEOUT)  # the client never reads: dropped at the deadline
     await s.finished()
     assert s.transport.aborted
