@@ -70,6 +70,7 @@ from omni_sidecar.edge.forwarded import (
     parse_proxy_header,
     proxy_header_kind,
 )
+from omni_sidecar.edge.linger import Linger
 from omni_sidecar.edge.reverse_proxy import DEFAULT_MAX_HTTP_BODY_BYTES
 from omni_sidecar.settings import Settings
 
@@ -265,7 +266,7 @@ class EdgeRequestHandler(compat.HookedRequestHandler):
         self._handled = 0
         self._refused = False
         #: Set once an error answer was written and the connection lingers.
-        self._linger: _Linger | None = None
+        self._linger: Linger | None = None
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -480,110 +481,7 @@ class EdgeRequestHandler(compat.HookedRequestHandler):
             self.guard.lingered("no_room")
             transport.close()
             return
-        self._linger = _Linger(transport, self.guard)
-
-
-class _Linger:
-    """One connection's lingering close (see the module docstring).
-
-    Args:
-        transport: the connection, its answer written; now owned by this object.
-        guard: the edge's limits (read once, here) and counts.
-    """
-
-    __slots__ = (
-        "_loop",
-        "_timer",
-        "deadline",
-        "guard",
-        "heard",
-        "outcome",
-        "paused",
-        "received",
-        "transport",
-    )
-
-    def __init__(self, transport: asyncio.Transport, guard: EdgeGuard) -> None:
-        self._loop = asyncio.get_running_loop()
-        limits = guard.limits
-        self.transport = transport
-        self.guard = guard
-        now = self._loop.time()
-        self.deadline = now + limits.lingering_time
-        self.heard = now
-        self.received = 0
-        #: Reading stopped at max_lingering_bytes; the deadline ends it.
-        self.paused = False
-        #: How it ended; empty while it lingers.
-        self.outcome = ""
-        guard.lingering += 1
-        if transport.can_write_eof():  # FIN after the answer (TLS: the close does it)
-            transport.write_eof()
-        if not transport.is_reading():  # aiohttp may have paused it (a declined upgrade's tail)
-            transport.resume_reading()
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
-            self._next_check(), self._check
-        )
-
-    def _next_check(self) -> float:
-        if self.paused:  # nothing is heard any more: only the deadline is left
-            return self.deadline
-        return min(self.deadline, self.heard + self.guard.limits.lingering_timeout)
-
-    def discard(self, data: bytes) -> None:
-        """Bytes the client still sent: dropped, counted against ``max_lingering_bytes``.
-
-        Past the cap reading stops (the client's sends stall on a full TCP
-        window) and the socket waits for ``lingering_time``, so that a client
-        still sending has that long to read the answer before the reset.
-        """
-        if self.outcome or self.paused:
-            return
-        self.received += len(data)
-        self.heard = self._loop.time()
-        if self.received > self.guard.limits.max_lingering_bytes:
-            self.paused = True
-            self.transport.pause_reading()
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._loop.call_at(self.deadline, self._check)
-
-    def _check(self) -> None:
-        self._timer = None
-        if self.outcome:  # ended, but its answer is still unsent at the deadline
-            self.transport.abort()
-            return
-        now = self._loop.time()
-        if now >= self.deadline:
-            self.end("byte_limit" if self.paused else "time_limit")
-        elif now >= self.heard + self.guard.limits.lingering_timeout:
-            self.end("quiet")
-        else:
-            self._timer = self._loop.call_at(self._next_check(), self._check)
-
-    def end(self, outcome: str) -> None:
-        """Close the socket now; count ``outcome`` (the first one only)."""
-        if self.outcome:
-            return
-        self.outcome = outcome
-        self.guard.lingered(outcome)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        transport = self.transport
-        transport.close()
-        if transport.get_write_buffer_size():
-            # close() waits for the answer to be sent; a client that reads
-            # nothing would hold the socket: no longer than the deadline.
-            self._timer = self._loop.call_at(max(self.deadline, self._loop.time()), self._check)
-
-    def lost(self, exc: BaseException | None) -> None:
-        """The socket is gone (closed here, or reset by the client)."""
-        self.end("reset" if exc is not None else "client_closed")
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.guard.lingering -= 1
+        self._linger = Linger(transport, self.guard)
 
 
 class EdgeServer(web.Server):
