@@ -402,6 +402,8 @@ class SidecarChild(ChildProcess):
             OMNI_SIDECAR_* setting leaks in from the test's environment).
         ready_path: ``/readyz`` (the engine answers) by default; None waits
             only for the listener to accept TCP (the benchmarks' condition).
+        command: the ``omni-sidecar`` command (another venv's, say); None:
+            :func:`cli_argv` of this interpreter.
     """
 
     def __init__(
@@ -418,16 +420,18 @@ class SidecarChild(ChildProcess):
         stop_grace: float = 10.0,
         ready_timeout: float = 30.0,
         ready_path: str | None = "/readyz",
+        command: Sequence[str] | None = None,
         name: str = "omni-sidecar serve",
     ) -> None:
         self.port = free_port() if port is None else port
         self.admin_port = free_port() if admin_port is None else admin_port
         environ = dict(clean_env() if base_env is None else base_env)
         environ.update(env or {})
-        argv = cli_argv(
+        argv = [
+            *(cli_argv() if command is None else command),
             "serve", "--listen", f"127.0.0.1:{self.port}",
             "--admin-listen", f"127.0.0.1:{self.admin_port}", *flags,
-        )  # fmt: skip
+        ]  # fmt: skip
         super().__init__(
             name, argv, ready_port=self.port, ready_path=ready_path, env=environ,
             log_path=log_path, cwd=cwd, prefix=prefix, new_session=new_session,

@@ -25,7 +25,16 @@ from omni_sidecar.settings.proxy import Settings
 from tests.children import SimulatorChild, free_port
 
 #: ``free_port`` is re-exported: the tests import it from here.
-__all__ = ["DEADLINE", "MS", "TIMEOUT_FACTOR", "RunningSidecar", "free_port", "http_ok", "monotonic", "wait_until"]
+__all__ = [
+    "DEADLINE",
+    "MS",
+    "TIMEOUT_FACTOR",
+    "RunningSidecar",
+    "free_port",
+    "http_ok",
+    "monotonic",
+    "wait_until",
+]
 
 TIMEOUT_FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
 MS = 0.001 * TIMEOUT_FACTOR

@@ -408,6 +408,7 @@ class RawWebSocket:
 
 # -- the omni-sidecar command -------------------------------------------------------------------
 
+
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """Run the CLI to completion: (exit status, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
