@@ -31,13 +31,17 @@ __all__ = [
     "RESULTS_DIR",
     "ROOT",
     "Proc",
+    "child_env",
+    "cpu_prefix",
     "cpu_times",
     "free_port",
+    "log_path_for",
     "percentile",
     "pin_self",
     "proc_cpu_seconds",
     "proc_rss_bytes",
     "python",
+    "renice_autogroup",
     "run_json",
     "start",
     "wait_port",
@@ -64,7 +68,8 @@ def set_nice(value: int) -> None:
     NICE = value
 
 
-def _prefix(cpu: int) -> list[str]:
+def cpu_prefix(cpu: int) -> list[str]:
+    """``nice``/``taskset`` in front of a command: pinned to ``cpu`` at ``NICE``."""
     out: list[str] = []
     if NICE:
         out += ["nice", "-n", str(NICE)]
@@ -158,6 +163,22 @@ class Proc:
                 os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(timeout)
 
+    # The names of tests.children.ChildProcess, so that a Stack holds either kind.
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.popen
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self) -> str:
+        return self.tail()
+
     def tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -174,14 +195,25 @@ def log_dir() -> Path:
     return _LOG_DIR
 
 
-def start(name: str, argv: Sequence[str], *, cpu: int, env: dict[str, str] | None = None) -> Proc:
-    """Start ``argv`` pinned to ``cpu`` in its own process group; output to a log."""
-    log_path = log_dir() / f"{name}-{int(time.time() * 1000)}.log"
-    full = [*_prefix(cpu), *argv]
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A benchmark child's environment: ours, unbuffered output, plus ``env``."""
     merged = dict(os.environ)
     merged.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         merged.update(env)
+    return merged
+
+
+def log_path_for(name: str) -> Path:
+    """A fresh log file name for child ``name`` in this run's log directory."""
+    return log_dir() / f"{name}-{int(time.time() * 1000)}.log"
+
+
+def start(name: str, argv: Sequence[str], *, cpu: int, env: dict[str, str] | None = None) -> Proc:
+    """Start ``argv`` pinned to ``cpu`` in its own process group; output to a log."""
+    log_path = log_path_for(name)
+    full = [*cpu_prefix(cpu), *argv]
+    merged = child_env(env)
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
             full,
@@ -197,7 +229,7 @@ def start(name: str, argv: Sequence[str], *, cpu: int, env: dict[str, str] | Non
 
 def run_json(argv: Sequence[str], *, cpu: int, timeout: float) -> dict[str, Any]:
     """Run a pinned child that prints one JSON object on its last stdout line."""
-    full = [*_prefix(cpu), *argv]
+    full = [*cpu_prefix(cpu), *argv]
     proc = subprocess.Popen(
         full,
         stdout=subprocess.PIPE,

@@ -27,18 +27,13 @@ from typing import Any, Final
 
 from bench.common import (
     LOAD_CPU,
-    PROXY_CPU,
-    Proc,
-    free_port,
     percentile,
     python,
     run_json,
-    start,
-    wait_port,
 )
 from bench.report import Report, figure
 from bench.runner import log, rotated
-from bench.stack import Stack, sidecar_argv
+from bench.stack import Stack, start_sidecar
 
 __all__ = ["barge_in"]
 
@@ -58,19 +53,6 @@ _METRICS: Final = re.compile(
     r"|dropped_events_total\{reason=\"(?:late_audio|cancelled_audio)\"\})) (\S+)$",
     re.MULTILINE,
 )
-
-
-def _start_sidecar(name: str, upstream_port: int, args: list[str]) -> tuple[Proc, int, int]:
-    """One more ``omni-sidecar serve`` in front of the stack's engine, as ``Stack`` starts its own."""
-    port, admin = free_port(), free_port()
-    argv = sidecar_argv(f"ws://127.0.0.1:{upstream_port}", port, admin, *args)
-    proc = start(name, argv, cpu=PROXY_CPU)
-    try:
-        wait_port(port, timeout=30, proc=proc.popen)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, port, admin
 
 
 def _counters(admin_port: int) -> dict[str, float]:
@@ -114,9 +96,11 @@ def barge_in(ns: argparse.Namespace) -> dict[str, Any]:
             configs=("direct", "sidecar"),
             sidecar_args=UNPACED_ARGS,
         ) as st:
-            paced, paced_port, paced_admin = _start_sidecar(
-                "sidecar-paced", st.ports["direct"], PACED_ARGS
+            # One more sidecar in front of the stack's engine, as Stack starts its own.
+            paced = start_sidecar(
+                "sidecar-paced", f"ws://127.0.0.1:{st.ports['direct']}", *PACED_ARGS
             )
+            paced_port, paced_admin = paced.port, paced.admin_port
             try:
                 urls = {
                     "direct": st.url("direct"),
@@ -130,8 +114,8 @@ def barge_in(ns: argparse.Namespace) -> dict[str, Any]:
                     )
                     for path in rotated(PATHS, rep):
                         st.check_alive()
-                        if paced.popen.poll() is not None:
-                            raise RuntimeError(f"paced sidecar exited:\n{paced.tail()}")
+                        if not paced.running():
+                            raise RuntimeError(f"paced sidecar exited:\n{paced.log_tail()}")
                         r = run_json(
                             [
                                 python(),

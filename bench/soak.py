@@ -28,8 +28,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -39,6 +37,8 @@ from typing import Any, Final
 
 import aiohttp
 import orjson
+
+from tests.children import SidecarChild
 
 __all__ = ["main"]
 
@@ -52,12 +52,6 @@ SIMULATOR_ARGS: Final = (
     "--chunk-ms 200 --realtime-factor 1 --response-seconds 2 --sample-rate 16000"
 )
 AUDIO_DELTA: Final = "response.output_audio.delta"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rss_bytes(pid: int) -> int:
@@ -86,58 +80,18 @@ def children(pid: int) -> list[int]:
 # -- the sidecar process ---------------------------------------------------------------------
 
 
-class Sidecar:
+class Sidecar(SidecarChild):
     """``omni-sidecar serve`` with the simulator engine, in its own process group."""
 
     def __init__(self, sessions: int, log_path: Path) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.log_path = log_path
-        script = Path(sys.executable).with_name("omni-sidecar")
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
         env["OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS"] = SIMULATOR_ARGS
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *command,
-                    "serve",
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                    "--admin-listen",
-                    f"127.0.0.1:{self.admin_port}",
-                    "--max-sessions",
-                    str(max(64, sessions * 2)),
-                    "--heartbeat-interval",
-                    "5",
-                    "--drain-timeout",
-                    "2",
-                    "--log-level",
-                    "warning",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    async def wait_ready(self, http: aiohttp.ClientSession, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"omni-sidecar exited with {self.proc.returncode}")
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(f"http://127.0.0.1:{self.port}/readyz") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-        raise TimeoutError("omni-sidecar not ready in time")
+        super().__init__(
+            "--max-sessions", str(max(64, sessions * 2)), "--heartbeat-interval", "5",
+            "--drain-timeout", "2", "--log-level", "warning",
+            base_env=env, log_path=log_path, cwd=ROOT, ready_timeout=60.0, stop_grace=30.0,
+            name="omni-sidecar",
+        )  # fmt: skip
 
     async def sessions_active(self, http: aiohttp.ClientSession) -> float:
         with contextlib.suppress(aiohttp.ClientError, OSError):
@@ -146,17 +100,6 @@ class Sidecar:
                     if line.startswith("omni_sidecar_sessions_active "):
                         return float(line.split()[1])
         return -1.0
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                return None
-        return self.proc.returncode
 
 
 # -- the clients -------------------------------------------------------------------------------
@@ -413,12 +356,13 @@ async def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     log_path = RESULTS / "soak-sidecar.log.tmp"
     sidecar = Sidecar(args.sessions, log_path)
+    sidecar.start()
     stats = Stats()
     samples: list[Sample] = []
     stop_sampling = asyncio.Event()
     try:
         async with aiohttp.ClientSession() as http:
-            await sidecar.wait_ready(http)
+            await sidecar.ready()
             await sidecar.sessions_active(http)  # the admin keep-alive socket exists from here
             t0 = time.monotonic()
             sampling = asyncio.ensure_future(
@@ -442,11 +386,12 @@ async def run(args: argparse.Namespace) -> int:
             stop_sampling.set()
             await sampling
         engine_pids = children(sidecar.proc.pid)
-        exit_code = sidecar.stop()
+        code = sidecar.stop()
+        # None: it ignored SIGTERM for the whole grace and was killed.
+        exit_code = None if code == -signal.SIGKILL else code
         leftover = [p for p in engine_pids if Path(f"/proc/{p}").exists()]
     finally:
-        if sidecar.proc.poll() is None:
-            os.killpg(sidecar.proc.pid, signal.SIGKILL)
+        sidecar.kill()
     write_png(samples, load_end, RESULTS / "soak.png")
     text = write_md(args, stats, samples, load_end, exit_code, leftover, RESULTS / "soak.md")
     print(text)

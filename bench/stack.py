@@ -15,22 +15,40 @@ the load core and, in front of it, each proxy on the proxy core:
 Each proxy is pinned to ``PROXY_CPU`` when it is measured. Only one proxy is
 measured at a time, but all of them stay up for the scenario (idle ones cost
 nothing).
+
+The sidecar and the simulator engine are :mod:`tests.children` harnesses, the
+same ones the tests start; the other processes are :func:`bench.common.start`'s.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
-from bench.common import LOAD_CPU, PROXY_CPU, ROOT, Proc, free_port, python, start, wait_port
+from bench.common import (
+    LOAD_CPU,
+    PROXY_CPU,
+    ROOT,
+    Proc,
+    child_env,
+    cpu_prefix,
+    free_port,
+    log_path_for,
+    python,
+    renice_autogroup,
+    start,
+    wait_port,
+)
+from tests.children import ChildProcess, SidecarChild, SimulatorChild
 
-__all__ = ["CONFIGS", "Stack", "ensure_nginx", "sidecar_argv"]
+__all__ = ["CONFIGS", "Stack", "ensure_nginx", "start_sidecar", "start_simulator"]
+
+_Child = TypeVar("_Child", bound=ChildProcess)
 
 CONFIGS: Final = ("direct", "nginx", "bare", "bare-picows", "sidecar")
 
@@ -93,7 +111,7 @@ class Stack:
     sidecar_args: list[str] = field(default_factory=list)
     configs: tuple[str, ...] = CONFIGS
     nginx_buffer: str = "4k"
-    procs: dict[str, Proc] = field(default_factory=dict)
+    procs: dict[str, Proc | ChildProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
     def __enter__(self) -> Stack:  # noqa: PYI034 - final in practice
@@ -112,17 +130,10 @@ class Stack:
         self.ports["direct"] = engine_port
         if self.engine == "bench":
             argv = [python(), "-m", "bench.engine", "--port", str(engine_port)]
+            self.procs["engine"] = bench_engine = start("engine", argv, cpu=LOAD_CPU)
+            wait_port(engine_port, proc=bench_engine.popen)
         else:
-            argv = [
-                python(),
-                "-m",
-                "omni_sidecar.simulator",
-                "--port",
-                str(engine_port),
-                *self.simulator_args,
-            ]
-        self.procs["engine"] = start("engine", argv, cpu=LOAD_CPU)
-        wait_port(engine_port, proc=self.procs["engine"].popen)
+            self.procs["engine"] = start_simulator(engine_port, *self.simulator_args)
         upstream = f"ws://127.0.0.1:{engine_port}"
         if "nginx" in self.configs:
             port = free_port()
@@ -140,7 +151,7 @@ class Stack:
                 [ensure_nginx(), "-p", str(tmp), "-c", str(conf), "-g", "daemon off; user root;"],
                 cpu=PROXY_CPU,
             )
-            wait_port(port, proc=self.procs["nginx"].popen)
+            wait_port(port, proc=self.procs["nginx"].proc)
             self.ports["nginx"] = port
         if "bare" in self.configs:
             port = free_port()
@@ -149,7 +160,7 @@ class Stack:
                 [python(), "-m", "bench.bare_relay", "--port", str(port), "--upstream", upstream],
                 cpu=PROXY_CPU,
             )
-            wait_port(port, proc=self.procs["bare"].popen)
+            wait_port(port, proc=self.procs["bare"].proc)
             self.ports["bare"] = port
         if "bare-picows" in self.configs:
             port = free_port()
@@ -168,16 +179,13 @@ class Stack:
                 ],
                 cpu=PROXY_CPU,
             )
-            wait_port(port, proc=self.procs["bare-picows"].popen)
+            wait_port(port, proc=self.procs["bare-picows"].proc)
             self.ports["bare-picows"] = port
         if "sidecar" in self.configs:
-            port = free_port()
-            admin = free_port()
-            argv = sidecar_argv(upstream, port, admin, *self.sidecar_args)
-            self.procs["sidecar"] = start("sidecar", argv, cpu=PROXY_CPU)
-            wait_port(port, timeout=30, proc=self.procs["sidecar"].popen)
-            self.ports["sidecar"] = port
-            self.ports["sidecar_admin"] = admin
+            sidecar = start_sidecar("sidecar", upstream, *self.sidecar_args)
+            self.procs["sidecar"] = sidecar
+            self.ports["sidecar"] = sidecar.port
+            self.ports["sidecar_admin"] = sidecar.admin_port
 
     def url(self, config: str, query: str = "") -> str:
         base = f"ws://127.0.0.1:{self.ports[config]}/v1/realtime"
@@ -208,28 +216,43 @@ class Stack:
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+            if not proc.running():
+                raise RuntimeError(f"{name} exited ({proc.returncode}):\n{proc.log_tail()}")
 
 
-def sidecar_argv(upstream: str, port: int, admin: int, *args: str) -> list[str]:
-    """``omni-sidecar serve`` in front of ``upstream`` on loopback ports, as every scenario runs it."""
-    exe = str(Path(python()).with_name("omni-sidecar"))
-    return [
-        exe if os.path.exists(exe) else "omni-sidecar",
-        "serve",
-        "--upstream",
-        upstream,
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--admin-listen",
-        f"127.0.0.1:{admin}",
-        "--max-sessions",
-        "0",
-        "--log-level",
-        "warning",
-        *args,
-    ]
+def start_sidecar(name: str, upstream: str, *args: str) -> SidecarChild:
+    """``omni-sidecar serve`` in front of ``upstream`` on loopback ports, as every scenario runs it.
+
+    Pinned to the proxy core; ready once its listener accepts TCP (the
+    benchmarks' condition: ``--upstream`` engines are up before it).
+    """
+    child = SidecarChild(
+        "--upstream", upstream, "--max-sessions", "0", "--log-level", "warning", *args,
+        base_env=child_env(), log_path=log_path_for(name), cwd=ROOT,
+        prefix=cpu_prefix(PROXY_CPU), ready_path=None, ready_timeout=30.0, stop_grace=5.0,
+        name=name,
+    )  # fmt: skip
+    return _started(child)
+
+
+def start_simulator(port: int, *args: str) -> SimulatorChild:
+    """The project's simulator as the stack's engine, on the load core, ready on ``/health``."""
+    child = SimulatorChild(
+        *args, port=port, env=child_env(), log_path=log_path_for("engine"), cwd=ROOT,
+        prefix=cpu_prefix(LOAD_CPU), python=python(), stop_grace=5.0, name="engine",
+    )  # fmt: skip
+    return _started(child)
+
+
+def _started(child: _Child) -> _Child:
+    child.start()
+    renice_autogroup(child.pid)
+    try:
+        child.wait_ready()
+    except BaseException:
+        child.stop()
+        raise
+    return child
 
 
 def root() -> Path:

@@ -1,5 +1,7 @@
 """Shared fixtures: timing factor, simulator child processes, in-process sidecars.
 
+The child processes themselves are :mod:`tests.children` (shared with the benchmarks).
+
 Every wait has a deadline scaled by ``OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR`` (set
 it above 1 on slow machines); nothing sleeps and hopes. Servers bind to
 127.0.0.1 only.
@@ -10,10 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -23,17 +21,24 @@ import aiohttp
 import pytest
 
 from omni_sidecar.settings import EngineConfig, Settings
+from tests.children import SimulatorChild, free_port
+
+#: ``free_port`` is re-exported: the tests import it from here.
+__all__ = [
+    "DEADLINE",
+    "MS",
+    "TIMEOUT_FACTOR",
+    "RunningSidecar",
+    "free_port",
+    "http_ok",
+    "monotonic",
+    "wait_until",
+]
 
 TIMEOUT_FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
 MS = 0.001 * TIMEOUT_FACTOR
 #: Default deadline for anything a test waits on.
 DEADLINE = 10_000 * MS
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_until(
@@ -62,60 +67,21 @@ async def http_ok(url: str) -> bool:
         return False
 
 
-@dataclass
-class SimulatorProcess:
-    """A real simulator child on loopback."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-
 @pytest.fixture
-async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorProcess]]]:
+async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorChild]]]:
     """Factory: ``await simulator("--realtime-factor", "0")`` starts a ready simulator."""
-    started: list[SimulatorProcess] = []
+    started: list[SimulatorChild] = []
 
-    async def start(*args: str, wait_ready: bool = True) -> SimulatorProcess:
-        port = free_port()
-        # Popen returns at once (the child runs on its own); readiness is awaited below.
-        process = subprocess.Popen(  # noqa: ASYNC220
-            [
-                sys.executable,
-                "-m",
-                "omni_sidecar.simulator",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                *args,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        sim = SimulatorProcess(process, port)
-        started.append(sim)
+    async def start(*args: str, wait_ready: bool = True) -> SimulatorChild:
+        sim = SimulatorChild(*args, cwd=None, ready_timeout=DEADLINE, stop_grace=DEADLINE)
+        started.append(sim.start())
         if wait_ready:
-            await wait_until(lambda: http_ok(f"{sim.http_url}/health"), what="simulator /health")
+            await sim.ready()
         return sim
 
     yield start
     for sim in started:
-        sim.kill()
+        await sim.astop()
 
 
 @dataclass

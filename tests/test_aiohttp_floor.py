@@ -19,7 +19,6 @@ fails the test.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -33,7 +32,8 @@ from typing import Final
 import pytest
 from packaging.requirements import Requirement
 
-from tests.conftest import DEADLINE, free_port, http_ok, wait_until
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 PYPROJECT: Final = ROOT / "pyproject.toml"
@@ -190,22 +190,16 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
     assert missing == [], f"aiohttp {floor} lacks hooks omni_sidecar/compat.py needs: {missing}"
     assert Path(package_file).is_relative_to(env_dir), package_file
 
-    port, admin_port = free_port(), free_port()
     log = tmp_path / "serve.log"
-    with log.open("wb") as sink:
-        serve = await asyncio.create_subprocess_exec(
-            str(cli), "serve", "--listen", f"127.0.0.1:{port}",
-            "--admin-listen", f"127.0.0.1:{admin_port}", "--log-level", "info",
-            "--engine-simulator-args", FAST_SIMULATOR,
-            cwd=tmp_path, env=_child_env(), stdout=sink, stderr=sink,
-        )  # fmt: skip
+    serve = SidecarChild(
+        "--log-level", "info", "--engine-simulator-args", FAST_SIMULATOR,
+        command=[str(cli)], base_env=_child_env(), cwd=tmp_path, log_path=log,
+        ready_timeout=DEADLINE * 3, stop_grace=DEADLINE,
+    )  # fmt: skip
+    serve.start()
+    port = serve.port
     try:
-
-        async def ready() -> bool:
-            assert serve.returncode is None, f"serve exited early:\n{log.read_text()[-3000:]}"
-            return await http_ok(f"http://127.0.0.1:{port}/readyz")
-
-        await wait_until(ready, timeout=DEADLINE * 3, what=f"serve on aiohttp {floor} ready")
+        await serve.ready()
 
         rc, out = await _run(
             cli, "probe", f"ws://127.0.0.1:{port}/v1/realtime", "--json", "--no-realtime",
@@ -218,12 +212,8 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
         assert result["response_statuses"] == ["completed"], result
         assert result["audio_frames"] == 3, result
 
-        serve.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(DEADLINE):
-            assert await serve.wait() == 0, log.read_text()[-3000:]
+        serve.proc.send_signal(signal.SIGTERM)
+        assert await serve.exited(DEADLINE) == 0, log.read_text()[-3000:]
     finally:
         # serve's engine child dies with it (PR_SET_PDEATHSIG); only serve is ours to stop.
-        if serve.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                serve.kill()
-            await serve.wait()
+        await serve.astop()

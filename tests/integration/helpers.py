@@ -12,13 +12,8 @@ import base64
 import contextlib
 import math
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +24,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import DEADLINE, MS, SimulatorProcess, free_port
+from tests.children import SimulatorChild, child_pids, clean_env, cli_argv
+from tests.conftest import DEADLINE, MS
 
 __all__ = [
     "AUDIO_DELTA",
@@ -38,7 +34,7 @@ __all__ = [
     "Cancelled",
     "Client",
     "RawWebSocket",
-    "SimChild",
+    "SimulatorChild",
     "Trigger",
     "cancel_mid_response",
     "children_of",
@@ -287,59 +283,14 @@ async def wait_metric(
 # -- simulator children shared by a module -----------------------------------------------------
 
 
-class SimChild:
-    """A simulator child started synchronously, for module-scoped fixtures."""
-
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "omni_sidecar.simulator", "--host", "127.0.0.1",
-             "--port", str(self.port), *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=REPO_ROOT,
-        )  # fmt: skip
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"simulator {args} exited with {self.process.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() >= deadline:
-                self.kill()
-                pytest.fail(f"simulator {args} not ready within {DEADLINE} s")
-            time.sleep(0.02)
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=DEADLINE)
-
-
 @contextlib.contextmanager
-def module_simulator(*args: str) -> Iterator[SimChild]:
-    sim = SimChild(*args)
-    try:
+def module_simulator(*args: str) -> Iterator[SimulatorChild]:
+    """A ready simulator child for a module-scoped fixture; stopped on exit."""
+    with SimulatorChild(*args, ready_timeout=DEADLINE, stop_grace=DEADLINE) as sim:
         yield sim
-    finally:
-        sim.kill()
 
 
-async def sim_metric(sim: SimChild | SimulatorProcess, name: str) -> float:
+async def sim_metric(sim: SimulatorChild, name: str) -> float:
     """One unlabelled sample of the simulator's own ``/metrics``."""
     async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/metrics") as resp:
         text = await resp.text()
@@ -352,21 +303,8 @@ async def sim_metric(sim: SimChild | SimulatorProcess, name: str) -> float:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def children_of(pid: int) -> list[int]:
-    """Live (non-zombie) child pids of ``pid``, read from ``/proc``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 2 and fields[1] == str(pid) and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
+#: Live (non-zombie) child pids of a pid, read from ``/proc``.
+children_of = child_pids
 
 
 def cmdline(pid: int) -> list[str]:
@@ -469,28 +407,6 @@ class RawWebSocket:
 
 
 # -- the omni-sidecar command -------------------------------------------------------------------
-
-_CLI_SCRIPT = Path(sys.executable).with_name("omni-sidecar")
-
-
-def cli_argv(*args: str) -> list[str]:
-    """The installed console script, else the module (same entry point)."""
-    if _CLI_SCRIPT.exists():
-        return [str(_CLI_SCRIPT), *args]
-    return [sys.executable, "-m", "omni_sidecar.cli", *args]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without any OMNI_SIDECAR_* setting, plus ``extra``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("OMNI_SIDECAR_") or k.startswith("OMNI_SIDECAR_TESTS_")
-    }
-    env.pop("NOTIFY_SOCKET", None)
-    env.pop("WATCHDOG_USEC", None)
-    env.update(extra)
-    return env
 
 
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

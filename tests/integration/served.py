@@ -1,49 +1,53 @@
 """``omni-sidecar serve --upstream URL`` as a real child process, for the attack suites.
 
-The child gets its own log file, free loopback ports, a clean environment and
-its own process group (so :meth:`Served.kill` reaches only what it started).
+The child is a :class:`tests.children.SidecarChild`: its own log file, free
+loopback ports, a clean environment and its own process group (so
+:meth:`Served.kill` reaches only what it started).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import pytest
 
-from tests.conftest import DEADLINE, free_port, wait_until
-from tests.integration.helpers import SimChild, clean_env, cli_argv
+from tests.children import SidecarChild, SimulatorChild, free_port
+from tests.conftest import DEADLINE
 from tests.integration.leakcheck import rss_bytes
 
 __all__ = ["Served", "ready", "serve"]
 
+#: Seconds a stopped child gets after SIGTERM before SIGKILL: the suites leave no
+#: session worth draining, and a frozen attacker's would hold the drain for its whole timeout.
+STOP_GRACE = 2.0
 
-@dataclass
-class Served:
+
+class Served(SidecarChild):
     """A running ``serve`` child (and the simulator behind it, when the test made one)."""
 
-    proc: subprocess.Popen[bytes]
-    port: int
-    admin_port: int
-    log_path: Path
-    sim: SimChild | None = None
+    def __init__(
+        self, log_dir: Path, *flags: str, sim: SimulatorChild | None, env: dict[str, str]
+    ) -> None:
+        port = free_port()
+        super().__init__(
+            *flags,
+            port=port,
+            env=env,
+            log_path=log_dir / f"serve-{port}.log",
+            stop_grace=STOP_GRACE,
+            ready_timeout=3 * DEADLINE,
+        )
+        self.sim = sim
 
     @property
     def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.ws_url
 
     async def metrics(self, base: str | None = None) -> dict[str, float]:
         """Every sample of ``base``/metrics (the sidecar's admin listener by default)."""
-        url = f"{base or f'http://127.0.0.1:{self.admin_port}'}/metrics"
+        url = f"{base or self.admin_url}/metrics"
         async with aiohttp.ClientSession() as http, http.get(url) as resp:
             text = await resp.text()
         values = {}
@@ -69,18 +73,12 @@ class Served:
 
     async def live_sessions(self) -> int:
         """Sessions the operator sees live on ``/debug/sessions``."""
-        url = f"http://127.0.0.1:{self.admin_port}/debug/sessions"
+        url = f"{self.admin_url}/debug/sessions"
         async with aiohttp.ClientSession() as http, http.get(url) as resp:
             return int((await resp.json())["live"])
 
     def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=DEADLINE)
+        return rss_bytes(self.pid)
 
 
 @contextlib.contextmanager
@@ -88,43 +86,25 @@ def serve(
     tmp_path: Path,
     upstream: str,
     *flags: str,
-    sim: SimChild | None = None,
+    sim: SimulatorChild | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[Served]:
-    """Start ``serve --upstream upstream *flags`` (keepalive off); kill it on exit.
+    """Start ``serve --upstream upstream *flags`` (keepalive off); stop it on exit.
 
     ``env`` is added to the clean environment (e.g. ``OTEL_*`` variables).
+    Readiness is the caller's: ``await ready(server)``.
     """
-    port, admin_port = free_port(), free_port()
-    log_path = tmp_path / f"serve-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cli_argv(
-                "serve", "--listen", f"127.0.0.1:{port}",
-                "--admin-listen", f"127.0.0.1:{admin_port}",
-                "--upstream", upstream, "--heartbeat-interval", "0", *flags,
-            ),
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=clean_env(**(env or {})), start_new_session=True,
-        )  # fmt: skip
-    server = Served(proc, port, admin_port, log_path, sim)
+    server = Served(
+        tmp_path, "--upstream", upstream, "--heartbeat-interval", "0", *flags,
+        sim=sim, env=env or {},
+    )  # fmt: skip
+    server.start()
     try:
         yield server
     finally:
-        server.kill()
+        server.stop()
 
 
 async def ready(server: Served) -> None:
-    """Wait for ``/readyz`` 200; fail at once if the child exited."""
-
-    async def check() -> bool:
-        if server.proc.poll() is not None:
-            pytest.fail(f"serve exited early:\n{server.log()}")
-        try:
-            url = f"http://127.0.0.1:{server.port}/readyz"
-            async with aiohttp.ClientSession() as http, http.get(url) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError):
-            return False
-
-    await wait_until(check, timeout=3 * DEADLINE, what="serve /readyz 200")
+    """Wait for ``/readyz`` 200; fail at once (with the log) if the child exited."""
+    await server.ready()

@@ -33,8 +33,8 @@ from tests.conftest import DEADLINE, MS, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
-    SimChild,
     connect,
+    module_simulator,
     pcm16_b64,
 )
 from tests.integration.leakcheck import MIB, rss_bytes
@@ -55,14 +55,13 @@ KEY = base64.b64encode(os.urandom(16)).decode()
 
 @contextlib.contextmanager
 def served(tmp_path: Path, *flags: str) -> Iterator[Served]:
-    sim = SimChild(*STREAMING)
-    try:
-        # --playback-ack off: the sidecar then answers no engine event itself, so
-        # every one reaches the client and server_event_seq has no gap.
-        with serve(tmp_path, sim.ws_url, "--playback-ack", "off", *flags, sim=sim) as server:
-            yield server
-    finally:
-        sim.kill()
+    # --playback-ack off: the sidecar then answers no engine event itself, so
+    # every one reaches the client and server_event_seq has no gap.
+    with (
+        module_simulator(*STREAMING) as sim,
+        serve(tmp_path, sim.ws_url, "--playback-ack", "off", *flags, sim=sim) as server,
+    ):
+        yield server
 
 
 # -- healthy sessions alongside ----------------------------------------------------------------

@@ -41,8 +41,8 @@ from tests.integration.helpers import (
     AUDIO_DELTA,
     REPO_ROOT,
     Client,
-    SimChild,
     connect,
+    module_simulator,
     request_response,
 )
 from tests.integration.leakcheck import MIB
@@ -78,12 +78,8 @@ RATE_LIMIT_DROPS: Final = 'omni_sidecar_dropped_events_total{reason="client_rate
 
 @contextlib.contextmanager
 def serve_simulator(tmp_path: Path, *flags: str) -> Iterator[Served]:
-    sim = SimChild(*SIM_ARGS)
-    try:
-        with serve(tmp_path, sim.ws_url, *flags, sim=sim) as server:
-            yield server
-    finally:
-        sim.kill()
+    with module_simulator(*SIM_ARGS) as sim, serve(tmp_path, sim.ws_url, *flags, sim=sim) as server:
+        yield server
 
 
 # -- healthy sessions alongside ----------------------------------------------------------------

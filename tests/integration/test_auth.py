@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,8 @@ import aiohttp
 import pytest
 
 from omni_sidecar.errors import ConfigError
-from tests.conftest import DEADLINE, free_port, http_ok, wait_until
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE, wait_until
 from tests.fakes.scripted_engine import MODELS_BODY, ScriptedEngine
 from tests.integration.helpers import connect
 from tests.integration.leakcheck import child_pids
@@ -366,50 +364,27 @@ async def test_unauthorized_attempts_take_no_per_ip_slot(engine, sidecar) -> Non
 
 
 @pytest.fixture
-def served_with_keys(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+def served_with_keys(tmp_path: Path) -> Iterator[SidecarChild]:
     """``omni-sidecar serve`` (simulator engine) with client keys in its environment."""
-    port, admin = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
-    env["OMNI_SIDECAR_API_KEYS"] = f"{KEY},{OTHER_KEY}"
-    script = Path(sys.executable).with_name("omni-sidecar")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
-    log = tmp_path / "sidecar.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                *command,
-                "serve",
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--admin-listen",
-                f"127.0.0.1:{admin}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+    child = SidecarChild(
+        base_env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")},
+        env={"OMNI_SIDECAR_API_KEYS": f"{KEY},{OTHER_KEY}"},
+        log_path=tmp_path / "sidecar.log",
+        stop_grace=DEADLINE,
+        ready_timeout=3 * DEADLINE,
+    )
+    child.start()
     try:
-        yield proc, port, log
+        yield child
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        child.stop()
 
 
 async def test_client_keys_do_not_reach_the_engine_environment(served_with_keys) -> None:
-    proc, port, log = served_with_keys
-    await wait_until(
-        lambda: http_ok(f"http://127.0.0.1:{port}/readyz"),
-        timeout=3 * DEADLINE,
-        what="omni-sidecar ready",
-    )
-    [engine_pid] = child_pids(proc.pid)
+    served: SidecarChild = served_with_keys
+    await served.ready()
+    log = served.log_path
+    [engine_pid] = child_pids(served.pid)
     environ = Path(f"/proc/{engine_pid}/environ").read_bytes().split(b"\0")
     assert KEY not in log.read_text()
     assert not [v for v in environ if v.startswith(b"OMNI_SIDECAR_")]

@@ -1,9 +1,10 @@
-"""The ``omni-sidecar`` command as real processes (asyncio subprocesses).
+"""The ``omni-sidecar`` command as real processes.
 
-``serve`` runs on free loopback ports; readiness is ``/readyz`` = 200 under a
-deadline; the engine child is found through ``/proc`` (its parent pid), so
-the tests can check that SIGTERM leaves nothing behind. Every process a test
-starts is killed in its ``finally`` if it is still there.
+``serve`` runs on free loopback ports (a :class:`tests.children.SidecarChild`);
+readiness is ``/readyz`` = 200 under a deadline; the engine child is found
+through ``/proc`` (its parent pid), so the tests can check that SIGTERM leaves
+nothing behind. Every process a test starts is stopped in its ``finally`` if
+it is still there; one-shot commands run as asyncio subprocesses.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import shlex
 import signal
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import aiohttp
 
@@ -30,74 +29,41 @@ from omni_sidecar.cli import (
     version,
 )
 from omni_sidecar.probe import ProbeOptions, run_probe
-from tests.conftest import DEADLINE, free_port, http_ok, wait_until
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE, free_port, http_ok
 from tests.integration.helpers import children_of, clean_env, cli_argv, cmdline, run_cli
 
 #: A quick built-in simulator: 3 chunks of 200 ms, unpaced.
 _FAST_SIMULATOR = "--realtime-factor 0 --chunk-ms 200 --response-seconds 0.6"
 
 
-@dataclass
-class Serve:
-    proc: asyncio.subprocess.Process
-    port: int
-    admin_port: int
-    log: Path
+class Serve(SidecarChild):
+    """``serve --log-level info *args`` on free loopback ports, logging to ``tmp_path``."""
 
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-    async def wait_ready(self) -> None:
-        async def ready() -> bool:
-            assert self.proc.returncode is None, f"serve exited early:\n{self.log_tail()}"
-            return await http_ok(self.http_url + "/readyz")
-
-        await wait_until(ready, timeout=DEADLINE * 2, what="serve /readyz 200")
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None) -> None:
+        port = free_port()
+        super().__init__(
+            "--log-level", "info", *args,
+            port=port, base_env=env or clean_env(), log_path=tmp_path / f"serve-{port}.log",
+            ready_timeout=DEADLINE * 2, stop_grace=DEADLINE,
+        )  # fmt: skip
 
     async def terminate(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(DEADLINE):
-            return await self.proc.wait()
-
-
-def _log_sink(path: Path) -> BinaryIO:
-    return path.open("wb")
+        return await self.exited(DEADLINE)
 
 
 @contextlib.asynccontextmanager
 async def serve(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[Serve]:
-    port, admin_port = free_port(), free_port()
-    log = tmp_path / f"serve-{port}.log"
-    with _log_sink(log) as sink:
-        proc = await asyncio.create_subprocess_exec(
-            *cli_argv(
-                "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen",
-                f"127.0.0.1:{admin_port}", "--log-level", "info", *args,
-            ),
-            stdout=sink,
-            stderr=sink,
-            env=env or clean_env(),
-        )  # fmt: skip
+    """Started, not yet ready (``await srv.ready()``); stopped on exit."""
+    srv = Serve(tmp_path, *args, env=env)
+    srv.start()
     try:
-        yield Serve(proc, port, admin_port, log)
+        yield srv
     finally:
-        if proc.returncode is None:
-            leftovers = children_of(proc.pid)
-            proc.kill()
-            await proc.wait()
-            for pid in leftovers:  # the engine runs in its own process group
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        await srv.astop()
 
 
 def _simulator_port(pid: int) -> str:
@@ -125,7 +91,7 @@ def _simulators_on(port: str) -> list[int]:
 
 async def test_serve_with_the_builtin_simulator_probe_then_sigterm(tmp_path: Path) -> None:
     async with serve(tmp_path, "--engine-simulator-args", _FAST_SIMULATOR) as srv:
-        await srv.wait_ready()
+        await srv.ready()
         children = children_of(srv.proc.pid)
         assert len(children) == 1, children
         engine_port = _simulator_port(children[0])
@@ -156,7 +122,7 @@ async def test_serve_expects_the_behaviour_of_the_release_preflight_found(tmp_pa
     (here the simulator's --engine-version) and the process shows it."""
     args = _FAST_SIMULATOR + " --engine-version 0.32"
     async with serve(tmp_path, "--engine-simulator-args", args) as srv:
-        await srv.wait_ready()
+        await srv.ready()
         metrics_url = f"http://127.0.0.1:{srv.admin_port}/metrics"
         summary_url = f"http://127.0.0.1:{srv.admin_port}/debug/summary"
         async with aiohttp.ClientSession() as http:
@@ -167,7 +133,7 @@ async def test_serve_expects_the_behaviour_of_the_release_preflight_found(tmp_pa
         assert await srv.terminate() == 0, srv.log_tail()
     assert 'omni_sidecar_engine_info{source="preflight",version="0.32"} 1.0' in text
     assert summary["engine_capabilities"]["truncate_needs_audio_item"] is True
-    assert "engine behaviour: vLLM-Omni 0.32 from preflight" in srv.log.read_text()
+    assert "engine behaviour: vLLM-Omni 0.32 from preflight" in srv.log()
 
 
 async def test_print_config_shows_values_and_their_sources(tmp_path: Path) -> None:
@@ -202,7 +168,7 @@ async def test_a_bad_env_value_exits_non_zero_naming_key_and_source(tmp_path: Pa
 async def test_serve_with_upstream_attaches_without_a_child(simulator, tmp_path: Path) -> None:
     sim = await simulator(*_FAST_SIMULATOR.split())
     async with serve(tmp_path, "--upstream", sim.ws_url) as srv:
-        await srv.wait_ready()
+        await srv.ready()
         assert children_of(srv.proc.pid) == []
         result = await run_probe(
             ProbeOptions(url=srv.ws_url, realtime=False, input_seconds=0.2, timeout=DEADLINE)
@@ -211,7 +177,7 @@ async def test_serve_with_upstream_attaches_without_a_child(simulator, tmp_path:
         assert result.audio_frames == 3
         assert await srv.terminate() == 0, srv.log_tail()
     # The external engine is not ours to stop.
-    assert sim.process.poll() is None
+    assert sim.proc.poll() is None
     assert await http_ok(sim.http_url + "/health")
 
 
@@ -354,9 +320,9 @@ async def test_print_config_into_a_closed_pipe_exits_0_without_a_traceback() -> 
 
 async def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:
     async with serve(tmp_path, "--log-format", "json") as srv:
-        await srv.wait_ready()
+        await srv.ready()
         assert await srv.terminate() == 0, srv.log_tail()
-    lines = [line for line in srv.log.read_text().splitlines() if line.strip()]
+    lines = [line for line in srv.log().splitlines() if line.strip()]
     assert len(lines) >= 3, lines
     for line in lines:
         entry = json.loads(line)

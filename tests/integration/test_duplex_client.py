@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pytest
 
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
-from tests.integration.helpers import SimChild, module_simulator
+from tests.integration.helpers import SimulatorChild, module_simulator
 
 if TYPE_CHECKING:
     from tests.integration.vllm_omni_wheel import VllmOmni
@@ -42,13 +42,13 @@ SIM_ARGS: Final = (
 
 
 @pytest.fixture(scope="module")
-def duplex_sim() -> Iterator[SimChild]:
+def duplex_sim() -> Iterator[SimulatorChild]:
     with module_simulator(*SIM_ARGS) as sim:
         yield sim
 
 
 async def test_duplex_client_runs_a_whole_session_through_the_sidecar(
-    vllm_omni: VllmOmni, duplex_sim: SimChild, sidecar: Any
+    vllm_omni: VllmOmni, duplex_sim: SimulatorChild, sidecar: Any
 ) -> None:
     from tests.integration.vllm_omni_wheel import run_duplex_session
 
@@ -120,7 +120,7 @@ async def test_duplex_client_runs_a_whole_session_through_the_sidecar(
 
 
 async def test_duplex_client_straight_to_the_simulator_sees_stale_audio(
-    vllm_omni: VllmOmni, duplex_sim: SimChild
+    vllm_omni: VllmOmni, duplex_sim: SimulatorChild
 ) -> None:
     """Without the sidecar the same script reads late audio: the test above can fail."""
     from tests.integration.vllm_omni_wheel import run_duplex_session

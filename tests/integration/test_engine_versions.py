@@ -23,7 +23,7 @@ from tests.conftest import DEADLINE, TIMEOUT_FACTOR
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
-    SimChild,
+    SimulatorChild,
     cancel_mid_response,
     connect,
     module_simulator,
@@ -52,7 +52,7 @@ PACED_ARGS: Final = (
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def paced_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
+def paced_sim(request: pytest.FixtureRequest) -> Iterator[SimulatorChild]:
     with module_simulator(*PACED_ARGS, "--engine-version", request.param) as sim:
         sim.version = request.param  # type: ignore[attr-defined]
         yield sim
@@ -64,7 +64,7 @@ def _cancel(rid: str) -> Event:
 
 
 async def test_a_cancel_leaves_no_stale_audio_on_every_release(
-    paced_sim: SimChild, sidecar: Any
+    paced_sim: SimulatorChild, sidecar: Any
 ) -> None:
     version: str = paced_sim.version  # type: ignore[attr-defined]
     proxy = await sidecar(upstream=paced_sim.ws_url)
@@ -91,7 +91,7 @@ async def test_a_cancel_leaves_no_stale_audio_on_every_release(
     params=[("0.30", False), ("0.31", False), ("0.32", False), ("0.32", True)],
     ids=lambda p: f"{p[0]}-{'item-truncate' if p[1] else 'ack-truncate'}",
 )
-def playback_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
+def playback_sim(request: pytest.FixtureRequest) -> Iterator[SimulatorChild]:
     """Paced 4x faster than real time; each release with the sidecar truncating by
     ``playback.ack`` ``truncate: true``, and 0.32 also by ``conversation.item.truncate``."""
     version, truncate = request.param
@@ -106,7 +106,7 @@ def playback_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
 
 
 async def test_the_sidecars_acks_and_truncations_surface_no_error(
-    playback_sim: SimChild, sidecar: Any
+    playback_sim: SimulatorChild, sidecar: Any
 ) -> None:
     """A played turn (acked for the client), a cancel mid-reply (history truncated at the
     heard position) and a cancel before any audio: the client sees no ``error``."""
@@ -128,7 +128,7 @@ async def test_the_sidecars_acks_and_truncations_surface_no_error(
 
 
 async def test_a_user_turn_committed_while_the_reply_plays_surfaces_no_ack_error(
-    playback_sim: SimChild, sidecar: Any
+    playback_sim: SimulatorChild, sidecar: Any
 ) -> None:
     """Duplex: the user commits a turn while the reply still plays; the sidecar's next ack
     for that reply is then too late for the engine (``playback_ack_too_late``). The
@@ -152,7 +152,7 @@ async def test_a_user_turn_committed_while_the_reply_plays_surfaces_no_ack_error
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def flood_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
+def flood_sim(request: pytest.FixtureRequest) -> Iterator[SimulatorChild]:
     """30 chunks of 1 s (about 64 KB each), one every 10 ms: 2 MB per reply."""
     with module_simulator(
         "--realtime-factor", "0.01", "--chunk-ms", "1000", "--response-seconds", "30",
@@ -162,7 +162,7 @@ def flood_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
 
 
 async def test_a_stalled_client_is_closed_by_the_sidecar_not_the_engine(
-    flood_sim: SimChild, sidecar: Any
+    flood_sim: SimulatorChild, sidecar: Any
 ) -> None:
     proxy = await sidecar(upstream=flood_sim.ws_url, **SMALL_LIMITS)
     async with connect(proxy.url, **STALLED) as c:

@@ -26,10 +26,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,8 +42,8 @@ from websockets.asyncio.server import serve as websockets_serve
 from websockets.http11 import Request
 
 from omni_sidecar.engines.process import UpstreamProbe
+from tests.children import ChildNotReady, SidecarChild, SimulatorChild
 from tests.conftest import DEADLINE, free_port, wait_until
-from tests.integration.helpers import clean_env, cli_argv
 
 if TYPE_CHECKING:
     from tests.integration.vllm_omni_wheel import VllmOmni
@@ -59,9 +55,15 @@ pytest_plugins = ["tests.integration.vllm_omni_wheel"]
 DETECTION_BOUND = 3 * 2.0 + 2.0
 
 
-class Serve:
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, admin: int, log: Path):
-        self.proc, self.port, self.admin, self.log = proc, port, admin, log
+class Serve(SidecarChild):
+    """``serve --log-level info *args``; its log is printed when it stops."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        super().__init__(
+            "--log-level", "info", *args,
+            log_path=tmp_path / "serve.log", ready_timeout=DEADLINE, stop_grace=DEADLINE,
+        )  # fmt: skip
+        self.admin = self.admin_port
 
     async def readyz(self) -> tuple[int, dict[str, object]] | None:
         try:
@@ -101,70 +103,39 @@ class Serve:
         assert isinstance(engines, list)
         return str(engines[0].get("detail", ""))
 
-    async def wait_ready(self, what: str) -> float:
-        """Seconds from now until ``/readyz`` answers 200."""
+    async def ready_after(self, what: str) -> float:
+        """Seconds from now until ``/readyz`` answers 200 (``what``: for the failure)."""
         started = time.monotonic()
-
-        async def ready() -> bool:
-            answer = await self.readyz()
-            return answer is not None and answer[0] == 200
-
-        await wait_until(ready, timeout=DEADLINE, what=what)
+        try:
+            await self.ready()
+        except ChildNotReady as exc:
+            raise ChildNotReady(f"{what}: {exc}") from None
         return time.monotonic() - started
 
 
 @contextlib.asynccontextmanager
 async def serve(tmp_path: Path, *args: str) -> AsyncIterator[Serve]:
-    port, admin = free_port(), free_port()
-    log = tmp_path / "serve.log"
-    with log.open("wb") as sink:
-        proc = await asyncio.create_subprocess_exec(
-            *cli_argv(
-                "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen",
-                f"127.0.0.1:{admin}", "--log-level", "info", *args,
-            ),
-            stdout=sink,
-            stderr=sink,
-            env=clean_env(),
-        )  # fmt: skip
+    """Started, not waited for (the tests watch readiness themselves); stopped on exit."""
+    srv = Serve(tmp_path, *args)
+    srv.start()
     try:
-        yield Serve(proc, port, admin, log)
+        yield srv
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(DEADLINE):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        print(log.read_text(errors="replace")[-3000:])
+        await srv.astop()
+        print(srv.log_tail())
 
 
 @contextlib.contextmanager
-def simulator_on(port: int, log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    with contextlib.ExitStack() as stack:
-        sink = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
-        process = subprocess.Popen(
-            [sys.executable, "-m", "omni_sidecar.simulator", "--host", "127.0.0.1",
-             "--port", str(port)],
-            stdout=sink,
-            stderr=sink,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            yield process
-        finally:
-            kill(process)
-            if log is not None:
-                print(f"simulator log:\n{log.read_text(errors='replace')[-2000:]}")
-
-
-def kill(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
+def simulator_on(port: int, log: Path | None = None) -> Iterator[SimulatorChild]:
+    """A simulator on ``port``, started, not waited for (the sidecar finds it); stopped on exit."""
+    sim = SimulatorChild(port=port, log_path=log, cwd=None)
+    sim.start()
+    try:
+        yield sim
+    finally:
+        sim.stop()
+        if log is not None:
+            print(f"simulator log:\n{sim.log_tail(2000)}")
 
 
 async def test_unreachable_upstream_is_not_ready_until_an_engine_answers(tmp_path: Path) -> None:
@@ -209,7 +180,7 @@ async def test_unreachable_upstream_is_not_ready_until_an_engine_answers(tmp_pat
             assert await srv.engine_up() == 1.0
             assert await srv.handshake_status() == 101
 
-            kill(sim)
+            sim.kill()
             gone_at = time.monotonic()
             await wait_until(answered_503, timeout=DETECTION_BOUND + 1.0, what="/readyz 503 again")
             took = time.monotonic() - gone_at
@@ -217,7 +188,7 @@ async def test_unreachable_upstream_is_not_ready_until_an_engine_answers(tmp_pat
             assert took >= 2 * 2.0 * 0.9  # not at the first failed probe: 3 are needed
             assert await srv.engine_up() == 0.0
             assert await srv.handshake_status() == 503
-        assert srv.proc.returncode is None
+        assert srv.proc.poll() is None
 
 
 async def test_upstream_without_a_health_route_is_probed_with_a_handshake(
@@ -477,7 +448,7 @@ async def test_websocket_only_engine_reads_ready_within_two_probes(
         tmp_path, "--upstream", f"ws://127.0.0.1:{seen.port}/v1/realtime?model=m",
         "--engine-health-interval", "1",
     ) as srv:  # fmt: skip
-        took = await srv.wait_ready(f"/readyz 200 in front of {name}")
+        took = await srv.ready_after(f"/readyz 200 in front of {name}")
         print(f"\n{name}: ready {took:.2f} s after serve started, requests {seen.requests}")
         assert seen.health_gets == 1
         assert 1 <= len(seen.handshakes) <= 2, seen.requests  # within two probes
@@ -537,7 +508,7 @@ async def test_probe_tcp_needs_only_a_listening_port(tmp_path: Path) -> None:
         tmp_path, "--upstream", f"ws://127.0.0.1:{port}/v1/realtime",
         "--engine-probe", "tcp", "--engine-health-interval", INTERVAL,
     ) as srv:  # fmt: skip
-        await srv.wait_ready("/readyz 200 on a TCP probe")
+        await srv.ready_after("/readyz 200 on a TCP probe")
         detail = await srv.engine_detail()
         assert f"probe tcp: connect 127.0.0.1:{port} ok" in detail, detail
         await wait_until(lambda: len(received) >= 2, timeout=DEADLINE, what="2 probes")
@@ -571,7 +542,7 @@ async def test_probe_websocket_opens_no_session_on_the_simulator(tmp_path: Path)
             tmp_path, "--upstream", upstream, "--engine-probe", "websocket",
             "--engine-health-interval", INTERVAL,
         ) as srv:  # fmt: skip
-            await srv.wait_ready("/readyz 200 on a WebSocket probe")
+            await srv.ready_after("/readyz 200 on a WebSocket probe")
             assert "probe websocket: handshake ok" in await srv.engine_detail()
 
             async def probed(times: int) -> Callable[[], Awaitable[bool]]:
@@ -627,7 +598,7 @@ async def test_a_child_engine_is_probed_as_engine_probe_says(
 ) -> None:
     """A child (here the simulator) takes the same setting: its port, its /v1/realtime."""
     async with serve(tmp_path, "--engine-kind", "simulator", "--engine-probe", kind) as srv:
-        await srv.wait_ready(f"/readyz 200 with a {kind} probe of the child")
+        await srv.ready_after(f"/readyz 200 with a {kind} probe of the child")
         detail = await srv.engine_detail()
         assert f"(probe {kind}: {said}" in detail, detail
         assert await srv.handshake_status() == 101
@@ -709,7 +680,7 @@ async def test_probes_leave_the_only_duplex_slot_free_on_a_vllm_omni_like_engine
         tmp_path, "--upstream", f"ws://127.0.0.1:{seen.port}/v1/realtime?model=m",
         "--engine-health-interval", INTERVAL,
     ) as srv:  # fmt: skip
-        await srv.wait_ready("/readyz 200 via a handshake")
+        await srv.ready_after("/readyz 200 via a handshake")
         assert "probe websocket: GET /health -> 404" in await srv.engine_detail()
         await wait_until(lambda: len(seen.close_codes) >= 4, timeout=DEADLINE, what="4 probes")
         assert (slots.opened, slots.refused) == (0, 0)

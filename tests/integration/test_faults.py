@@ -22,8 +22,6 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +33,8 @@ import orjson
 import pytest
 
 from omni_sidecar.settings import EngineConfig
-from tests.conftest import DEADLINE, MS, free_port, wait_until
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE, MS, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.fakes.stall_engine import StallEngine
 from tests.integration.helpers import (
@@ -528,55 +527,31 @@ async def test_100_sessions_in_the_same_second(simulator, sidecar, max_sessions:
 # -- SIGTERM on a real process in the middle of it all ----------------------------------------------
 
 
-def sidecar_command() -> list[str]:
-    script = Path(sys.executable).with_name("omni-sidecar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
-
-
-class Served:
+class Served(SidecarChild):
     """``omni-sidecar serve`` with the simulator engine, as a child process."""
 
     def __init__(self, tmp_path: Path, *flags: str, simulator_args: str) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.log_path = tmp_path / "sidecar.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
-        env.update(
-            OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS=simulator_args,
-            OMNI_SIDECAR_ENGINE_HEALTH_INTERVAL="0.2",
-            OMNI_SIDECAR_ENGINE_STOP_GRACE="2",
-        )
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *sidecar_command(),
-                    "serve",
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                    "--admin-listen",
-                    f"127.0.0.1:{self.admin_port}",
-                    # Gapless server_event_seq is checked: no acks on the clients' behalf.
-                    "--playback-ack",
-                    "off",
-                    *flags,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+        super().__init__(
+            # Gapless server_event_seq is checked: no acks on the clients' behalf.
+            "--playback-ack", "off", *flags,
+            base_env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")},
+            env={
+                "OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS": simulator_args,
+                "OMNI_SIDECAR_ENGINE_HEALTH_INTERVAL": "0.2",
+                "OMNI_SIDECAR_ENGINE_STOP_GRACE": "2",
+            },
+            log_path=tmp_path / "sidecar.log",
+            ready_timeout=3 * DEADLINE,
+            stop_grace=DEADLINE,
+        )  # fmt: skip
 
     @property
     def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.ws_url
 
     async def metric(self, http: aiohttp.ClientSession, line_prefix: str) -> float | None:
         try:
-            async with http.get(f"http://127.0.0.1:{self.admin_port}/metrics") as resp:
+            async with http.get(f"{self.admin_url}/metrics") as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, OSError):
             return None
@@ -584,12 +559,6 @@ class Served:
             if line.startswith(line_prefix + " "):
                 return float(line.rsplit(" ", 1)[1])
         return None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=DEADLINE)
 
 
 @pytest.fixture
@@ -609,24 +578,14 @@ def served(tmp_path: Path) -> Iterator[Served]:
         simulator_args=" ".join(PACED),
     )
     try:
-        yield process
+        yield process.start()
     finally:
-        process.kill()
+        process.stop()
 
 
 async def test_sigterm_during_all_of_it(served: Served) -> None:
     async with aiohttp.ClientSession() as http:
-
-        async def ready() -> bool:
-            if served.proc.poll() is not None:
-                pytest.fail(f"omni-sidecar exited early:\n{served.log()}")
-            try:
-                async with http.get(f"http://127.0.0.1:{served.port}/readyz") as resp:
-                    return resp.status == 200
-            except (aiohttp.ClientError, OSError):
-                return False
-
-        await wait_until(ready, timeout=3 * DEADLINE, what="omni-sidecar ready")
+        await served.ready()
         pid = served.proc.pid
         [engine_pid] = child_pids(pid)
 

@@ -14,23 +14,21 @@ The figures (handshake times through nginx, SIGTERM to exit) are printed.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
 import shutil
 import signal
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.conftest import DEADLINE, free_port, http_ok, wait_until
-from tests.integration.helpers import REPO_ROOT, children_of, clean_env, cli_argv
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE, free_port, wait_until
+from tests.integration.helpers import REPO_ROOT
 from tests.integration.nginx_child import main_config, nginx, wait_answering
 
 pytestmark = [
@@ -42,16 +40,22 @@ LB_EXAMPLE = REPO_ROOT / "deploy" / "nginx" / "omni-sidecar-lb.conf"
 PACED = "--chunk-ms 200 --realtime-factor 1 --response-seconds 30 --sample-rate 8000"
 
 
-@dataclass
-class Serve:
-    proc: asyncio.subprocess.Process
-    port: int
-    log: Path
+class Serve(SidecarChild):
+    """One of the two sidecars: 3 sessions at most, a 30 s drain, paced simulator engine."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        port = free_port()
+        super().__init__(
+            "--max-sessions", "3", "--drain-timeout", "30", "--playback-ack", "off",
+            "--engine-simulator-args", PACED,
+            port=port, log_path=tmp_path / f"serve-{port}.log",
+            ready_timeout=3 * DEADLINE, stop_grace=DEADLINE,
+        )  # fmt: skip
 
     async def readyz(self) -> tuple[int, dict[str, Any]]:
         async with (
             aiohttp.ClientSession() as http,
-            http.get(f"http://127.0.0.1:{self.port}/readyz") as resp,
+            http.get(f"{self.http_url}/readyz") as resp,
         ):
             return resp.status, await resp.json()
 
@@ -61,27 +65,13 @@ class Serve:
 
 @contextlib.asynccontextmanager
 async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    port, admin = free_port(), free_port()
-    log = tmp_path / f"serve-{port}.log"
-    with log.open("wb") as sink:
-        proc = await asyncio.create_subprocess_exec(
-            *cli_argv(
-                "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
-                "--max-sessions", "3", "--drain-timeout", "30", "--playback-ack", "off",
-                "--engine-simulator-args", PACED,
-            ),
-            stdout=sink, stderr=sink, env=clean_env(),
-        )  # fmt: skip
+    """Started, not yet ready (``await srv.ready()``); stopped on exit."""
+    srv = Serve(tmp_path)
+    srv.start()
     try:
-        yield Serve(proc, port, log)
+        yield srv
     finally:
-        if proc.returncode is None:
-            leftovers = children_of(proc.pid)
-            proc.kill()
-            await proc.wait()
-            for pid in leftovers:  # the engine runs in its own process group
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        await srv.astop()
 
 
 def lb_config(prefix: Path, listen: int, sidecars: list[int]) -> Path:
@@ -134,11 +124,7 @@ async def test_least_conn_spreads_refuses_the_7th_and_a_draining_sidecar_is_skip
 ) -> None:
     async with serve(tmp_path) as a, serve(tmp_path) as b:
         for sidecar in (a, b):
-            await wait_until(
-                lambda s=sidecar: http_ok(f"http://127.0.0.1:{s.port}/readyz"),  # type: ignore[misc]
-                timeout=3 * DEADLINE,
-                what="sidecar ready",
-            )
+            await sidecar.ready()
         listen = free_port()
         with nginx(tmp_path, lb_config(tmp_path, listen, [a.port, b.port])) as process:
             await wait_answering(process, tmp_path, f"http://127.0.0.1:{listen}/readyz")
@@ -188,17 +174,16 @@ async def test_least_conn_spreads_refuses_the_7th_and_a_draining_sidecar_is_skip
                 assert clients.refused == [(503, "1")]
                 assert await b.sessions() == 3
                 assert await a.sessions() == 1
-                assert a.proc.returncode is None  # its session is still live
+                assert a.proc.poll() is None  # its session is still live
                 after_ms = list(clients.handshake_ms)
                 # Both sidecars say 503 now (a draining, b full): the client gets one.
                 assert await clients.connect() is None
                 assert len(clients.refused) == 2
                 # The drained sidecar exits 0 when its last session ends.
                 await clients.close_all()
-                async with asyncio.timeout(DEADLINE):
-                    code = await a.proc.wait()
+                code = await a.exited(DEADLINE)
                 exit_ms = (time.monotonic() - terminated) * 1000
-                assert code == 0, a.log.read_text()[-2000:]
+                assert code == 0, a.log_tail(2000)
                 # a is gone: nginx's connect is refused and it moves on, no failed handshake.
                 assert await clients.connect() is not None
                 assert await b.sessions() == 1

@@ -30,12 +30,12 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from omni_sidecar.metrics import DROP_REASONS
 from omni_sidecar.settings import EngineConfig
+from tests.children import SimulatorChild
 from tests.conftest import (
     DEADLINE,
     MS,
     TIMEOUT_FACTOR,
     RunningSidecar,
-    SimulatorProcess,
     wait_until,
 )
 from tests.fakes.scripted_engine import EngineConnection, ScriptedEngine
@@ -151,7 +151,7 @@ def engine_audio_deltas(done: dict[str, Any]) -> int:
     return int(generated_ms // CHUNK_MS)
 
 
-async def simulator_counters(sim: SimulatorProcess) -> dict[str, float]:
+async def simulator_counters(sim: SimulatorChild) -> dict[str, float]:
     """The simulator's own ``/metrics`` (unlabelled samples, by name)."""
     async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/metrics") as resp:
         text = await resp.text()

@@ -30,7 +30,7 @@ from typing import Any, Final
 import pytest
 
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
-from tests.integration.helpers import SimChild, module_simulator, pcm16_b64
+from tests.integration.helpers import SimulatorChild, module_simulator, pcm16_b64
 
 openai = pytest.importorskip("openai", reason="pip install 'openai[realtime]>=1.107'")
 pytest.importorskip("websockets", reason="pip install 'openai[realtime]' (needs websockets)")
@@ -58,13 +58,13 @@ BETA_NAMES: Final = {
 
 
 @pytest.fixture(scope="module")
-def ga_sim() -> Iterator[SimChild]:
+def ga_sim() -> Iterator[SimulatorChild]:
     with module_simulator(*SIM_ARGS) as sim:
         yield sim
 
 
 @pytest.fixture(scope="module")
-def beta_sim() -> Iterator[SimChild]:
+def beta_sim() -> Iterator[SimulatorChild]:
     with module_simulator(*SIM_ARGS, "--event-names", "beta") as sim:
         yield sim
 
@@ -189,7 +189,7 @@ def assert_no_stale_audio(log: Transcript, names: dict[str, str], cancelled_id: 
 
 
 async def test_ga_client_runs_a_whole_session_through_the_sidecar(
-    ga_sim: SimChild, sidecar: Any
+    ga_sim: SimulatorChild, sidecar: Any
 ) -> None:
     proxy = await sidecar(upstream=ga_sim.ws_url)
     async with ga_connection(proxy.http_url) as conn:
@@ -235,7 +235,7 @@ async def test_ga_client_runs_a_whole_session_through_the_sidecar(
     assert proxy.metric("omni_sidecar_dropped_events_total", {"reason": "late_audio"}) >= 1
 
 
-async def test_ga_script_straight_to_the_simulator_sees_stale_audio(ga_sim: SimChild) -> None:
+async def test_ga_script_straight_to_the_simulator_sees_stale_audio(ga_sim: SimulatorChild) -> None:
     """The same script without the sidecar: the engine flaw the sidecar removes is visible."""
     async with ga_connection(ga_sim.http_url) as conn:
         log = Transcript()
@@ -251,7 +251,7 @@ async def test_ga_script_straight_to_the_simulator_sees_stale_audio(ga_sim: SimC
 
 
 async def test_beta_client_runs_a_whole_session_through_the_sidecar(
-    beta_sim: SimChild, sidecar: Any
+    beta_sim: SimulatorChild, sidecar: Any
 ) -> None:
     proxy = await sidecar(upstream=beta_sim.ws_url)
     host, port = proxy.sidecar.bound["listen"]

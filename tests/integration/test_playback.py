@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR, wait_until
-from tests.integration.helpers import SimChild, connect, module_simulator, pcm16_b64
+from tests.integration.helpers import SimulatorChild, connect, module_simulator, pcm16_b64
 
 if TYPE_CHECKING:
     from tests.integration.vllm_omni_wheel import VllmOmni
@@ -50,18 +50,18 @@ def _sim_args(*extra: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def ack_only_sim() -> Iterator[SimChild]:
+def ack_only_sim() -> Iterator[SimulatorChild]:
     with module_simulator(*_sim_args("--playback-commit-policy", "ack_only")) as sim:
         yield sim
 
 
 @pytest.fixture(scope="module")
-def truncate_sim() -> Iterator[SimChild]:
+def truncate_sim() -> Iterator[SimulatorChild]:
     with module_simulator(*_sim_args("--supports-audio-truncate")) as sim:
         yield sim
 
 
-async def _history(sim: SimChild) -> dict[str, Any]:
+async def _history(sim: SimulatorChild) -> dict[str, Any]:
     async with aiohttp.ClientSession() as http, http.get(f"{sim.http_url}/debug/history") as r:
         assert r.status == 200
         body: dict[str, Any] = await r.json()
@@ -72,7 +72,7 @@ def _audio_ms(delta_b64: str) -> float:
     return len(base64.b64decode(delta_b64)) / 2 / 24_000 * 1000
 
 
-async def _assistant_item(sim: SimChild, response_id: str) -> dict[str, Any]:
+async def _assistant_item(sim: SimulatorChild, response_id: str) -> dict[str, Any]:
     history = await _history(sim)
     for session in history["sessions"].values():
         for item in [*session["items"], *session.get("pending", [])]:
@@ -82,7 +82,7 @@ async def _assistant_item(sim: SimChild, response_id: str) -> dict[str, Any]:
 
 
 async def test_stock_client_paced_lead_bounded_and_history_ends_where_the_user_stopped(
-    ack_only_sim: SimChild, sidecar: Any
+    ack_only_sim: SimulatorChild, sidecar: Any
 ) -> None:
     """OpenAI SDK GA client (never acks), engine 4x faster than real time."""
     openai = pytest.importorskip("openai")
@@ -140,7 +140,7 @@ async def test_stock_client_paced_lead_bounded_and_history_ends_where_the_user_s
 
 
 async def test_an_engine_that_can_truncate_is_sent_conversation_item_truncate(
-    truncate_sim: SimChild, sidecar: Any
+    truncate_sim: SimulatorChild, sidecar: Any
 ) -> None:
     proxy = await sidecar(upstream=truncate_sim.ws_url)
     async with connect(proxy.url) as client:
@@ -170,7 +170,7 @@ async def test_an_engine_that_can_truncate_is_sent_conversation_item_truncate(
 
 
 async def test_a_client_that_acks_itself_is_never_acked_for(
-    vllm_omni: VllmOmni, ack_only_sim: SimChild, sidecar: Any
+    vllm_omni: VllmOmni, ack_only_sim: SimulatorChild, sidecar: Any
 ) -> None:
     """vLLM-Omni's DuplexClient, acking each chunk as it plays it."""
     duplex = vllm_omni.client

@@ -40,7 +40,7 @@ import pytest
 
 from omni_sidecar.core import notices
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
-from tests.integration.helpers import Client, SimChild, connect, module_simulator, pcm16_b64
+from tests.integration.helpers import Client, SimulatorChild, connect, module_simulator, pcm16_b64
 
 #: The ``vllm_omni`` fixture (session scope: the wheel is fetched and loaded once).
 pytest_plugins = ["tests.integration.vllm_omni_wheel"]
@@ -385,13 +385,13 @@ async def _run_session(url: str) -> list[Event]:
 
 
 @pytest.fixture(scope="module")
-def ga_sim() -> Iterator[SimChild]:
+def ga_sim() -> Iterator[SimulatorChild]:
     with module_simulator(*SIM_ARGS) as sim:
         yield sim
 
 
 @pytest.fixture(scope="module")
-def ga_session(ga_sim: SimChild) -> list[Event]:
+def ga_session(ga_sim: SimulatorChild) -> list[Event]:
     """Every event of one scripted GA session, straight from the simulator."""
     loop = asyncio.new_event_loop()  # module scope: outside any test's loop
     try:

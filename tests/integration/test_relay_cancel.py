@@ -28,7 +28,7 @@ from tests.integration.helpers import (
     RESPONSE_TAIL,
     TRANSCRIPT_DELTA,
     Cancelled,
-    SimChild,
+    SimulatorChild,
     Trigger,
     cancel_mid_response,
     connect,
@@ -46,7 +46,7 @@ CHUNKS = 6
 
 
 @pytest.fixture(scope="module")
-def paced_sim() -> Iterator[SimChild]:
+def paced_sim() -> Iterator[SimulatorChild]:
     with module_simulator(
         "--chunk-ms", "200", "--realtime-factor", "1", "--response-seconds", "1.2",
         "--late-audio-chunks", "3",
@@ -225,7 +225,7 @@ async def test_cancel_naming_an_older_response_leaves_the_newer_one_alone(engine
 
 
 @pytest.fixture(scope="module")
-def probe_sim() -> Iterator[SimChild]:
+def probe_sim() -> Iterator[SimulatorChild]:
     """12 chunks of 250 ms, 100 ms apart: a 1500 ms cancel lands 0.6 s in."""
     with module_simulator(
         "--chunk-ms", "250", "--realtime-factor", "0.4", "--response-seconds", "3",

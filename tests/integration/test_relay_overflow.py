@@ -26,7 +26,7 @@ from tests.fakes.scripted_engine import ScriptedEngine
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
-    SimChild,
+    SimulatorChild,
     connect,
     module_simulator,
     request_response,
@@ -54,7 +54,7 @@ SMALL_LIMITS: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def flood_sim() -> Iterator[SimChild]:
+def flood_sim() -> Iterator[SimulatorChild]:
     with module_simulator(
         "--realtime-factor", "0.01", "--chunk-ms", "1000", "--response-seconds", str(CHUNKS),
         "--deterministic",

@@ -9,25 +9,20 @@ drop and no close.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
 import re
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from omni_sidecar.metrics.definitions import DROP_REASONS
-from tests.conftest import DEADLINE, free_port, wait_until
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
-    children_of,
-    clean_env,
-    cli_argv,
     connect,
     request_response,
 )
@@ -43,20 +38,18 @@ def _config(max_sessions: int, *, extra: str = "", engine: str = "") -> str:
     return f"max_sessions = {max_sessions}\n{extra}{_STREAMING_ENGINE}{engine}"
 
 
-@dataclass
-class Serve:
-    proc: asyncio.subprocess.Process
-    port: int
-    admin_port: int
-    log: Path
-    config: Path
+class Serve(SidecarChild):
+    """``serve --config CONFIG --log-level info`` on free loopback ports."""
 
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+    def __init__(self, tmp_path: Path, config: Path) -> None:
+        super().__init__(
+            "--config", str(config), "--log-level", "info",
+            log_path=tmp_path / "serve.log", ready_timeout=DEADLINE * 2, stop_grace=DEADLINE,
+        )  # fmt: skip
+        self.config = config
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.log()
 
     async def readyz(self) -> tuple[int, dict[str, object]]:
         async with (
@@ -84,7 +77,7 @@ class Serve:
         self.proc.send_signal(signal.SIGHUP)
 
         def logged() -> bool:
-            assert self.proc.returncode is None, self.log_text()[-3000:]
+            assert self.proc.poll() is None, self.log_tail()
             return self.log_text().count("config reload") > seen
 
         await wait_until(logged, what="the reload's log line")
@@ -96,39 +89,10 @@ class Serve:
 
 @contextlib.asynccontextmanager
 async def serve(tmp_path: Path, config_text: str) -> AsyncIterator[Serve]:
-    port, admin_port = free_port(), free_port()
     config = tmp_path / "sidecar.toml"
     config.write_text(config_text)
-    log = tmp_path / "serve.log"
-    with log.open("wb") as sink:
-        proc = await asyncio.create_subprocess_exec(
-            *cli_argv(
-                "serve", "--config", str(config), "--listen", f"127.0.0.1:{port}",
-                "--admin-listen", f"127.0.0.1:{admin_port}", "--log-level", "info",
-            ),
-            stdout=sink,
-            stderr=sink,
-            env=clean_env(),
-        )  # fmt: skip
-    srv = Serve(proc, port, admin_port, log, config)
-    try:
-
-        async def ready() -> bool:
-            assert proc.returncode is None, srv.log_text()[-3000:]
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                return (await srv.readyz())[0] == 200
-            return False
-
-        await wait_until(ready, timeout=DEADLINE * 2, what="serve /readyz 200")
+    async with Serve(tmp_path, config) as srv:
         yield srv
-    finally:
-        if proc.returncode is None:
-            leftovers = children_of(proc.pid)
-            proc.kill()
-            await proc.wait()
-            for pid in leftovers:  # the engine runs in its own process group
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
 
 
 async def _handshake_status(url: str) -> int:
@@ -208,7 +172,7 @@ async def test_an_invalid_file_keeps_the_running_config(tmp_path: Path) -> None:
         # A later valid file applies, and SIGHUP never stopped the process.
         await srv.reload(_config(7), expect="applied max_sessions")
         assert (await srv.readyz())[1]["max_sessions"] == 7
-        assert srv.proc.returncode is None
+        assert srv.proc.poll() is None
 
 
 async def test_api_keys_apply_to_the_next_handshake(tmp_path: Path) -> None:

@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
-import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import DEADLINE, free_port, http_ok, wait_until
-from tests.integration.helpers import clean_env, cli_argv
+from tests.children import SidecarChild
+from tests.conftest import DEADLINE, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,32 +231,15 @@ async def test_one_access_line_per_proxied_request(
     assert line.endswith("client 127.0.0.1")
 
 
-def _start_serve(port: int, upstream: str, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            cli_argv(
-                "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen",
-                f"127.0.0.1:{free_port()}", "--upstream", upstream,
-                "--max-http-body-bytes", str(CAP),
-            ),
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=clean_env(), start_new_session=True,
-        )  # fmt: skip
-
-
 async def test_both_rows_through_a_real_serve_process(engine: Engine, tmp_path: Path) -> None:
     """The same two attack rows against ``omni-sidecar serve`` as a child process."""
-    port = free_port()
     log = tmp_path / "serve.log"
-    proc = _start_serve(port, engine.ws_url, log)
-    try:
-
-        async def ready() -> bool:
-            if proc.poll() is not None:
-                pytest.fail("serve exited:\n" + log.read_text(errors="replace"))
-            return await http_ok(f"http://127.0.0.1:{port}/readyz")
-
-        await wait_until(ready, timeout=3 * DEADLINE, what="serve ready")
+    served = SidecarChild(
+        "--upstream", engine.ws_url, "--max-http-body-bytes", str(CAP),
+        log_path=log, ready_timeout=3 * DEADLINE, stop_grace=DEADLINE,
+    )  # fmt: skip
+    async with served:
+        port = served.port
         engine.seen.clear()
         answer = await raw_request(
             port,
@@ -281,7 +261,3 @@ async def test_both_rows_through_a_real_serve_process(engine: Engine, tmp_path: 
         text = log.read_text(errors="replace")
         assert "refused http POST /v1/upload from 127.0.0.1: 413 body_too_large" in text
         assert "http GET /v1/models 200 " in text
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=DEADLINE)

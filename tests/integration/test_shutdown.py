@@ -17,8 +17,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +26,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import DEADLINE, MS, free_port, wait_until
+from tests.children import SidecarChild, child_pids
+from tests.conftest import DEADLINE, MS, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,73 +40,36 @@ START = [
 ]
 
 
-def sidecar_command() -> list[str]:
-    script = Path(sys.executable).with_name("omni-sidecar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "omni_sidecar.cli"]
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-    return found
-
-
-class Served:
+class Served(SidecarChild):
     """``omni-sidecar serve`` as a child process, with its log and sd_notify socket."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.log_path = tmp_path / "sidecar.log"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(tmp_path / "notify"))
         self.notify.setblocking(False)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")}
-        env.update(
-            NOTIFY_SOCKET=str(tmp_path / "notify"),
-            OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS=(
-                "--chunk-ms 200 --realtime-factor 1 --response-seconds 1.6"
-            ),
-            OMNI_SIDECAR_ENGINE_HEALTH_INTERVAL="0.2",
-        )
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *sidecar_command(),
-                    "serve",
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                    "--admin-listen",
-                    f"127.0.0.1:{self.admin_port}",
-                    "--drain-timeout",
-                    str(DRAIN_TIMEOUT),
-                    "--heartbeat-interval",
-                    "0",
-                    "--log-level",
-                    "info",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+        super().__init__(
+            "--drain-timeout", str(DRAIN_TIMEOUT), "--heartbeat-interval", "0",
+            "--log-level", "info",
+            base_env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_SIDECAR_")},
+            env={
+                "NOTIFY_SOCKET": str(tmp_path / "notify"),
+                "OMNI_SIDECAR_ENGINE_SIMULATOR_ARGS": (
+                    "--chunk-ms 200 --realtime-factor 1 --response-seconds 1.6"
+                ),
+                "OMNI_SIDECAR_ENGINE_HEALTH_INTERVAL": "0.2",
+            },
+            log_path=tmp_path / "sidecar.log",
+            ready_timeout=3 * DEADLINE,
+            stop_grace=DEADLINE,
+        )  # fmt: skip
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.http_url
 
     @property
     def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.ws_url
 
     def datagrams(self) -> list[str]:
         received = []
@@ -116,21 +78,15 @@ class Served:
                 received.append(self.notify.recv(65536).decode())
         return received
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=DEADLINE)
-        self.notify.close()
-
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
     process = Served(tmp_path)
     try:
-        yield process
+        yield process.start()
     finally:
-        process.kill()
+        process.stop()
+        process.notify.close()
 
 
 async def readyz(http: aiohttp.ClientSession, base: str) -> tuple[int, dict[str, Any]]:
@@ -168,10 +124,8 @@ async def read_to_close(ws: Any, *, leave: bool) -> tuple[list[dict[str, Any]], 
 
 async def test_sigterm_drains_then_closes_with_1001(served: Served) -> None:
     async with aiohttp.ClientSession() as http:
-        await wait_until(
-            lambda: _ready(http, served), timeout=3 * DEADLINE, what=f"ready; log:\n{served.log()}"
-        )
-        engine_pids = children_of(served.proc.pid)
+        await served.ready()
+        engine_pids = child_pids(served.proc.pid)
         assert len(engine_pids) == 1, engine_pids
         engine_pid = engine_pids[0]
 
@@ -228,7 +182,7 @@ async def test_sigterm_drains_then_closes_with_1001(served: Served) -> None:
         os.kill(engine_pid, 0)
     with pytest.raises(ProcessLookupError):
         os.killpg(engine_pid, 0)
-    assert children_of(served.proc.pid) == []
+    assert child_pids(served.proc.pid) == []
     assert "shutting down: draining 2 sessions" in log
     assert "engine stopped (status 0)" in log  # the simulator obeyed SIGTERM
     assert log.rstrip().endswith("stopped")
@@ -237,12 +191,6 @@ async def test_sigterm_drains_then_closes_with_1001(served: Served) -> None:
     ready = next(i for i, d in enumerate(datagrams) if d.startswith("READY=1"))
     stopping = next(i for i, d in enumerate(datagrams) if d.startswith("STOPPING=1"))
     assert ready < stopping
-
-
-async def _ready(http: aiohttp.ClientSession, served: Served) -> bool:
-    if served.proc.poll() is not None:
-        pytest.fail(f"omni-sidecar exited with {served.proc.returncode}:\n{served.log()}")
-    return (await readyz(http, served.http))[0] == 200
 
 
 async def _status(http: aiohttp.ClientSession, served: Served, status: int) -> bool:

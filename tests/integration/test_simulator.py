@@ -17,7 +17,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,12 +37,12 @@ from omni_sidecar.simulator.counters import SimulatorStats
 from omni_sidecar.simulator.handlers import HANDLERS
 from omni_sidecar.simulator.outbox import CloseFrame
 from omni_sidecar.simulator.session import DuplexSession
+from tests.children import SimulatorChild
 
 # Timeouts scale with the shared factor so slow CI machines can stretch them.
 FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
 DEADLINE = 10.0 * FACTOR
 QUIET = 0.4 * FACTOR  # how long "nothing arrives" is watched for
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 Event = dict[str, Any]
 
@@ -105,13 +104,6 @@ def pcm16(ms: int, *, amplitude: float = 0.0, rate: int = 16000) -> str:
 # ------------------------------------------------------------------ processes
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def http_get(url: str) -> tuple[int, bytes]:
     """GET returning (status, body); HTTP errors are answers, not exceptions."""
     try:
@@ -121,50 +113,21 @@ def http_get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-class Sim:
-    """One simulator child process."""
+class Sim(SimulatorChild):
+    """One simulator child process (in this session: the tests signal it themselves)."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
-        self.args = args
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        # Ready at the first HTTP answer of /health, whatever its status.
+        super().__init__(
+            *args, log_path=log_path, new_session=False, ready_status=None,
+            ready_timeout=DEADLINE, stop_grace=DEADLINE,
+        )  # fmt: skip
+        self.base = self.http_url
         self.ws_base = f"ws://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill()
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_sidecar.simulator", "--port", str(self.port), *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-        )
+        self.start()
 
-    def wait_ready(self) -> float:
-        """Poll ``/health`` until it answers; return seconds since spawn."""
-        deadline = time.monotonic() + DEADLINE
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"simulator exited with {self.proc.returncode}: {self.log()}")
-            try:
-                http_get(self.base + "/health")
-            except OSError:
-                time.sleep(0.02)
-                continue
-            return time.monotonic() - self.started
-        pytest.fail(f"simulator not ready within {DEADLINE} s: {self.log()}")
-
-    def wait_exit(self) -> int:
-        return self.proc.wait(timeout=DEADLINE)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=DEADLINE)
-        self._log.close()
+    def wait_exit(self, timeout: float = DEADLINE) -> int:
+        return super().wait_exit(timeout)
 
 
 SimFactory = Callable[..., Sim]

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import TIMEOUT_FACTOR
-from tests.integration.helpers import Client, SimChild, connect, module_simulator, pcm16_b64
+from tests.integration.helpers import Client, SimulatorChild, connect, module_simulator, pcm16_b64
 
 Event = dict[str, Any]
 
@@ -35,21 +35,21 @@ APPEND: Final = {"type": "input_audio_buffer.append", "audio": pcm16_b64(100)}
 
 
 @pytest.fixture(scope="module")
-def truncating_sim() -> Iterator[SimChild]:
+def truncating_sim() -> Iterator[SimulatorChild]:
     """Default policy (commit_all_on_done), conversation.item.truncate supported."""
     with module_simulator(*FAST_ARGS, "--supports-audio-truncate") as sim:
         yield sim
 
 
 @pytest.fixture(scope="module")
-def ack_only_sim() -> Iterator[SimChild]:
+def ack_only_sim() -> Iterator[SimulatorChild]:
     """ack_only by CLI default, no truncate support."""
     with module_simulator(*FAST_ARGS, "--playback-commit-policy", "ack_only") as sim:
         yield sim
 
 
 @pytest.fixture(scope="module")
-def fast_generation_sim() -> Iterator[SimChild]:
+def fast_generation_sim() -> Iterator[SimulatorChild]:
     """Real-time pace of 100 ms chunks, generated 4x faster: a 2 s reply in ~0.5 s."""
     with module_simulator(
         "--deterministic", "--chunk-ms", "100", "--response-seconds", "2",
@@ -108,7 +108,7 @@ async def ack(
     return await c.recv_until(lambda e: e["type"] in ("playback.acknowledged", "error"))
 
 
-async def debug_history(sim: SimChild, session_id: str) -> Event:
+async def debug_history(sim: SimulatorChild, session_id: str) -> Event:
     async with (
         aiohttp.ClientSession() as http,
         http.get(f"{sim.http_url}/debug/history") as resp,
@@ -147,7 +147,7 @@ def ledger(generated: int, played: int, committed: int) -> dict[str, int]:
 
 
 async def test_commit_all_on_done_history_gets_the_whole_reply_without_acks(
-    truncating_sim: SimChild,
+    truncating_sim: SimulatorChild,
 ) -> None:
     async with connect(truncating_sim.ws_url + "?autostart=0") as c:
         session = await open_session(c)
@@ -170,7 +170,7 @@ async def test_commit_all_on_done_history_gets_the_whole_reply_without_acks(
 
 
 async def test_partial_ack_cuts_history_and_a_full_ack_restores_it(
-    truncating_sim: SimChild,
+    truncating_sim: SimulatorChild,
 ) -> None:
     async with connect(truncating_sim.ws_url + "?autostart=0") as c:
         session = await open_session(c)
@@ -204,7 +204,7 @@ async def test_partial_ack_cuts_history_and_a_full_ack_restores_it(
 
 
 async def test_ack_only_history_waits_for_acks_and_the_next_response_waits_for_playback(
-    truncating_sim: SimChild,
+    truncating_sim: SimulatorChild,
 ) -> None:
     async with connect(truncating_sim.ws_url + "?autostart=0") as c:
         session = await open_session(c, playback_commit_policy="ack_only")
@@ -236,7 +236,7 @@ async def test_ack_only_history_waits_for_acks_and_the_next_response_waits_for_p
 
 @pytest.mark.parametrize("trigger", ["output_audio_buffer.clear", "barge_in", "response.cancel"])
 async def test_ack_only_clear_after_a_completed_reply_frees_the_turn(
-    truncating_sim: SimChild, trigger: str
+    truncating_sim: SimulatorChild, trigger: str
 ) -> None:
     """0.30.0 forwards a clear for the latest completed reply to the session (and
     counts still-playing audio as response work for barge_in and response.cancel):
@@ -256,7 +256,7 @@ async def test_ack_only_clear_after_a_completed_reply_frees_the_turn(
         assert created["response_id"].startswith(f"resp-{session['id']}-1-")
 
 
-async def test_cli_default_policy_and_ack_errors(ack_only_sim: SimChild) -> None:
+async def test_cli_default_policy_and_ack_errors(ack_only_sim: SimulatorChild) -> None:
     async with connect(ack_only_sim.ws_url + "?autostart=0") as c:
         session = await open_session(c)
         assert session["playback_commit_policy"] == "ack_only"
@@ -292,7 +292,7 @@ async def test_cli_default_policy_and_ack_errors(ack_only_sim: SimChild) -> None
 
 
 async def test_conversation_item_truncate_cuts_history_at_audio_end_ms(
-    truncating_sim: SimChild,
+    truncating_sim: SimulatorChild,
 ) -> None:
     async with connect(truncating_sim.ws_url + "?autostart=0") as c:
         session = await open_session(c)
@@ -345,7 +345,7 @@ async def test_conversation_item_truncate_cuts_history_at_audio_end_ms(
 
 
 async def test_cancel_keeps_only_the_acked_audio_in_history_whatever_the_policy(
-    fast_generation_sim: SimChild,
+    fast_generation_sim: SimulatorChild,
 ) -> None:
     async with connect(fast_generation_sim.ws_url + "?autostart=0") as c:
         await open_session(c)  # commit_all_on_done
@@ -381,7 +381,7 @@ async def test_cancel_keeps_only_the_acked_audio_in_history_whatever_the_policy(
 
 
 async def test_generation_speed_sends_a_2s_reply_in_about_half_a_second(
-    fast_generation_sim: SimChild,
+    fast_generation_sim: SimulatorChild,
 ) -> None:
     loop = asyncio.get_running_loop()
     frames: list[list[str]] = []

@@ -33,7 +33,7 @@ from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
     Client,
-    SimChild,
+    SimulatorChild,
     connect,
     module_simulator,
     pcm16_b64,
@@ -139,7 +139,7 @@ def test_core_overflow_ends_with_error_failed_done_and_closed(version: str) -> N
 
 
 @pytest.fixture(scope="module", params=BOUNDED)
-def small_bound_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
+def small_bound_sim(request: pytest.FixtureRequest) -> Iterator[SimulatorChild]:
     """0.31/0.32 with a 512 KiB output bound: a stalled reader overflows it at once."""
     with module_simulator(
         *FLOOD_ARGS, "--engine-version", request.param, "--max-pending-output-bytes", "524288"
@@ -148,7 +148,7 @@ def small_bound_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
 
 
 async def test_a_stalled_reader_gets_the_three_overflow_events_in_order_then_1000(
-    small_bound_sim: SimChild,
+    small_bound_sim: SimulatorChild,
 ) -> None:
     # Read before asking: the overflow may come before a read after it would.
     before = await sim_metric(small_bound_sim, "vllm_omni_sim_output_overflows_total")
@@ -223,7 +223,7 @@ async def test_cancel_with_audio_queued_in_the_engine(simulator: Any, version: s
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def paced_sim(request: pytest.FixtureRequest) -> Iterator[SimChild]:
+def paced_sim(request: pytest.FixtureRequest) -> Iterator[SimulatorChild]:
     """1 s chunks at real-time pace: a cancel right after response.created beats all audio."""
     with module_simulator(
         "--engine-version",
@@ -247,7 +247,7 @@ async def _reply_without_audio(c: Client) -> str:
     return rid
 
 
-async def test_truncation_of_a_reply_that_produced_no_audio(paced_sim: SimChild) -> None:
+async def test_truncation_of_a_reply_that_produced_no_audio(paced_sim: SimulatorChild) -> None:
     """0.32: a truncating ack or conversation.item.truncate for it is bad_event (the ack's
     without event_id); 0.31 ignores the ack's truncate flag; 0.30 applies both."""
     version: str = paced_sim.version  # type: ignore[attr-defined]
@@ -273,7 +273,7 @@ async def test_truncation_of_a_reply_that_produced_no_audio(paced_sim: SimChild)
         assert cut["type"] == "conversation.item.truncated"
 
 
-async def test_ack_errors_carry_the_event_id_before_032_only(paced_sim: SimChild) -> None:
+async def test_ack_errors_carry_the_event_id_before_032_only(paced_sim: SimulatorChild) -> None:
     version: str = paced_sim.version  # type: ignore[attr-defined]
     async with connect(paced_sim.ws_url + "?autostart=0") as c:
         await c.send({"type": "session.update", "session": {}})
@@ -321,7 +321,7 @@ async def test_a_full_engine_accepts_then_refuses_the_open_and_closes_1000(
 
 
 @pytest.fixture(scope="module")
-def plain_sim() -> Iterator[SimChild]:
+def plain_sim() -> Iterator[SimulatorChild]:
     with module_simulator(
         "--engine-version", "0.32", "--session-mode", "realtime", "--realtime-factor", "0",
         "--response-seconds", "1",
@@ -335,7 +335,7 @@ def plain_sim() -> Iterator[SimChild]:
      "output_audio_buffer.clear", "session.close"],
 )  # fmt: skip
 async def test_plain_realtime_answers_duplex_only_events_with_invalid_event(
-    plain_sim: SimChild, event_type: str
+    plain_sim: SimulatorChild, event_type: str
 ) -> None:
     async with connect(plain_sim.ws_url) as c:
         created = await c.recv()
@@ -349,7 +349,7 @@ async def test_plain_realtime_answers_duplex_only_events_with_invalid_event(
     assert error["error"]["event_id"] == echoed
 
 
-async def test_plain_realtime_still_answers_a_turn_without_seq(plain_sim: SimChild) -> None:
+async def test_plain_realtime_still_answers_a_turn_without_seq(plain_sim: SimulatorChild) -> None:
     async with connect(plain_sim.ws_url) as c:
         await ask(c)
         await c.recv_until("response.done")
@@ -357,7 +357,7 @@ async def test_plain_realtime_still_answers_a_turn_without_seq(plain_sim: SimChi
     assert not [e for e in c.events if "server_event_seq" in e]
 
 
-async def test_plain_realtime_refuses_duplex(plain_sim: SimChild) -> None:
+async def test_plain_realtime_refuses_duplex(plain_sim: SimulatorChild) -> None:
     async with connect(plain_sim.ws_url + "?duplex=1") as c:
         events = await c.recv_until_closed()
     assert events == [
