@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 SCENARIOS = ("stale-audio", "realtime-latency", "throughput", "slow-client", "capacity")
@@ -36,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
         "--latency-profiles",
         default="minicpmo,nemotron",
         help="realtime-latency: which traffic profiles (a quicker A/B: one of them)",
+    )
+    g.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="realtime-latency: also run the sidecar of this checkout (e.g. a git worktree "
+        "of an earlier commit) as path 'baseline', side by side in the same run",
     )
     g.add_argument("--rt-warmup", type=float, default=1.5)
     g.add_argument("--rt-window", type=float, default=4.0)

@@ -30,6 +30,7 @@ from omni_sidecar.core.session import SessionCore
 from omni_sidecar.edge.state import session_settings
 from omni_sidecar.metrics.definitions import SidecarMetrics
 from omni_sidecar.session.engine_link import UpstreamHandler
+from omni_sidecar.session.limits import RelayLimits
 from omni_sidecar.session.registry import SessionRegistry
 from omni_sidecar.session.relay import Relay, new_event_id
 from omni_sidecar.settings import Settings
@@ -131,13 +132,15 @@ def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
         upstream=_NullLink(),
         core=SessionCore(session_settings(settings), new_event_id=new_event_id),
         observer=registry.observer("micro"),
-        close_timeout=1.0,
-        drain_timeout=1.0,
-        upstream_close_timeout=1.0,
-        max_pending_input_bytes=settings.max_pending_input_bytes,
-        write_buffer_bytes=settings.client_write_buffer_bytes,
-        heartbeat_interval=settings.heartbeat_interval,
-        client_idle_timeout=settings.client_idle_timeout,
+        limits=RelayLimits(
+            close_timeout=1.0,
+            drain_timeout=1.0,
+            upstream_close_timeout=1.0,
+            max_pending_input_bytes=settings.max_pending_input_bytes,
+            write_buffer_bytes=settings.client_write_buffer_bytes,
+            heartbeat_interval=settings.heartbeat_interval,
+            client_idle_timeout=settings.client_idle_timeout,
+        ),
     )
     registry.add(relay)
     return relay, client

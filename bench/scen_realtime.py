@@ -67,12 +67,14 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
     )
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     profiles = {k: PROFILES[k] for k in ns.latency_profiles.split(",")}
-    with Stack(configs=LAT_CONFIGS) as st:
+    baseline = getattr(ns, "baseline_tree", None)
+    configs = (*LAT_CONFIGS, "baseline") if baseline is not None else LAT_CONFIGS
+    with Stack(configs=configs, baseline_tree=baseline) as st:
         for rep in range(rep_count):
             for profile in profiles:
                 for count in counts:
                     log(f"realtime-latency rep {rep + 1}/{rep_count} {profile} c={count}")
-                    for config in rotated(LAT_CONFIGS, rep):
+                    for config in rotated(configs, rep):
                         r = _run(st, config, profile, count, ns.rt_warmup, ns.rt_window)
                         runs.setdefault((profile, count, config), []).append(r)
     report.raw["runs"] = {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in runs.items()}
@@ -87,14 +89,14 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
     )
     fig, axes = figure(ncols=2, width=6.5)
     groups = []
-    added99: dict[str, list[float]] = {c: [] for c in LAT_CONFIGS[1:]}
-    us_ev: dict[str, list[float]] = {c: [] for c in LAT_CONFIGS[1:]}
+    added99: dict[str, list[float]] = {c: [] for c in configs[1:]}
+    us_ev: dict[str, list[float]] = {c: [] for c in configs[1:]}
     for profile, p in profiles.items():
         report.para(f"## {p['label']}")
         for count in counts:
             base = runs[(profile, count, "direct")]
             rows = []
-            for config in LAT_CONFIGS:
+            for config in configs:
                 rs = runs[(profile, count, config)]
                 row = {
                     "down_p50": med(rs, "down_p50_ms"),
@@ -163,22 +165,22 @@ def realtime_latency(ns: argparse.Namespace) -> dict[str, Any]:
             summary[f"{profile}/{count}/ratio_bare_picows"] = paired(
                 sc, runs[(profile, count, "bare-picows")], "us_per_event", "ratio"
             )
+            if baseline is not None:
+                summary[f"{profile}/{count}/ratio_baseline"] = paired(
+                    sc, runs[(profile, count, "baseline")], "us_per_event", "ratio"
+                )
+        header = [
+            "sessions",
+            "sidecar ÷ bare aiohttp relay (CPU/event)",
+            "sidecar ÷ nginx (CPU/event)",
+            "sidecar ÷ bare picows-upstream relay (CPU/event)",
+        ]
+        keys = ["ratio_bare", "ratio_nginx", "ratio_bare_picows"]
+        if baseline is not None:
+            header.append(f"sidecar ÷ baseline {baseline} (CPU/event)")
+            keys.append("ratio_baseline")
         report.table(
-            [
-                "sessions",
-                "sidecar ÷ bare aiohttp relay (CPU/event)",
-                "sidecar ÷ nginx (CPU/event)",
-                "sidecar ÷ bare picows-upstream relay (CPU/event)",
-            ],
-            [
-                [
-                    c,
-                    summary[f"{profile}/{c}/ratio_bare"],
-                    summary[f"{profile}/{c}/ratio_nginx"],
-                    summary[f"{profile}/{c}/ratio_bare_picows"],
-                ]
-                for c in counts
-            ],
+            header, [[c, *(summary[f"{profile}/{c}/{key}"] for key in keys)] for c in counts]
         )
     bars(
         axes[0][0],

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TypeVar
@@ -111,6 +112,8 @@ class Stack:
     sidecar_args: list[str] = field(default_factory=list)
     configs: tuple[str, ...] = CONFIGS
     nginx_buffer: str = "4k"
+    #: Another checkout whose sidecar runs as config "baseline" (an earlier commit).
+    baseline_tree: Path | None = None
     procs: dict[str, Proc | ChildProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -186,6 +189,13 @@ class Stack:
             self.procs["sidecar"] = sidecar
             self.ports["sidecar"] = sidecar.port
             self.ports["sidecar_admin"] = sidecar.admin_port
+        if "baseline" in self.configs:
+            assert self.baseline_tree is not None, "the baseline path needs --baseline-tree"
+            baseline = start_sidecar(
+                "baseline", upstream, *self.sidecar_args, tree=self.baseline_tree
+            )
+            self.procs["baseline"] = baseline
+            self.ports["baseline"] = baseline.port
 
     def url(self, config: str, query: str = "") -> str:
         base = f"ws://127.0.0.1:{self.ports[config]}/v1/realtime"
@@ -209,7 +219,7 @@ class Stack:
         return args
 
     def stop(self) -> None:
-        for name in ("sidecar", "bare", "bare-picows", "nginx", "engine"):
+        for name in ("sidecar", "baseline", "bare", "bare-picows", "nginx", "engine"):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 proc.stop()
@@ -220,19 +230,44 @@ class Stack:
                 raise RuntimeError(f"{name} exited ({proc.returncode}):\n{proc.log_tail()}")
 
 
-def start_sidecar(name: str, upstream: str, *args: str) -> SidecarChild:
+def start_sidecar(name: str, upstream: str, *args: str, tree: Path | None = None) -> SidecarChild:
     """``omni-sidecar serve`` in front of ``upstream`` on loopback ports, as every scenario runs it.
 
     Pinned to the proxy core; ready once its listener accepts TCP (the
-    benchmarks' condition: ``--upstream`` engines are up before it).
+    benchmarks' condition: ``--upstream`` engines are up before it). ``tree``:
+    run another checkout's sidecar instead (:func:`tree_command`).
     """
+    env = child_env()
+    command = None
+    if tree is not None:
+        command = tree_command(tree)
+        env["PYTHONPATH"] = str(tree.resolve())
     child = SidecarChild(
         "--upstream", upstream, "--max-sessions", "0", "--log-level", "warning", *args,
-        base_env=child_env(), log_path=log_path_for(name), cwd=ROOT,
+        base_env=env, log_path=log_path_for(name), cwd=ROOT if tree is None else tree,
+        command=command,
         prefix=cpu_prefix(PROXY_CPU), ready_path=None, ready_timeout=30.0, stop_grace=5.0,
         name=name,
     )  # fmt: skip
     return _started(child)
+
+
+def tree_command(tree: Path) -> list[str]:
+    """The ``omni-sidecar`` command of the checkout at ``tree``, run by this interpreter.
+
+    Read from that checkout's ``pyproject.toml`` (``[project.scripts]``), so a
+    tree from before the package was renamed runs as it did; the caller puts
+    ``tree`` first on ``PYTHONPATH``. Both trees need the same dependencies.
+    """
+    scripts = tomllib.loads((tree / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "scripts"
+    ]
+    module, _, function = scripts["omni-sidecar"].partition(":")
+    return [
+        python(),
+        "-c",
+        f"import sys; from {module} import {function}; sys.exit({function}(sys.argv[1:]))",
+    ]
 
 
 def start_simulator(port: int, *args: str) -> SimulatorChild:

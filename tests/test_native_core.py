@@ -65,7 +65,8 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
             ROOT / name, tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__")
         )
     (tree / "tests" / "unit").mkdir(parents=True)
-    for name in ("__init__.py", "conftest.py"):
+    # conftest.py imports the child-process harness (tests/children.py).
+    for name in ("__init__.py", "conftest.py", "children.py"):
         shutil.copy2(ROOT / "tests" / name, tree / "tests" / name)
     shutil.copy2(ROOT / "tests" / "unit" / "__init__.py", tree / "tests" / "unit" / "__init__.py")
     for name in ("core", "shell"):

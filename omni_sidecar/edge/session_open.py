@@ -40,6 +40,7 @@ from omni_sidecar.edge.state import ProxyState, UpstreamTarget
 from omni_sidecar.edge.state import upstream_headers as _upstream_headers
 from omni_sidecar.edge.state import upstream_url as _upstream_url
 from omni_sidecar.session.engine_link import UpstreamConnectError, connect_upstream
+from omni_sidecar.session.limits import RelayLimits
 from omni_sidecar.session.observer import SessionObserver, SessionTracer
 from omni_sidecar.session.relay import Relay, new_event_id
 from omni_sidecar.session.usage_log import UsageBook
@@ -199,14 +200,7 @@ async def _open_session(
             state.session_settings, new_event_id=new_event_id, capabilities=capabilities
         ),
         observer=observer,
-        close_timeout=settings.close_timeout,
-        drain_timeout=settings.drain_timeout,
-        upstream_close_timeout=settings.upstream_close_timeout,
-        max_pending_input_bytes=settings.max_pending_input_bytes,
-        write_buffer_bytes=settings.client_write_buffer_bytes,
-        max_session_duration=settings.max_session_duration,
-        client_idle_timeout=settings.client_idle_timeout,
-        heartbeat_interval=settings.heartbeat_interval,
+        limits=RelayLimits.from_settings(settings),
         client_address=address,
         client_push=functools.partial(compat.push_text, client),
     )

@@ -1,39 +1,24 @@
-"""The per-session relay: a thin coordinator around ``SessionCore``.
+"""The per-session relay: a thin coordinator around ``SessionCore``, its only caller.
 
-It wires five parts, each with one job (docs/design.md, Relay shell), and is
-the only caller of the core:
+It wires the session's parts (docs/design.md, Relay shell): the core decides;
+the :class:`~omni_sidecar.session.writer.ClientFrameWriter` is the sink for
+everything written to the client; the
+:class:`~omni_sidecar.session.client_reader.ClientReader` brings client frames
+in through :meth:`Relay.client_text`; the engine link pushes engine frames in
+through :meth:`Relay.upstream_text` and sends what it answers; the
+:class:`~omni_sidecar.session.timers.SessionTimers` call back when time is up.
 
-- :class:`~omni_sidecar.core.session.SessionCore` decides (no I/O);
-- :class:`~omni_sidecar.session.writer.ClientFrameWriter` owns every byte written to
-  the client (events, pings, pongs, the close frame): a sink that the relay
-  hands taken events to, within the write bound, and that re-checks each one
-  when it is written;
-- :class:`~omni_sidecar.session.client_reader.ClientReader` brings the client's
-  frames in, pushed by aiohttp's parser or read from its queue, through one call;
-- :class:`~omni_sidecar.session.engine_link.UpstreamLink` is the engine connection;
-  it pushes engine frames in and sends what the relay answers, never awaiting;
-- :class:`~omni_sidecar.session.timers.SessionTimers` keeps time (keepalive, idle,
-  duration, close deadline) on an injected scheduler.
-
-Three tasks in one TaskGroup:
-
-1. client → upstream: the client reader hands each client frame to
-   :meth:`Relay.client_text`; the core classifies it (cancel triggers act at
-   once) and the original text is sent to the engine without awaiting.
-2. upstream → client (intake): the engine link runs and pushes each engine
-   frame into :meth:`Relay.upstream_text` as it is parsed (no await per
-   event); the core filters it and queues it in the session's OutputBuffer.
-   Intake never waits on the client, so the engine is always read at full
-   speed. When the client transport is below its mark it also asks the
-   writer to write what is ready (the fast path: no task switch per event).
-3. delivery: once the client transport drains, write what is ready; send the
-   upstream keepalive pings; close both sides when the session ends.
+Three tasks in one TaskGroup: the client reader; the intake (the engine
+link's ``run``: it never waits on the client, so the engine is always read at
+full speed, and while the client transport is below its mark it writes what
+is ready at once, without a task switch per event); and delivery (once the
+client transport drains, write what is ready, send keepalive pings, close
+both sides when the session ends).
 
 What can still be in flight after a cancel: what the transport
-(``client_write_buffer_bytes``) and the kernel send buffer (set to the same
-size; Linux doubles it) hold, plus whatever the client's own receive buffer
-took. An event is taken only while the transport is below the mark, so a
-reader that keeps up hears at most about one frame.
+(``client_write_buffer_bytes``) and the kernel send buffer hold, plus the
+client's own receive buffer. An event is taken only while the transport is
+below the mark, so a reader that keeps up hears at most about one frame.
 """
 
 from __future__ import annotations
@@ -58,6 +43,8 @@ from omni_sidecar.core.session import (
 )
 from omni_sidecar.session.client_reader import ClientReader, ClientSocket, TextPush
 from omni_sidecar.session.engine_link import NO_COMMANDS, UpstreamLink
+from omni_sidecar.session.limits import RelayLimits
+from omni_sidecar.session.tasks import cancel_and_wait, first_set
 from omni_sidecar.session.timers import LoopScheduler, Scheduler, SessionTimers, Side
 from omni_sidecar.session.writer import ClientFrameWriter
 
@@ -109,12 +96,7 @@ class Relay:
         upstream: the engine connection.
         core: the session policy.
         observer: metrics and registry hooks.
-        close_timeout: seconds to deliver the final events once closing.
-        drain_timeout: seconds to deliver what is queued when the engine is lost.
-        upstream_close_timeout: seconds to wait for the engine's ``session.closed``.
-        max_pending_input_bytes: unsent bytes toward the engine; 0 = off.
-        write_buffer_bytes: the client write bound.
-        max_session_duration, client_idle_timeout, heartbeat_interval: timers; 0 = off.
+        limits: the shell's bounds and deadlines (:class:`RelayLimits`).
         scheduler: time and timers (the running loop by default).
         call_soon: end-of-tick callback scheduling (the running loop's by default).
         client_address: for logs and /debug/sessions.
@@ -132,14 +114,7 @@ class Relay:
         upstream: UpstreamLink,
         core: SessionCore,
         observer: SessionObserver,
-        close_timeout: float,
-        drain_timeout: float,
-        upstream_close_timeout: float,
-        max_pending_input_bytes: int = 0,
-        write_buffer_bytes: int = 64 * 1024,
-        max_session_duration: float = 0.0,
-        client_idle_timeout: float = 0.0,
-        heartbeat_interval: float = 0.0,
+        limits: RelayLimits,
         scheduler: Scheduler | None = None,
         call_soon: Callable[[Callable[[], None]], object] | None = None,
         client_address: str = "",
@@ -151,10 +126,10 @@ class Relay:
         self.core = core
         self.client_address = client_address
         self._observer = observer
-        self._close_timeout = close_timeout
-        self._drain_timeout = drain_timeout
-        self._upstream_close_timeout = upstream_close_timeout
-        self._max_pending_input = max_pending_input_bytes
+        self._close_timeout = limits.close_timeout
+        self._drain_timeout = limits.drain_timeout
+        self._upstream_close_timeout = limits.upstream_close_timeout
+        self._max_pending_input = limits.max_pending_input_bytes
         self._scheduler = scheduler if scheduler is not None else LoopScheduler()
         self._clock = self._scheduler.time
         if call_soon is None:
@@ -163,7 +138,7 @@ class Relay:
             client_protocol,
             self,
             still_valid=core.still_valid,
-            write_buffer_bytes=write_buffer_bytes,
+            write_buffer_bytes=limits.write_buffer_bytes,
             clock=self._clock,
             call_soon=call_soon,
             upstream_backlog=upstream.backlog,
@@ -171,9 +146,9 @@ class Relay:
         self.timers = SessionTimers(
             self._scheduler,
             self,
-            heartbeat_interval=heartbeat_interval,
-            client_idle_timeout=client_idle_timeout,
-            max_session_duration=max_session_duration,
+            heartbeat_interval=limits.heartbeat_interval,
+            client_idle_timeout=limits.client_idle_timeout,
+            max_session_duration=limits.max_session_duration,
         )
         self.started_at = self.timers.started_at
         self._wake = asyncio.Event()
@@ -597,7 +572,7 @@ class Relay:
         writer = self.writer
         writer.flush(force=True)
         if self.reader.cut_off:
-            await self._stop_reader()
+            await cancel_and_wait(self._reader)
             writer.close(code, self._close_message())
             writer.close_transport()  # after the close frame; no reply awaited
         elif not self.client.closed and not writer.gone:
@@ -606,7 +581,7 @@ class Relay:
             # would see 1006 instead of our code. Without it, close() waits
             # (up to close_timeout) for the client's Close reply. The close
             # frame itself goes through our writer (installed as aiohttp's).
-            await self._stop_reader()
+            await cancel_and_wait(self._reader)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self._close_timeout):
                     await self.client.close(code=code, message=self._close_message())
@@ -617,25 +592,14 @@ class Relay:
         if not self._upstream_gone.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._upstream_close_timeout):
-                    await _first(self._upstream_session_closed, self._upstream_gone)
-        intake = self._intake
-        if intake is not None and not intake.done():
-            intake.cancel()  # our own task: the engine had its chance to answer
-            with contextlib.suppress(asyncio.CancelledError):
-                await intake
+                    await first_set(self._upstream_session_closed, self._upstream_gone)
+        await cancel_and_wait(self._intake)  # the engine had its chance to answer
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._close_timeout):
                 await self.upstream.close()
         # Unblock the client reader if the client never answered our close.
         if not self._client_gone.is_set() and not self.client.closed:
             writer.abort()
-
-    async def _stop_reader(self) -> None:
-        reader = self._reader
-        if reader is not None and not reader.done():
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
 
     def _close_message(self) -> bytes:
         outcome = self.core.outcome
@@ -645,14 +609,3 @@ class Relay:
         if not self.client.closed:
             await self.client.close(code=self.core.close_code or CLOSE_NORMAL)
         await self.upstream.close()
-
-
-async def _first(*events: asyncio.Event) -> None:
-    """Wait until any of the events is set."""
-    while not any(e.is_set() for e in events):
-        waiters = [asyncio.ensure_future(e.wait()) for e in events]
-        try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()

@@ -23,6 +23,7 @@ from omni_sidecar.core.buffer import Entry
 from omni_sidecar.core.events import UpstreamEvent
 from omni_sidecar.core.playback import AckMode, PlaybackSettings
 from omni_sidecar.core.session import OverflowPolicy, SessionCore, SessionSettings
+from omni_sidecar.session.limits import RelayLimits
 from omni_sidecar.session.relay import ACK_RIDE_WAIT, Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
@@ -87,6 +88,17 @@ class Session:
         self.core = SessionCore(
             core_settings or make_settings(), new_event_id=lambda: "event_proxy"
         )
+        limit_values = {
+            name: relay_kwargs.pop(name)
+            for name in [f.name for f in dataclasses.fields(RelayLimits)]
+            if name in relay_kwargs
+        }
+        limits = RelayLimits(
+            close_timeout=CLOSE_TIMEOUT,
+            drain_timeout=30.0,
+            upstream_close_timeout=5.0,
+            **limit_values,
+        )
         self.relay = Relay(
             session_key="test",
             client=self.client,
@@ -94,9 +106,7 @@ class Session:
             upstream=self.upstream,  # type: ignore[arg-type]
             core=self.core,
             observer=self.observer,  # type: ignore[arg-type]
-            close_timeout=CLOSE_TIMEOUT,
-            drain_timeout=30.0,
-            upstream_close_timeout=5.0,
+            limits=limits,
             scheduler=self.scheduler,
             **relay_kwargs,
         )
