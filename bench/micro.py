@@ -171,7 +171,7 @@ async def _round(chunk_ms: int, events: int, settings: Settings) -> tuple[float,
         for _ in range(events)
     ]
     client.frames = appends[::-1]
-    reader = relay._client_to_upstream
+    reader = relay.reader.run
     started = time.perf_counter()
     await reader()
     up = (time.perf_counter() - started) / events

@@ -18,6 +18,7 @@ session on the declared floor version.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
 from typing import Any, Final
@@ -81,10 +82,12 @@ class AiohttpHookMissing(RuntimeError):
 # -- the hooks ------------------------------------------------------------------------------
 
 
-def client_transport(protocol: Any) -> asyncio.Transport | None:
-    """The client connection's transport (``BaseProtocol.transport``); None once lost."""
-    transport: asyncio.Transport | None = protocol.transport
-    return transport
+#: The connection's transport (``BaseProtocol.transport``); None once lost. An
+#: ``attrgetter`` (C) rather than a Python function: the frame writer reads it
+#: on every event.
+client_transport: Final[Callable[[Any], asyncio.Transport | None]] = operator.attrgetter(
+    "transport"
+)
 
 
 async def wait_writable(protocol: Any) -> None:
@@ -182,9 +185,9 @@ def upstream_protocol(upstream: client_ws.ClientWebSocketResponse) -> Any:
     return upstream._writer.protocol
 
 
-def writing_paused(protocol: Any) -> bool:
-    """The connection's transport is above its high-water mark (``BaseProtocol.writing_paused``)."""
-    return bool(protocol.writing_paused)
+#: The connection's transport is above its high-water mark
+#: (``BaseProtocol.writing_paused``, a bool). Read per event, so an ``attrgetter`` too.
+writing_paused: Final[Callable[[Any], bool]] = operator.attrgetter("writing_paused")
 
 
 def on_writing_resumed(protocol: Any, callback: Callable[[], None]) -> None:

@@ -42,15 +42,15 @@ DEFECTS = [
     Defect(
         "writer: batch not bounded by client_write_buffer_bytes",
         "omni_sidecar/session/writer.py",
-        "        if self._batch and self._batch_bytes + size > room:",
+        "        if self._batch and self._batch_bytes + size > self._room:",
         "        if False:",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
         "writer: takes events while the transport is paused",
         "omni_sidecar/session/writer.py",
-        "        return not self.close_sent and not compat.writing_paused(self._protocol)",
-        "        return not self.close_sent",
+        "        if compat.writing_paused(self._protocol) or self.close_sent:\n            return None",
+        "        if self.close_sent:\n            return None",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
@@ -84,8 +84,8 @@ DEFECTS = [
     Defect(
         "writer: events taken and written after the close frame",
         "omni_sidecar/session/writer.py",
-        "        return not self.close_sent and not compat.writing_paused(self._protocol)",
-        "        return not compat.writing_paused(self._protocol)",
+        "        if compat.writing_paused(self._protocol) or self.close_sent:\n            return None",
+        "        if compat.writing_paused(self._protocol):\n            return None",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
@@ -183,8 +183,8 @@ DEFECTS = [
     Defect(
         "writer: what the client transport holds does not count against the bound",
         "omni_sidecar/session/writer.py",
-        "        return self._bound - self._buffered()\n",
-        "        return self._bound\n",
+        "        self._room = self._bound - held\n",
+        "        self._room = self._bound\n",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(

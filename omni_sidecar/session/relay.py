@@ -67,22 +67,25 @@ def new_event_id() -> str:
 def pump(core: SessionCore, writer: ClientFrameWriter, now: float, *, defer: bool = False) -> None:
     """Take what the core has ready, within the writer's bound, and hand it to the writer.
 
+    Nothing is taken while the client transport is above its mark or after the
+    close frame (``ClientFrameWriter.start_batch``).
+
     Args:
         now: the time the events are taken (their queue delay ends here).
         defer: the caller is the engine reader (see ``ClientFrameWriter.end_batch``).
     """
-    room = writer.room()
-    buffer = core.buffer
-    while writer.accepting and buffer.has_output():
-        if writer.batch_bytes >= room:
-            break
-        entry = core.next_delivery(now)
-        if entry is None:
-            break
-        buffer.release_held()
-        room = writer.take(entry, now, room)
-        if entry.closure:
-            break
+    room = writer.start_batch()
+    if room is None:
+        return
+    if room:
+        buffer = core.buffer
+        while buffer.has_output():
+            entry = core.next_delivery(now)
+            if entry is None:
+                break
+            buffer.release_held()
+            if not writer.take(entry, now) or entry.closure:
+                break
     writer.end_batch(defer=defer)
 
 
@@ -484,10 +487,9 @@ class Relay:
             self._upstream_session_closed.set()
         writer = self.writer
         written = writer.frames_written
-        if not writer.paused:
-            # Fast path: the client can take it; write now instead of waking
-            # the delivery task (saves a task switch per event).
-            pump(core, writer, now, defer=True)
+        # Fast path: while the client can take it, write now instead of waking
+        # the delivery task (saves a task switch per event).
+        pump(core, writer, now, defer=True)
         self._after_core_call(synced=writer.frames_written != written)
         if core.has_upstream_commands and not self._upstream_gone.is_set():
             return core.events_to_upstream()

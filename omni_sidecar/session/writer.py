@@ -115,6 +115,8 @@ class ClientFrameWriter:
         #: Entries taken from the core and not written yet (at most one tick).
         self._batch: list[tuple[Entry, float]] = []
         self._batch_bytes = 0
+        #: What the batch being taken may hold: the bound less what the transport holds.
+        self._room = write_buffer_bytes
         self._flush_scheduled = False
         #: Payload of the latest unanswered ping, while the transport was paused.
         self._pending_pong: bytes | None = None
@@ -146,11 +148,6 @@ class ClientFrameWriter:
         return compat.writing_paused(self._protocol)
 
     @property
-    def accepting(self) -> bool:
-        """More events may be taken now (no close frame sent, transport below its mark)."""
-        return not self.close_sent and not compat.writing_paused(self._protocol)
-
-    @property
     def has_pending(self) -> bool:
         """Taken events or a pong wait for the transport."""
         return bool(self._batch) or self._pending_pong is not None
@@ -170,38 +167,50 @@ class ClientFrameWriter:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def room(self) -> int:
-        """Start a batch: write a pending pong, and return the bytes it may hold.
+    def start_batch(self) -> bool | None:
+        """Start taking events: write a pending pong, and say whether any may be taken.
 
         What the transport already holds counts against the bound too, so a
         client that stops reading pins at most the bound (plus one event)
         here, not a full batch on top of a full transport.
+
+        Returns:
+            None when nothing may be taken or written now (the transport is
+            above its mark, or a close frame went out: no :meth:`end_batch`
+            either); False when the batch already holds the bound; True when
+            events may be taken.
         """
-        if self._pending_pong is not None and not self.paused:
+        protocol = self._protocol
+        if compat.writing_paused(protocol) or self.close_sent:
+            return None
+        if self._pending_pong is not None:
             self._write_control(OP_PONG, self._pending_pong)
             self._pending_pong = None
             self.unanswered_pings = 0
-        return self._bound - self._buffered()
+        # What the transport holds (_buffered, written out: once per engine event).
+        transport = compat.client_transport(protocol)
+        held = 0 if transport is None else int(transport.get_write_buffer_size())
+        self._room = self._bound - held
+        return self._batch_bytes < self._room
 
-    def take(self, entry: Entry, taken_at: float, room: int) -> int:
+    def take(self, entry: Entry, taken_at: float) -> bool:
         """Add a taken event to the batch; a full batch is written first.
 
         Args:
             entry: the event, already taken from the core.
             taken_at: when it was taken (its queue delay ends there).
-            room: what :meth:`room` (or the last ``take``) returned.
 
         Returns:
-            The room left for this batch (recomputed when a full batch was written).
+            Whether another event may be taken into this batch.
         """
         size = entry.event.size
-        if self._batch and self._batch_bytes + size > room:
+        if self._batch and self._batch_bytes + size > self._room:
             # The batch is full: write it; this event starts the next one.
             self.flush()
-            room = self._bound - self._buffered()
+            self._room = self._bound - self._buffered()
         self._batch.append((entry, taken_at))
         self._batch_bytes += size
-        return room
+        return self._batch_bytes < self._room and not compat.writing_paused(self._protocol)
 
     def end_batch(self, *, defer: bool = False) -> None:
         """Write the batch now, or at the end of the loop tick.

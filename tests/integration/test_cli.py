@@ -16,6 +16,7 @@ import os
 import shlex
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -258,6 +259,18 @@ async def test_version() -> None:
     rc, out, err = await run_cli("--version")
     assert rc == 0, err
     assert out.strip() == f"omni-sidecar {version()}"
+
+
+async def test_python_dash_m_omni_sidecar_is_the_same_command() -> None:
+    """The package runs as ``python -m omni_sidecar`` as well as ``omni-sidecar``."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "omni_sidecar", "--version",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=clean_env(),
+    )  # fmt: skip
+    async with asyncio.timeout(DEADLINE):
+        out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    assert out.decode().strip() == f"omni-sidecar {version()}"
 
 
 async def test_print_config_round_trips_through_config(tmp_path: Path) -> None:

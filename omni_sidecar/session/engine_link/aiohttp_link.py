@@ -23,7 +23,7 @@ import aiohttp
 from omni_sidecar import compat
 from omni_sidecar.session.engine_link.outbox import Outbox
 from omni_sidecar.session.engine_link.protocol import CLEAN_CLOSES, UpstreamHandler
-from omni_sidecar.session.frames import OP_PONG
+from omni_sidecar.session.frames import OP_PONG, OP_TEXT
 
 __all__ = ["AiohttpUpstreamLink", "read_messages"]
 
@@ -81,7 +81,7 @@ class AiohttpUpstreamLink:
     def send_nowait(self, text: str) -> None:
         if self._upstream.closed:
             return
-        self._outbox.text(text)
+        self._outbox.frame(OP_TEXT, bytearray(text, "utf-8", "surrogatepass"))
 
     def pong_nowait(self, payload: bytes) -> None:
         """Answer the engine's ping (autoping is off: the keepalive is the relay's)."""

@@ -16,7 +16,7 @@ import os
 from typing import Final
 
 from omni_sidecar import compat
-from omni_sidecar.session.frames import OP_TEXT, masked_frame_header
+from omni_sidecar.session.frames import masked_frame_header
 
 __all__ = ["FLUSH_NOW_BYTES", "Outbox"]
 
@@ -65,11 +65,6 @@ class Outbox:
         #: Payload bytes queued and not written yet (part of the input backlog).
         self.pending_bytes = 0
         self.transport: asyncio.Transport | None = None
-
-    def text(self, text: str) -> None:
-        """Queue one text frame."""
-        payload = bytearray(text, "utf-8", "surrogatepass")
-        self.frame(OP_TEXT, payload)
 
     def frame(self, opcode: int, payload: bytearray) -> None:
         """Queue one frame of ``opcode``; ``payload`` is masked in place."""

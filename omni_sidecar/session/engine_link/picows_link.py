@@ -23,6 +23,7 @@ from omni_sidecar.session.engine_link.protocol import (
     UpstreamConnectError,
     UpstreamHandler,
 )
+from omni_sidecar.session.frames import OP_TEXT
 
 __all__ = ["PicowsUpstreamLink"]
 
@@ -254,7 +255,7 @@ class PicowsUpstreamLink(picows.WSListener):
     def send_nowait(self, text: str) -> None:
         if self.transport is None or self.closed:
             return
-        self._outbox.text(text)
+        self._outbox.frame(OP_TEXT, bytearray(text, "utf-8", "surrogatepass"))
 
     # -- UpstreamLink ---------------------------------------------------------------------
 
