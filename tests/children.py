@@ -392,7 +392,21 @@ class ChildProcess:
         await self.astop()
 
 
-class SidecarChild(ChildProcess):
+class _RealtimeServer(ChildProcess):
+    """A child that serves HTTP and ``/v1/realtime`` on ``port`` (loopback)."""
+
+    port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+
+class SidecarChild(_RealtimeServer):
     """``omni-sidecar serve --listen P --admin-listen A *flags`` as a child process.
 
     Args:
@@ -439,19 +453,11 @@ class SidecarChild(ChildProcess):
         )  # fmt: skip
 
     @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
 
-class SimulatorChild(ChildProcess):
+class SimulatorChild(_RealtimeServer):
     """``python -m omni_sidecar.simulator --host 127.0.0.1 --port P *args`` as a child.
 
     Ready when ``/health`` answers 200. ``env`` None is this process's
@@ -482,14 +488,6 @@ class SimulatorChild(ChildProcess):
             log_path=log_path, cwd=cwd, prefix=prefix, new_session=new_session,
             stop_grace=stop_grace, ready_timeout=ready_timeout, ready_status=ready_status,
         )  # fmt: skip
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
 
 
 def _accepts(port: int) -> bool:
