@@ -49,7 +49,7 @@ DEFECTS = [
     Defect(
         "writer: takes events while the transport is paused",
         "omni_sidecar/session/writer.py",
-        "        if compat.writing_paused(self._protocol) or self.close_sent:\n            return None",
+        "        if compat.writing_paused(protocol) or self.close_sent:\n            return None",
         "        if self.close_sent:\n            return None",
         "tests/unit/shell/test_frame_writer.py",
     ),
@@ -84,8 +84,8 @@ DEFECTS = [
     Defect(
         "writer: events taken and written after the close frame",
         "omni_sidecar/session/writer.py",
-        "        if compat.writing_paused(self._protocol) or self.close_sent:\n            return None",
-        "        if compat.writing_paused(self._protocol):\n            return None",
+        "        if compat.writing_paused(protocol) or self.close_sent:\n            return None",
+        "        if compat.writing_paused(protocol):\n            return None",
         "tests/unit/shell/test_frame_writer.py",
     ),
     Defect(
