@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import DEADLINE, wait_until
+from tests.conftest import DEADLINE
 from tests.fakes.scripted_engine import ScriptedEngine
 
 FRAMES = 40
@@ -34,7 +34,9 @@ async def test_client_text_frames_are_pushed_by_the_parser(
             msg = await ws.receive(timeout=DEADLINE)
             assert orjson.loads(msg.data)["type"] == "session.created"
             (relay,) = proxy.sidecar.sessions.relays.values()
-            await wait_until(lambda: relay.reader.pushing, what="the push path turned on")
+            # The reader task starts before the intake task in the relay's TaskGroup
+            # and turns the push on in its first step, before anything is relayed.
+            assert relay.reader.pushing, "the push path is on once the session runs"
             sent = [
                 orjson.dumps({"type": "input_audio_buffer.append", "audio": "AAAA", "n": i})
                 for i in range(FRAMES)
