@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import aiohttp
 
+from omni_sidecar import compat
+
 if TYPE_CHECKING:
     from omni_sidecar.session.engine_link import UpstreamLink
-    from omni_sidecar.session.writer import ClientFrameWriter
 
 __all__ = ["ClientFrames", "ClientReader", "ClientSocket", "TextPush"]
 
@@ -81,7 +82,8 @@ class ClientReader:
     Args:
         client: the prepared client WebSocket.
         frames: where frames go (the relay).
-        writer: the client's frame writer (pausing and resuming reads).
+        protocol: aiohttp's protocol under ``client``: reading is paused and
+            resumed on its transport (writing is the frame writer's alone).
         upstream: the engine link (its flow control pauses client reads).
         push: turns the parser's hand-over of text frames on and off; None
             reads every frame from aiohttp's queue.
@@ -91,13 +93,13 @@ class ClientReader:
         self,
         client: ClientSocket,
         frames: ClientFrames,
-        writer: ClientFrameWriter,
+        protocol: Any,
         upstream: UpstreamLink,
         push: TextPush | None,
     ) -> None:
         self._client = client
         self._frames = frames
-        self._writer = writer
+        self._protocol = protocol
         self._upstream = upstream
         self._push = push
         #: Text frames are being handed over by the parser right now.
@@ -184,19 +186,26 @@ class ClientReader:
         """
         self.cut_off = True
         self._set_push(None)
-        self._writer.pause_reading()
+        self._pause()
 
     def pause_for_upstream(self) -> None:
         """Read no more client frames until the engine link drains."""
         if not self.cut_off and not self._paused_for_upstream:
-            self._writer.pause_reading()
+            self._pause()
             self._paused_for_upstream = True
 
     def _upstream_drained(self) -> None:
         if self._paused_for_upstream:
             self._paused_for_upstream = False
             if not self.cut_off:
-                self._writer.resume_reading()
+                transport = compat.client_transport(self._protocol)
+                if transport is not None and not transport.is_closing():
+                    transport.resume_reading()
+
+    def _pause(self) -> None:
+        transport = compat.client_transport(self._protocol)
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
 
     def _set_push(self, handler: Callable[[str], None] | None) -> bool:
         """Hand client text frames to ``handler`` as they are parsed (None: queue them).

@@ -161,7 +161,7 @@ class Relay:
         self._client_gone = asyncio.Event()
         #: When a client frame last went to the engine (due acks ride along).
         self._forwarded_at = -math.inf
-        self.reader = ClientReader(client, self, self.writer, upstream, client_push)
+        self.reader = ClientReader(client, self, client_protocol, upstream, client_push)
         self._intake: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bytes_client_to_upstream = 0

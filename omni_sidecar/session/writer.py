@@ -353,18 +353,6 @@ class ClientFrameWriter:
             return
         transport.write(frame_header(opcode, len(payload)) + payload)
 
-    def pause_reading(self) -> None:
-        """Read nothing more from this client for now (cut off, or the engine is full)."""
-        transport = compat.client_transport(self._protocol)
-        if transport is not None and not transport.is_closing():
-            transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        """Read this client again (the engine link drained)."""
-        transport = compat.client_transport(self._protocol)
-        if transport is not None and not transport.is_closing():
-            transport.resume_reading()
-
     def close_transport(self) -> None:
         """Close the connection once what was written has been sent."""
         transport = compat.client_transport(self._protocol)
