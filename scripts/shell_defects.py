@@ -204,7 +204,7 @@ DEFECTS = [
     Defect(
         "reader: client text frames never take the parser's hand-over",
         "omni_sidecar/session/client_reader.py",
-        "        handler = self._pushed if self._push is not None else None",
+        "        handler = frames.client_text if self._push is not None else None",
         "        handler = None",
         "tests/integration/test_client_read_path.py",
     ),

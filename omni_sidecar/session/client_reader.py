@@ -104,8 +104,7 @@ class ClientReader:
         self._push = push
         #: Text frames are being handed over by the parser right now.
         self.pushing = False
-        #: Text frames that came through the hand-over, and through the queue.
-        self.frames_pushed = 0
+        #: Text frames read from aiohttp's queue (the rest were handed over as parsed).
         self.frames_read = 0
         #: The client was cut off for flooding: its reads are paused for good.
         self.cut_off = False
@@ -118,7 +117,7 @@ class ClientReader:
         client = self._client
         frames = self._frames
         upstream = self._upstream
-        handler = self._pushed if self._push is not None else None
+        handler = frames.client_text if self._push is not None else None
         count = 0
         try:
             while True:
@@ -162,10 +161,6 @@ class ClientReader:
         finally:
             self._set_push(None)
             frames.client_ended()
-
-    def _pushed(self, text: str) -> None:
-        self.frames_pushed += 1
-        self._frames.client_text(text)
 
     def over_rate(self) -> None:
         """The client is over its frame rate: back to aiohttp's queue.

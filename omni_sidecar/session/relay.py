@@ -255,8 +255,7 @@ class Relay:
         self._wake.set()
 
     def pace_due(self) -> None:
-        if not self.writer.paused:
-            pump(self.core, self.writer, self._clock())
+        pump(self.core, self.writer, self._clock())  # nothing while the client is paused
         self._after_core_call()
 
     def playback_due(self) -> None:
@@ -387,8 +386,7 @@ class Relay:
         if core.state is not SessionState.CLOSED and not core.buffer.closure_delivered:
             core.client_gone()
         self._after_core_call()
-        with contextlib.suppress(Exception):
-            self._send_commands()
+        self._send_commands()
 
     def _admit(self, size: int, now: float) -> bool:
         """The frame-rate limit; a client over it that the core ends is cut off."""

@@ -12,7 +12,7 @@ by itself (an oversized client frame: 1009) take the same path.
 
 Rules it enforces (docs/design.md, Relay shell):
 
-- **Write bound.** :meth:`accepting` and :meth:`room` tell the relay to take
+- **Write bound.** :meth:`start_batch` and :meth:`take` tell the relay to take
   events only while what the client transport holds unsent plus the batch of
   taken events is below ``client_write_buffer_bytes`` (also the transport's
   high-water mark, set by the app). So a client that stops reading pins at
@@ -154,6 +154,7 @@ class ClientFrameWriter:
 
     @property
     def batch_bytes(self) -> int:
+        """Bytes taken into the batch and not written yet."""
         return self._batch_bytes
 
     async def wait_writable(self) -> None:
