@@ -9,7 +9,7 @@
 #   make pytest  - only the test suite
 #   make test-loaded - the whole suite with every core kept busy beside it
 #                  (scripts/cpu_hog.py): what a loaded CI machine does to timing
-#   make native  - compile the I/O-free core (omni_sidecar/core) with mypyc: ~13 % less
+#   make native  - compile the I/O-free core (proxy/core) with mypyc: ~13 % less
 #                  sidecar CPU per event; `make pure` goes back to the Python core
 # Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/unit"`.
 PYTHON ?= python3
@@ -21,9 +21,9 @@ PYTEST_ARGS ?=
 #: Two fit the 2-core CI machine: many tests wait on child processes, not on a core.
 PYTEST_WORKERS ?= 2
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
-LINT_PATHS := omni_sidecar tests bench scripts
+LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
-TYPED_PATHS := omni_sidecar
+TYPED_PATHS := proxy engine_launcher metrics
 
 .PHONY: help setup serve test test-loaded lint pytest bench native pure clean
 
@@ -75,4 +75,4 @@ include mk/real-engine.mk
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
-	rm -f omni_sidecar/core/*.so
+	rm -f proxy/core/*.so

@@ -25,7 +25,7 @@ import picows
 import uvloop
 from aiohttp import web
 
-from omni_sidecar.session.frames import OP_BINARY, OP_TEXT, frame_header
+from proxy.session.frames import OP_BINARY, OP_TEXT, frame_header
 
 __all__ = ["main"]
 

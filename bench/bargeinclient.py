@@ -2,7 +2,7 @@
 
 Each session appends 200 ms of input audio, commits and asks for one
 response. It plays what it receives through the probe's
-:class:`omni_sidecar.probe.PlayoutBuffer`: a 1x client buffer that starts at the first
+:class:`proxy.probe.PlayoutBuffer`: a 1x client buffer that starts at the first
 audio delta and is never cleared, like a telephony bridge. At a uniformly random
 playout time between ``--cancel-min`` and ``--cancel-max`` seconds after the
 first delta (seeded) it sends ``response.cancel`` naming the response, whether
@@ -36,7 +36,7 @@ from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
 
 from bench.cancelclient import AUDIO_PREFIXES, field, start_turn, text_payload
 from bench.common import percentile
-from omni_sidecar.probe import PlayoutBuffer
+from proxy.probe import PlayoutBuffer
 
 __all__ = ["BargeInSession", "main"]
 

@@ -10,7 +10,9 @@ real one, and this one can be measured in seconds.
 
 It prints µs per engine event (``upstream_text`` through the client write) and
 per client frame (the reader loop through the engine send), as the median of
-``--rounds`` rounds.
+``--rounds`` rounds. ``--calls`` prints instead how many Python function calls
+each takes (``sys.setprofile``): a count that does not move with the machine's
+load, for comparing two trees.
 """
 
 from __future__ import annotations
@@ -19,21 +21,22 @@ import argparse
 import asyncio
 import base64
 import statistics
+import sys
 import time
 from collections.abc import Sized
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from omni_sidecar.core.session import SessionCore
-from omni_sidecar.edge.state import session_settings
-from omni_sidecar.metrics.definitions import SidecarMetrics
-from omni_sidecar.session.engine_link import UpstreamHandler
-from omni_sidecar.session.limits import RelayLimits
-from omni_sidecar.session.registry import SessionRegistry
-from omni_sidecar.session.relay import Relay, new_event_id
-from omni_sidecar.settings import Settings
+from metrics.definitions import SidecarMetrics
+from proxy.core.session_core import SessionCore
+from proxy.edge.state import session_settings
+from proxy.session.limits import RelayLimits
+from proxy.session.registry import SessionRegistry
+from proxy.session.relay import Relay, new_event_id
+from proxy.session.upstream_link import UpstreamHandler
+from proxy.settings import Settings
 
 __all__ = ["main"]
 
@@ -146,7 +149,28 @@ def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
     return relay, client
 
 
-async def _round(chunk_ms: int, events: int, settings: Settings) -> tuple[float, float]:
+class _CallCounter:
+    """Counts Python function calls while on (``sys.setprofile``); C calls are not counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            self.calls += 1
+
+    def __enter__(self) -> Self:
+        self.calls = 0
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
+async def _round(
+    chunk_ms: int, events: int, settings: Settings, *, count_calls: bool = False
+) -> tuple[float, float]:
     relay, client = _relay(settings)
     b64 = base64.b64encode(b"\x01\x02" * (24 * chunk_ms)).decode()
     up_b64 = base64.b64encode(b"\x01\x02" * (16 * 80)).decode()
@@ -157,10 +181,17 @@ async def _round(chunk_ms: int, events: int, settings: Settings) -> tuple[float,
         f'"response":{{"id":"{rid}","status":"in_progress"}}}}'
     )
     texts = [_delta(rid, i + 1, b64) for i in range(events)]
+    counter = _CallCounter()
     started = time.perf_counter()
-    for text in texts:
-        relay.upstream_text(text)
-    down = (time.perf_counter() - started) / events
+    if count_calls:
+        with counter:
+            for text in texts:
+                relay.upstream_text(text)
+        down = counter.calls / events
+    else:
+        for text in texts:
+            relay.upstream_text(text)
+        down = (time.perf_counter() - started) / events
     appends = [
         aiohttp.WSMessage(
             aiohttp.WSMsgType.TEXT,
@@ -173,10 +204,16 @@ async def _round(chunk_ms: int, events: int, settings: Settings) -> tuple[float,
     client.frames = appends[::-1]
     reader = relay.reader.run
     started = time.perf_counter()
-    await reader()
-    up = (time.perf_counter() - started) / events
+    if count_calls:
+        with counter:
+            await reader()
+        up = counter.calls / events
+    else:
+        await reader()
+        up = (time.perf_counter() - started) / events * 1e6
+        down *= 1e6
     relay.timers.cancel()
-    return down * 1e6, up * 1e6
+    return down, up
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--events", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--playback-ack", default="auto", choices=("auto", "off", "always"))
+    parser.add_argument(
+        "--calls", action="store_true", help="count Python calls per event instead of timing"
+    )
     ns = parser.parse_args(argv)
     # The frame and input-audio rate limits are per-second budgets; this run sends far faster.
     settings = Settings(
@@ -192,12 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     for label, chunk_ms in (("nemotron (80 ms deltas)", 80), ("minicpmo (1000 ms deltas)", 1000)):
         downs, ups = [], []
         for _ in range(ns.rounds):
-            down, up = asyncio.run(_round(chunk_ms, ns.events, settings))
+            down, up = asyncio.run(_round(chunk_ms, ns.events, settings, count_calls=ns.calls))
             downs.append(down)
             ups.append(up)
+        unit = "Python calls" if ns.calls else "µs"
         print(
-            f"{label}: engine event {statistics.median(downs):.2f} µs, "
-            f"client frame {statistics.median(ups):.2f} µs (median of {ns.rounds})"
+            f"{label}: engine event {statistics.median(downs):.2f} {unit}, "
+            f"client frame {statistics.median(ups):.2f} {unit} (median of {ns.rounds})"
         )
 
 

@@ -235,12 +235,12 @@ def _write(
     n, reps = ns.bargein_sessions, ns.reps
     report.para(
         f"{reps} repetition(s) × {n} concurrent sessions per path and per commit policy (paths "
-        f"interleaved, order rotated each repetition). Engine: `python -m omni_sidecar.simulator "
+        f"interleaved, order rotated each repetition). Engine: `python -m engine_launcher.simulator "
         f"{' '.join(SIM_ARGS)} --playback-commit-policy POLICY` (4 s replies of 200 ms chunks "
         "generated at 4× real time, 3 late chunks after a cancel). Paths: *direct*; *unpaced* = "
         f"`omni-sidecar serve {' '.join(UNPACED_ARGS)}`; *paced* = `omni-sidecar serve "
         f"{' '.join(PACED_ARGS)}` (both with the default `playback_ack` auto). Each session plays "
-        "its reply through the probe's 1x playout model (`omni_sidecar.probe.PlayoutBuffer`: playback "
+        "its reply through the probe's 1x playout model (`proxy.probe.PlayoutBuffer`: playback "
         "starts at the first audio delta, and the buffer is **not** cleared on a cancel, like a "
         "telephony bridge) and sends `response.cancel` at a random playout time 0.2–3.8 s after "
         "its first delta (seeded; the same draw on every path)."

@@ -1,6 +1,6 @@
 """Scenario ``stale-audio``: audio of a cancelled response that still reaches the client.
 
-Engine: the project's simulator (``python -m omni_sidecar.simulator``) with
+Engine: the project's simulator (``python -m engine_launcher.simulator``) with
 its defaults for the flaw under test: 1000 ms chunks and ``--late-audio-chunks
 3`` (audio already produced is still sent after a cancel, before the
 cancelled ``response.done``, as the released engines do). N sessions cancel
@@ -114,7 +114,7 @@ def stale_audio(ns: argparse.Namespace) -> dict[str, Any]:
     report.raw["summary"] = summary
     report.para(
         f"{ns.reps} repetitions × {ns.stale_sessions} sessions per path (interleaved). Engine: "
-        f"`python -m omni_sidecar.simulator {' '.join(SIM_ARGS)}` (1000 ms chunks, 3 late "
+        f"`python -m engine_launcher.simulator {' '.join(SIM_ARGS)}` (1000 ms chunks, 3 late "
         "chunks after a cancel). Each session cancels its response 0.3–4 s after its first audio "
         "delta. *late frames* = audio deltas of the cancelled response received after the client "
         "sent `response.cancel`; *cancel→silence* = from sending the cancel to the last such delta "

@@ -220,7 +220,7 @@ def write_summary(results: dict[str, Any], elapsed: float, command: str) -> str:
                 f"{fmt(_get(cap, prof, 'us_per_event'))} µs/event)"
             )
             rows.append([label, est, f"≥ {target}", _ok(est, lambda x, t=target: x >= t)])
-    from omni_sidecar.native import CORE_BUILD
+    from proxy.native import CORE_BUILD
 
     lines = [
         "# Benchmark summary: figures against targets",

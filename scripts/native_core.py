@@ -1,7 +1,7 @@
-"""Compile the I/O-free core (``omni_sidecar/core``) with mypyc, or remove the compiled modules.
+"""Compile the I/O-free core (``proxy/core``) with mypyc, or remove the compiled modules.
 
 ``python scripts/native_core.py build`` (``make native``) compiles every
-module of ``omni_sidecar/core`` into an extension module next to its source; Python
+module of ``proxy/core`` into an extension module next to its source; Python
 then imports the compiled one (extension modules are found before sources).
 The code is the same ``mypy --strict`` source; nothing else changes. It takes
 about 25 s on two cores and needs a C compiler and the Python headers.
@@ -11,12 +11,12 @@ Python core is always there and is what a plain install runs.
 
 ``python scripts/native_core.py status`` prints which core an import gets.
 
-``--installed`` acts on the ``omni_sidecar`` package the running interpreter imports
+``--installed`` acts on the ``proxy`` package the running interpreter imports
 instead of this checkout's: after ``pip install /path/to/checkout`` into a
 service venv (with ``mypy`` installed there too, for mypyc),
 ``/opt/omni-sidecar/venv/bin/python scripts/native_core.py build --installed``.
 
-``omni_sidecar/native.py`` (imported by ``omni_sidecar/__init__.py``) refuses a compiled
+``proxy/native.py`` (imported by ``proxy/__init__.py``) refuses a compiled
 core older than its source (edit, forget to rebuild, measure the old code: not on our watch).
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["CORE", "compiled_modules", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ROOT / "omni_sidecar" / "core"
+CORE = ROOT / "proxy" / "core"
 
 
 def core_sources() -> list[Path]:
@@ -38,7 +38,7 @@ def core_sources() -> list[Path]:
 
 
 def compiled_modules() -> list[Path]:
-    """Extension modules in ``omni_sidecar/core`` (the modules and mypyc's runtime parts)."""
+    """Extension modules in ``proxy/core`` (the modules and mypyc's runtime parts)."""
     return sorted(CORE.glob("*.so")) + sorted(CORE.glob("*.pyd"))
 
 
@@ -78,7 +78,7 @@ def build() -> int:
             )
         finally:
             os.chdir(here)
-        built = sorted((lib / "omni_sidecar" / "core").glob("*.so"))
+        built = sorted((lib / "proxy" / "core").glob("*.so"))
         clean(quiet=True)
         for path in built:
             shutil.copy2(path, CORE / path.name)
@@ -96,9 +96,9 @@ def clean(*, quiet: bool = False) -> int:
 
 
 def status() -> int:
-    import omni_sidecar.native
+    import proxy.native
 
-    print(omni_sidecar.native.CORE_BUILD)
+    print(proxy.native.CORE_BUILD)
     return 0
 
 
@@ -109,18 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--installed",
         action="store_true",
-        help="the omni_sidecar package this interpreter imports (e.g. a venv's site-packages after "
+        help="the proxy package this interpreter imports (e.g. a venv's site-packages after "
         "`pip install .`), not this checkout's",
     )
     ns = parser.parse_args(argv)
     if ns.installed:
         import importlib.util
 
-        spec = importlib.util.find_spec("omni_sidecar")
+        spec = importlib.util.find_spec("proxy")
         if spec is None or spec.origin is None:
-            parser.error("no installed omni_sidecar package: pip install omni-sidecar first")
+            parser.error("no installed proxy package: pip install omni-sidecar first")
         ROOT = Path(spec.origin).resolve().parent.parent
-        CORE = ROOT / "omni_sidecar" / "core"
+        CORE = ROOT / "proxy" / "core"
     else:
         sys.path.insert(0, str(ROOT))
     return {"build": build, "clean": clean, "status": status}[ns.action]()

@@ -1,7 +1,7 @@
 """Child processes the tests and the benchmarks start: the sidecar and the simulator.
 
 ``SidecarChild`` runs ``omni-sidecar serve``; ``SimulatorChild`` runs
-``python -m omni_sidecar.simulator``. Both are real processes on loopback
+``python -m engine_launcher.simulator``. Both are real processes on loopback
 ports (free ones unless given), and both follow the same rules:
 
 * readiness is a condition polled under a deadline (``/readyz`` or
@@ -84,7 +84,7 @@ def cli_argv(*args: str) -> list[str]:
     """The installed console script, else the module (same entry point)."""
     if _CLI_SCRIPT.exists():
         return [str(_CLI_SCRIPT), *args]
-    return [sys.executable, "-m", "omni_sidecar.cli", *args]
+    return [sys.executable, "-m", "proxy.cli", *args]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -458,7 +458,7 @@ class SidecarChild(_RealtimeServer):
 
 
 class SimulatorChild(_RealtimeServer):
-    """``python -m omni_sidecar.simulator --host 127.0.0.1 --port P *args`` as a child.
+    """``python -m engine_launcher.simulator --host 127.0.0.1 --port P *args`` as a child.
 
     Ready when ``/health`` answers 200. ``env`` None is this process's
     environment (the simulator reads no OMNI_SIDECAR_* setting).
@@ -481,7 +481,7 @@ class SimulatorChild(_RealtimeServer):
     ) -> None:
         self.port = free_port() if port is None else port
         self.args = args
-        argv = [python, "-m", "omni_sidecar.simulator", "--host", "127.0.0.1",
+        argv = [python, "-m", "engine_launcher.simulator", "--host", "127.0.0.1",
                 "--port", str(self.port), *args]  # fmt: skip
         super().__init__(
             name, argv, ready_port=self.port, ready_path="/health", env=env,

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from omni_sidecar.settings import EngineConfig, Settings
+from proxy.settings import EngineConfig, Settings
 from tests.children import SimulatorChild, free_port
 
 #: ``free_port`` is re-exported: the tests import it from here.
@@ -86,7 +86,7 @@ async def simulator() -> AsyncIterator[Callable[..., Awaitable[SimulatorChild]]]
 
 @dataclass
 class RunningSidecar:
-    sidecar: Any  # omni_sidecar.server.Sidecar
+    sidecar: Any  # proxy.server.Sidecar
     task: asyncio.Task[int]
 
     @property
@@ -122,7 +122,7 @@ async def sidecar() -> AsyncIterator[Callable[..., Awaitable[RunningSidecar]]]:
 
     Runs a whole in-process ``Sidecar`` on ephemeral ports and waits until ready.
     """
-    from omni_sidecar.server import Sidecar
+    from proxy.server import Sidecar
 
     running: list[RunningSidecar] = []
 

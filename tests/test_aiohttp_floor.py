@@ -1,7 +1,7 @@
 """The lowest aiohttp that ``pyproject.toml`` allows really runs the proxy.
 
 The proxy reaches into aiohttp internals (every one is named in
-``omni_sidecar/compat.py``), and those moved between minor releases: aiohttp 3.10.11
+``proxy/compat.py``), and those moved between minor releases: aiohttp 3.10.11
 has no ``ClientWSTimeout`` and no ``send_frame`` writer behind
 ``WebSocketResponse``, and with it every upgrade answered HTTP 500 while the
 old ``aiohttp>=3.9`` pin allowed it. A floor that nobody installs is a guess,
@@ -180,14 +180,14 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
     # What serve's startup check sees in that venv (and that the copy, not the tree, is used).
     rc, out = await _run(
         python, "-c",
-        "import json, aiohttp, omni_sidecar, omni_sidecar.compat as c;"
-        "print(json.dumps([aiohttp.__version__, c.missing_hooks(), omni_sidecar.__file__]))",
+        "import json, aiohttp, proxy, proxy.compat as c;"
+        "print(json.dumps([aiohttp.__version__, c.missing_hooks(), proxy.__file__]))",
         cwd=tmp_path, timeout=DEADLINE,
     )  # fmt: skip
     assert rc == 0, out
     version, missing, package_file = json.loads(out.strip().splitlines()[-1])
     assert version == floor
-    assert missing == [], f"aiohttp {floor} lacks hooks omni_sidecar/compat.py needs: {missing}"
+    assert missing == [], f"aiohttp {floor} lacks hooks proxy/compat.py needs: {missing}"
     assert Path(package_file).is_relative_to(env_dir), package_file
 
     log = tmp_path / "serve.log"

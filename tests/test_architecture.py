@@ -1,22 +1,22 @@
 """Dependency rules (docs/design.md, Dependency direction and Code rules (1)), checked on the AST.
 
-The product is one package, ``omni_sidecar``, whose subpackages are layers;
-``LAYERS`` below says which other parts of the package each layer may import
-(docs/design.md draws the same table):
+The product is the design card's three packages, ``proxy`` -> ``engine_launcher``
+-> ``metrics`` (each imports only those to its right); ``LAYERS`` below says
+which other parts each layer may import (docs/design.md draws the same table):
 
 * ``core`` does no I/O: it imports nothing that does, nor any other part of
   the package; time and randomness are arguments.
-* ``metrics`` and ``simulator`` stand alone (the simulator is another process).
-* ``settings`` may import ``core`` (I/O-free, importing nothing of the package),
+* ``metrics`` and ``engine_launcher.simulator`` stand alone (the simulator is another process).
+* ``proxy.settings`` may import ``proxy.core`` (I/O-free, importing nothing of the package),
   so that a default the two share is the core's named constant, written once
   (docs/design.md, Dependency direction).
-* ``engines`` (launch, supervise, place) never reaches into sessions, the edge
-  or the admin listener; ``session`` never into the edge; and so on up.
-* ``opentelemetry`` is imported by ``omni_sidecar/session/tracing.py`` alone,
+* ``engine_launcher`` (launch, supervise, place) never reaches into the proxy;
+  ``proxy.session`` never into the edge; and so on up.
+* ``opentelemetry`` is imported by ``proxy/session/tracing.py`` alone,
   and that module only from inside a function (docs/design.md, Tracing): with
   tracing off neither is loaded.
-* ``redis`` is imported only inside functions, by ``omni_sidecar/edge/quota.py``
-  (and by ``omni_sidecar/startup.py``'s check that the extra is installed):
+* ``redis`` is imported only inside functions, by ``proxy/edge/quota_store.py``
+  (and by ``proxy/startup.py``'s check that the extra is installed):
   without ``quota_redis_url`` it is never loaded (docs/design.md, Quotas).
 
 Every import statement counts, wherever it is (function bodies, ``if
@@ -104,39 +104,75 @@ def _ids(files: list[Path]) -> list[str]:
     return [str(p.relative_to(ROOT)) for p in files]
 
 
-PACKAGE = "omni_sidecar"
-PRODUCT_FILES = python_files(PACKAGE)
-CORE_FILES = python_files(f"{PACKAGE}/core")
+PACKAGES = ("proxy", "engine_launcher", "metrics")
+PRODUCT_FILES = [f for package in PACKAGES for f in python_files(package)]
+CORE_FILES = python_files("proxy/core")
 
-#: Each layer and the parts of the package it may import besides itself. A
-#: part is a subpackage or a top-level module; ``""`` is the package's own
-#: ``__init__`` (the stale-native-core guard), which every layer but the core
-#: may load. Top-level modules not listed here (``cli``, ``server``) are the
-#: composition root and may import anything.
-LAYERS: dict[str, frozenset[str]] = {
-    "core": frozenset(),
+#: The card's three packages and the one direction between them: ``proxy``
+#: may import ``engine_launcher`` and ``metrics``, ``engine_launcher`` only
+#: ``metrics``, and ``metrics`` nothing of the product.
+PACKAGE_DIRECTION: dict[str, frozenset[str]] = {
     "metrics": frozenset(),
-    "simulator": frozenset(),
-    "errors": frozenset(),
-    "native": frozenset(),
-    "logs": frozenset(),
-    "compat": frozenset({""}),
-    "settings": frozenset({"", "core", "errors"}),
-    "probe": frozenset({"", "core", "errors"}),
-    "engines": frozenset({"", "settings", "metrics", "errors"}),
-    "session": frozenset({"", "core", "metrics", "settings", "compat", "errors"}),
-    "edge": frozenset(
-        {"", "session", "engines", "core", "metrics", "settings", "compat", "errors"}
+    "engine_launcher": frozenset({"metrics"}),
+    "proxy": frozenset({"engine_launcher", "metrics"}),
+}
+
+#: Each part and the parts it may import besides itself. A part is a
+#: subpackage or a top-level module of ``proxy`` (``proxy`` alone is its
+#: ``__init__``, the stale-native-core guard), ``engine_launcher.simulator``
+#: (another process: it stands alone), the rest of ``engine_launcher``, or
+#: ``metrics``. Parts of ``proxy`` not listed here (``cli``, ``server``,
+#: ``startup``, ``__main__``) are the composition root and may import anything.
+LAYERS: dict[str, frozenset[str]] = {
+    "metrics": frozenset(),
+    "engine_launcher.simulator": frozenset(),
+    "engine_launcher": frozenset({"metrics"}),
+    "proxy.core": frozenset(),
+    "proxy.errors": frozenset(),
+    "proxy.native": frozenset(),
+    "proxy.logs": frozenset(),
+    "proxy.compat": frozenset({"proxy"}),
+    "proxy.settings": frozenset({"proxy", "proxy.core", "proxy.errors", "engine_launcher"}),
+    "proxy.probe": frozenset({"proxy", "proxy.core", "proxy.errors"}),
+    "proxy.session": frozenset(
+        {"proxy", "proxy.core", "proxy.settings", "proxy.compat", "proxy.errors", "metrics"}
     ),
-    "admin": frozenset({"", "edge", "session", "engines", "core", "metrics", "settings"}),
+    "proxy.edge": frozenset(
+        {
+            "proxy",
+            "proxy.session",
+            "proxy.core",
+            "proxy.settings",
+            "proxy.compat",
+            "proxy.errors",
+            "engine_launcher",
+            "metrics",
+        }
+    ),
+    "proxy.admin": frozenset(
+        {
+            "proxy",
+            "proxy.edge",
+            "proxy.session",
+            "proxy.core",
+            "proxy.settings",
+            "engine_launcher",
+            "metrics",
+        }
+    ),
 }
 
 
 def part(module: str) -> str | None:
-    """The layer a module of the package belongs to (None outside the package)."""
-    if module != PACKAGE and not module.startswith(PACKAGE + "."):
-        return None
-    return module.removeprefix(PACKAGE).removeprefix(".").split(".", 1)[0]
+    """The part of the product a module belongs to (None outside the product)."""
+    names = module.split(".")
+    if names[0] == "metrics":
+        return "metrics"
+    if names[0] == "engine_launcher":
+        return "engine_launcher.simulator" if names[1:2] == ["simulator"] else "engine_launcher"
+    if names[0] == "proxy":
+        return "proxy" if len(names) == 1 else f"proxy.{names[1]}"
+    return None
 
 
 def _own_parts(path: Path, root: Path = ROOT) -> set[str]:
@@ -145,12 +181,22 @@ def _own_parts(path: Path, root: Path = ROOT) -> set[str]:
 
 def test_core_modules_are_all_found() -> None:
     names = {p.stem for p in CORE_FILES}
-    assert {"events", "buffer", "ledger", "notices", "session"} <= names
+    assert {"events", "buffer", "ledger", "notices", "session_core"} <= names
 
 
-def test_every_subpackage_has_a_layer() -> None:
-    subpackages = {p.name for p in (ROOT / PACKAGE).iterdir() if (p / "__init__.py").exists()}
-    assert subpackages <= set(LAYERS), sorted(subpackages - set(LAYERS))
+def test_the_top_level_is_the_cards() -> None:
+    tracked = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+    card = {"pyproject.toml", "proxy", "engine_launcher", "metrics", "configs", "tests"}
+    card |= {"deploy", "README.md", "docs", "scripts", "bench", "mk", "LICENSE", "Makefile"}
+    # Build and environment leftovers are not part of the tree (.gitignore).
+    leftovers = {p for p in tracked - card if p.endswith(".egg-info") or p in {"build"}}
+    assert tracked - leftovers == card, sorted((tracked - leftovers) ^ card)
+
+
+def test_every_part_has_a_layer() -> None:
+    parts = {part(module_name(p)) for p in PRODUCT_FILES}
+    root = {"proxy.cli", "proxy.server", "proxy.startup", "proxy.__main__", "proxy"}
+    assert parts - root <= set(LAYERS), sorted(parts - root - set(LAYERS))
 
 
 @pytest.mark.parametrize("path", CORE_FILES, ids=_ids(CORE_FILES))
@@ -163,26 +209,47 @@ def test_core_imports_nothing_that_does_io(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_packages_import_only_downwards(path: Path) -> None:
+    package = top(module_name(path))
+    allowed = PACKAGE_DIRECTION[package] | {package}
+    bad = sorted(
+        m for m in imported_modules(path) if top(m) in PACKAGE_DIRECTION and top(m) not in allowed
+    )
+    assert not bad, (
+        f"{module_name(path)} ({package}) imports {bad}; it may import {sorted(allowed)}"
+    )
+
+
+def test_the_direction_rule_sees_a_reach_upwards(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: the launcher importing the proxy.
+    target = tmp_path / "engine_launcher" / "x.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("from proxy.settings import Settings\n", encoding="utf-8")
+    found = {top(m) for m in imported_modules(target, tmp_path)}
+    assert found - PACKAGE_DIRECTION["engine_launcher"] == {"proxy"}
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
 def test_layers_import_only_what_they_sit_on(path: Path) -> None:
     layer = part(module_name(path))
     assert layer is not None
     if layer not in LAYERS:
-        return  # the composition root: cli, server, the package itself
+        return  # the composition root: cli, server, startup, the package itself
     allowed = LAYERS[layer] | {layer}
     bad = sorted(p for p in _own_parts(path) if p not in allowed)
     assert not bad, f"{module_name(path)} ({layer}) imports {bad}; it may import {sorted(allowed)}"
 
 
 def test_the_layer_rule_sees_a_reach_upwards(tmp_path: Path) -> None:
-    # The rule itself, broken on purpose: the engines layer importing a session module.
-    target = tmp_path / PACKAGE / "engines" / "x.py"
+    # The rule itself, broken on purpose: the session layer importing the edge.
+    target = tmp_path / "proxy" / "session" / "x.py"
     target.parent.mkdir(parents=True)
-    target.write_text("from omni_sidecar.session import relay\n", encoding="utf-8")
+    target.write_text("from proxy.edge import client_app\n", encoding="utf-8")
     found = _own_parts(target, tmp_path)
-    assert found - (LAYERS["engines"] | {"engines"}) == {"session"}
+    assert found - (LAYERS["proxy.session"] | {"proxy.session"}) == {"proxy.edge"}
 
 
-TRACING_MODULE = "omni_sidecar.session.tracing"
+TRACING_MODULE = "proxy.session.tracing"
 
 
 @pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
@@ -213,7 +280,7 @@ def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> Non
             assert TRACING_MODULE not in names, f"{module} imports {TRACING_MODULE} at import time"
 
 
-REDIS_IMPORTERS = frozenset({"omni_sidecar.edge.quota", "omni_sidecar.startup"})
+REDIS_IMPORTERS = frozenset({"proxy.edge.quota_store", "proxy.startup"})
 
 
 def _imports_outside_functions(tree: ast.AST) -> list[str]:
@@ -251,31 +318,31 @@ def test_redis_is_imported_only_inside_the_quota_functions(path: Path) -> None:
 @pytest.mark.parametrize(
     ("source", "where", "expected"),
     [
-        ("import time", "omni_sidecar/core/x.py", {"time"}),
-        ("import os.path as p", "omni_sidecar/core/x.py", {"os.path"}),
-        ("from asyncio import sleep", "omni_sidecar/core/x.py", {"asyncio", "asyncio.sleep"}),
-        ("def f():\n    import socket\n", "omni_sidecar/core/x.py", {"socket"}),
+        ("import time", "proxy/core/x.py", {"time"}),
+        ("import os.path as p", "proxy/core/x.py", {"os.path"}),
+        ("from asyncio import sleep", "proxy/core/x.py", {"asyncio", "asyncio.sleep"}),
+        ("def f():\n    import socket\n", "proxy/core/x.py", {"socket"}),
         (
             "from . import buffer",
-            "omni_sidecar/core/x.py",
-            {"omni_sidecar.core", "omni_sidecar.core.buffer"},
+            "proxy/core/x.py",
+            {"proxy.core", "proxy.core.buffer"},
         ),
         (
             "from .. import session",
-            "omni_sidecar/core/x.py",
-            {"omni_sidecar", "omni_sidecar.session"},
+            "proxy/core/x.py",
+            {"proxy", "proxy.session"},
         ),
         (
             "from ..settings import X",
-            "omni_sidecar/core/x.py",
-            {"omni_sidecar.settings", "omni_sidecar.settings.X"},
+            "proxy/core/x.py",
+            {"proxy.settings", "proxy.settings.X"},
         ),
         (
             "from . import x",
-            "omni_sidecar/core/__init__.py",
-            {"omni_sidecar.core", "omni_sidecar.core.x"},
+            "proxy/core/__init__.py",
+            {"proxy.core", "proxy.core.x"},
         ),
-        ("__import__('os')", "omni_sidecar/core/x.py", {"__import__"}),
+        ("__import__('os')", "proxy/core/x.py", {"__import__"}),
     ],
 )
 def test_checker_sees_imports(source: str, where: str, expected: set[str], tmp_path: Path) -> None:

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from omni_sidecar.cli import EXIT_STATUSES
-from omni_sidecar.metrics import SidecarMetrics, definitions
+from metrics import SidecarMetrics, definitions
+from proxy.cli import EXIT_STATUSES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,8 +220,8 @@ def _exposed_metric_names() -> list[str]:
     return names
 
 
-#: The generated references' table headers (omni_sidecar/metrics/reference.py,
-#: omni_sidecar/settings/render.py; tests/test_reference_docs.py keeps them current).
+#: The generated references' table headers (metrics/reference.py,
+#: proxy/settings/render.py; tests/test_reference_docs.py keeps them current).
 METRICS_HEADER = "| metric | type | labels (every value) | meaning |"
 SETTINGS_HEADER = "| key | env / flag | type | default | reload | meaning |"
 
@@ -285,9 +285,7 @@ def test_exit_status_table_matches_the_cli() -> None:
 @cache
 def _setting_names() -> frozenset[str]:
     """Every key ``serve --print-config`` knows, set or commented out as unset."""
-    code = (
-        "import sys; from omni_sidecar.cli import main; sys.exit(main(['serve', '--print-config']))"
-    )
+    code = "import sys; from proxy.cli import main; sys.exit(main(['serve', '--print-config']))"
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_sidecar.native import StaleNativeCore, core_build
+from proxy.native import StaleNativeCore, core_build
 
 ROOT = Path(__file__).resolve().parent.parent
 _SO = ".cpython-311-x86_64-linux-gnu.so"
@@ -46,21 +46,19 @@ def test_a_source_edited_after_the_build_is_refused_with_the_fix(tmp_path: Path)
     _touch(tmp_path / f"buffer{_SO}", 200.0)
     _touch(tmp_path / "session.py", 300.0)
     _touch(tmp_path / f"session{_SO}", 200.0)
-    with pytest.raises(
-        StaleNativeCore, match=r"omni_sidecar/core/session\.py changed .*make native"
-    ):
+    with pytest.raises(StaleNativeCore, match=r"proxy/core/session\.py changed .*make native"):
         core_build(str(tmp_path))
 
 
 def _compiled(root: Path) -> dict[str, float]:
-    return {p.name: p.stat().st_mtime for p in (root / "omni_sidecar" / "core").glob("*.so")}
+    return {p.name: p.stat().st_mtime for p in (root / "proxy" / "core").glob("*.so")}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (.ci/run installs gcc)")
 def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
-    for name in ("omni_sidecar", "scripts"):
+    for name in ("proxy", "engine_launcher", "metrics", "scripts"):
         shutil.copytree(
             ROOT / name, tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__")
         )
@@ -89,7 +87,7 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
             check=False,
         )
 
-    # --installed: the omni_sidecar package this interpreter imports (the copy, on PYTHONPATH),
+    # --installed: the proxy package this interpreter imports (the copy, on PYTHONPATH),
     # as in a service venv after `pip install .`, not the checkout the script is in.
     script = str(ROOT / "scripts" / "native_core.py")
     checkout_before = _compiled(ROOT)
@@ -99,7 +97,7 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
     assert _compiled(ROOT) == checkout_before, "the checkout the script lives in is untouched"
     where = run(
         "-c",
-        "import omni_sidecar.core.session as s, omni_sidecar.core.buffer as b; print(s.__file__, b.__file__)",
+        "import proxy.core.session_core as s, proxy.core.buffer as b; print(s.__file__, b.__file__)",
     )
     assert where.stdout.count(".so") == 2, where.stdout + where.stderr
     tests = run("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit", timeout=400)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from omni_sidecar.metrics import SidecarMetrics, definitions
-from omni_sidecar.metrics.reference import MARKDOWN_COMMAND as METRICS_COMMAND
-from omni_sidecar.metrics.reference import metrics_markdown
-from omni_sidecar.settings import SETTINGS, configuration_markdown
-from omni_sidecar.settings.render import MARKDOWN_COMMAND as SETTINGS_COMMAND
+from metrics import SidecarMetrics, definitions
+from metrics.reference import MARKDOWN_COMMAND as METRICS_COMMAND
+from metrics.reference import metrics_markdown
+from proxy.settings import SETTINGS, configuration_markdown
+from proxy.settings.render import MARKDOWN_COMMAND as SETTINGS_COMMAND
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs/configuration.md"
@@ -55,7 +55,7 @@ def test_each_file_says_it_is_generated_and_by_what(path: Path, command: str) ->
 
 @pytest.mark.parametrize(
     ("module", "path"),
-    [("omni_sidecar.settings", CONFIGURATION), ("omni_sidecar.metrics", METRICS)],
+    [("proxy.settings", CONFIGURATION), ("metrics", METRICS)],
 )
 def test_the_regenerate_command_prints_the_file(module: str, path: Path) -> None:
     result = subprocess.run(

@@ -1,4 +1,4 @@
-"""Fakes for driving ``omni_sidecar.engines.supervisor.Supervisor`` without sockets or children.
+"""Fakes for driving ``engine_launcher.supervisor.Supervisor`` without sockets or children.
 
 - :class:`FakeClock`: virtual time. ``sleep`` records the seconds it was asked
   for and, unless ``hold`` is set, returns at once with ``now`` advanced by
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from omni_sidecar.engines.process import ProbeResult
-from omni_sidecar.settings import EngineConfig
+from engine_launcher.process import ProbeResult
+from proxy.settings import EngineConfig
 
 __all__ = ["HANG", "FakeChild", "FakeClock", "ScriptedProbe", "Spawner"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from omni_sidecar.errors import ConfigError
+from proxy.errors import ConfigError
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, wait_until
 from tests.fakes.scripted_engine import MODELS_BODY, ScriptedEngine

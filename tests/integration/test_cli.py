@@ -22,14 +22,14 @@ from pathlib import Path
 
 import aiohttp
 
-from omni_sidecar.cli import (
+from proxy.cli import (
     EXIT_CONFIG,
     EXIT_ENGINE_FAILED,
     EXIT_LISTEN,
     EXIT_STATUSES,
     version,
 )
-from omni_sidecar.probe import ProbeOptions, run_probe
+from proxy.probe import ProbeOptions, run_probe
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, free_port, http_ok
 from tests.integration.helpers import children_of, clean_env, cli_argv, cmdline, run_cli
@@ -69,7 +69,7 @@ async def serve(
 
 def _simulator_port(pid: int) -> str:
     argv = cmdline(pid)
-    assert "omni_sidecar.simulator" in argv, argv
+    assert "engine_launcher.simulator" in argv, argv
     return argv[argv.index("--port") + 1]
 
 
@@ -80,7 +80,7 @@ def _simulators_on(port: str) -> list[int]:
         if not entry.name.isdigit():
             continue
         argv = cmdline(int(entry.name))
-        if "omni_sidecar.simulator" not in argv or "--port" not in argv:
+        if "engine_launcher.simulator" not in argv or "--port" not in argv:
             continue
         if argv[argv.index("--port") + 1] == port:
             with contextlib.suppress(OSError):
@@ -115,7 +115,7 @@ async def test_serve_with_the_builtin_simulator_probe_then_sigterm(tmp_path: Pat
 
         assert await srv.terminate() == 0, srv.log_tail()
     assert _simulators_on(engine_port) == []
-    assert "omni_sidecar.simulator" not in cmdline(children[0])
+    assert "engine_launcher.simulator" not in cmdline(children[0])
 
 
 async def test_serve_expects_the_behaviour_of_the_release_preflight_found(tmp_path: Path) -> None:
@@ -243,7 +243,7 @@ async def test_an_empty_api_keys_file_exits_2_naming_key_and_source(tmp_path: Pa
 
 
 async def test_cli_and_server_agree_on_exit_statuses() -> None:
-    from omni_sidecar import server
+    from proxy import server
 
     assert (server.EXIT_LISTEN, server.EXIT_ENGINE_FAILED) == (EXIT_LISTEN, EXIT_ENGINE_FAILED)
     rc, out, _ = await run_cli("serve", "--help")
@@ -262,9 +262,9 @@ async def test_version() -> None:
 
 
 async def test_python_dash_m_omni_sidecar_is_the_same_command() -> None:
-    """The package runs as ``python -m omni_sidecar`` as well as ``omni-sidecar``."""
+    """The package runs as ``python -m proxy`` as well as ``omni-sidecar``."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "omni_sidecar", "--version",
+        sys.executable, "-m", "proxy", "--version",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=clean_env(),
     )  # fmt: skip
     async with asyncio.timeout(DEADLINE):

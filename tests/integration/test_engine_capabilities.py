@@ -30,7 +30,7 @@ from typing import Any, Final
 import aiohttp
 import pytest
 
-from omni_sidecar.settings import EngineConfig
+from proxy.settings import EngineConfig
 from tests.conftest import DEADLINE, wait_until
 from tests.fakes.scripted_engine import EngineConnection, ScriptedEngine
 from tests.integration.helpers import AUDIO_DELTA, connect, request_response, rid_of

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import pytest
 
-from omni_sidecar.settings import EngineConfig
+from proxy.settings import EngineConfig
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
 from tests.integration.helpers import (
     AUDIO_DELTA,

@@ -41,7 +41,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as websockets_serve
 from websockets.http11 import Request
 
-from omni_sidecar.engines.process import UpstreamProbe
+from engine_launcher.process import UpstreamProbe
 from tests.children import ChildNotReady, SidecarChild, SimulatorChild
 from tests.conftest import DEADLINE, free_port, wait_until
 

@@ -32,7 +32,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.settings import EngineConfig
+from proxy.settings import EngineConfig
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, MS, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine

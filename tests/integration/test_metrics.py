@@ -28,8 +28,8 @@ import orjson
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as parse_text_format
 
-from omni_sidecar.metrics import DROP_REASONS
-from omni_sidecar.settings import EngineConfig
+from metrics import DROP_REASONS
+from proxy.settings import EngineConfig
 from tests.children import SimulatorChild
 from tests.conftest import (
     DEADLINE,
@@ -828,9 +828,9 @@ def _fake_registry(sessions: int) -> Any:
 
     from prometheus_client import CollectorRegistry
 
-    from omni_sidecar.core.session import SessionCore, SessionSettings
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session.registry import SessionRegistry
+    from metrics import SidecarMetrics
+    from proxy.core.session_core import SessionCore, SessionSettings
+    from proxy.session.registry import SessionRegistry
 
     registry = SessionRegistry(
         SidecarMetrics(CollectorRegistry(), process_metrics=False),
@@ -853,9 +853,9 @@ def _fake_registry(sessions: int) -> Any:
 async def test_sessions_are_paged_above_500_and_lifecycles_are_bounded() -> None:
     import types
 
-    from omni_sidecar.admin.console import MAX_PAGE_SESSIONS, sessions_page
-    from omni_sidecar.session.observer import LIFECYCLE_EVENTS
-    from omni_sidecar.settings import Settings
+    from proxy.admin.console import MAX_PAGE_SESSIONS, sessions_page
+    from proxy.session.observer import LIFECYCLE_EVENTS
+    from proxy.settings import Settings
 
     registry = _fake_registry(MAX_PAGE_SESSIONS + 1)
     state: Any = types.SimpleNamespace(registry=registry, settings=Settings())

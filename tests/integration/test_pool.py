@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.settings import EngineConfig
+from proxy.settings import EngineConfig
 from tests.conftest import DEADLINE, MS, RunningSidecar, wait_until
 from tests.integration.helpers import SILENCE_100MS, Client, run_cli
 

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from omni_sidecar.metrics import DROP_REASONS
+from metrics import DROP_REASONS
 from tests.conftest import MS, free_port, http_ok, wait_until
 from tests.integration.test_metrics import SIMULATOR_ARGS, cancelled_session, wait_metric
 

@@ -2,10 +2,10 @@
 
 Two producers of wire events are ours and must not drift from the real engine:
 
-- ``omni_sidecar.core.notices``: the events the sidecar writes itself (``error``
+- ``proxy.core.notices``: the events the sidecar writes itself (``error``
   output_backpressure / engine_unavailable, a failed ``response.done``,
   ``session.closed``) and the two commands it sends upstream;
-- the simulator (``omni_sidecar.simulator``), which every relay test runs
+- the simulator (``engine_launcher.simulator``), which every relay test runs
   against.
 
 Each event is rebuilt as an instance of the wheel's event class for its
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 import pytest
 
-from omni_sidecar.core import notices
+from proxy.core import notices
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
 from tests.integration.helpers import Client, SimulatorChild, connect, module_simulator, pcm16_b64
 
@@ -850,9 +850,9 @@ class SimSide:
     """The simulator's session core, fed the same client events (socket-free)."""
 
     def __init__(self, policy: str) -> None:
-        from omni_sidecar.simulator import DuplexSession, SimulatorConfig, SimulatorStats
-        from omni_sidecar.simulator.audio import make_audio_bank
-        from omni_sidecar.simulator.handlers import HANDLERS
+        from engine_launcher.simulator import DuplexSession, SimulatorConfig, SimulatorStats
+        from engine_launcher.simulator.audio import make_audio_bank
+        from engine_launcher.simulator.handlers import HANDLERS
 
         config = SimulatorConfig(
             chunk_ms=DIFF_CHUNK_MS, response_seconds=DIFF_CHUNKS * DIFF_CHUNK_MS / 1000,

@@ -147,8 +147,8 @@ async def test_day_audio_quota_ends_a_running_session_then_refuses_until_midnigh
 
 
 def test_a_quota_without_a_name_is_a_config_error(tmp_path: Path) -> None:
-    from omni_sidecar.edge.auth import load_key_file
-    from omni_sidecar.errors import ConfigError
+    from proxy.edge.auth import load_key_file
+    from proxy.errors import ConfigError
 
     path = tmp_path / "keys"
     path.write_text(f"{KEY} max_sessions=2\n")

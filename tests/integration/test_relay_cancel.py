@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.probe import ProbeOptions, run_probe
+from proxy.probe import ProbeOptions, run_probe
 from tests.conftest import DEADLINE
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.integration.helpers import (

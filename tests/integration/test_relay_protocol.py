@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.settings import EngineConfig
+from proxy.settings import EngineConfig
 from tests.conftest import DEADLINE, MS, free_port, wait_until
 from tests.fakes.scripted_engine import MODELS_BODY, ScriptedEngine
 from tests.integration.helpers import RawWebSocket, connect, request_response, wait_metric

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
-from omni_sidecar.metrics.definitions import DROP_REASONS
+from metrics.definitions import DROP_REASONS
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (

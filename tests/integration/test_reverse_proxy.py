@@ -1,4 +1,4 @@
-"""Reverse-proxied HTTP (issue 12 item 6; omni_sidecar/edge/reverse_proxy.py), over real loopback sockets.
+"""Reverse-proxied HTTP (issue 12 item 6; proxy/edge/reverse_proxy.py), over real loopback sockets.
 
 An in-test engine records every request it gets (headers, body bytes); the
 sidecar runs in-process on ephemeral ports. Asserted: what the engine saw,

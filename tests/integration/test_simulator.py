@@ -1,6 +1,6 @@
 """The engine simulator as a real child process, seen from a WebSocket client.
 
-Each simulator runs as ``python -m omni_sidecar.simulator`` on a free
+Each simulator runs as ``python -m engine_launcher.simulator`` on a free
 loopback port; readiness is ``GET /health`` polled under a deadline. The tests
 assert what a client observes: event order and shapes, error codes, close
 codes, exit codes. A few tests drive the sans-I/O core directly where the wire
@@ -31,12 +31,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from omni_sidecar.simulator.audio import load_wav, make_audio_bank, pcm16_rms
-from omni_sidecar.simulator.config import SimulatorConfig
-from omni_sidecar.simulator.counters import SimulatorStats
-from omni_sidecar.simulator.handlers import HANDLERS
-from omni_sidecar.simulator.outbox import CloseFrame
-from omni_sidecar.simulator.session import DuplexSession
+from engine_launcher.simulator.audio import load_wav, make_audio_bank, pcm16_rms
+from engine_launcher.simulator.counters import SimulatorStats
+from engine_launcher.simulator.duplex_session import DuplexSession
+from engine_launcher.simulator.flags import SimulatorConfig
+from engine_launcher.simulator.handlers import HANDLERS
+from engine_launcher.simulator.outbox import CloseFrame
 from tests.children import SimulatorChild
 
 # Timeouts scale with the shared factor so slow CI machines can stretch them.

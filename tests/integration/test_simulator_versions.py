@@ -17,18 +17,18 @@ from typing import Any, Final
 
 import pytest
 
-from omni_sidecar.simulator.audio import make_audio_bank
-from omni_sidecar.simulator.config import SimulatorConfig, build_parser, parse_args
-from omni_sidecar.simulator.counters import SimulatorStats
-from omni_sidecar.simulator.delivery import (
+from engine_launcher.simulator.audio import make_audio_bank
+from engine_launcher.simulator.counters import SimulatorStats
+from engine_launcher.simulator.delivery import (
     OutputEntry,
     OutputLimits,
     OutputOverflow,
     OutputQueue,
 )
-from omni_sidecar.simulator.handlers import HANDLERS
-from omni_sidecar.simulator.outbox import CloseFrame
-from omni_sidecar.simulator.session import DuplexSession
+from engine_launcher.simulator.duplex_session import DuplexSession
+from engine_launcher.simulator.flags import SimulatorConfig, build_parser, parse_args
+from engine_launcher.simulator.handlers import HANDLERS
+from engine_launcher.simulator.outbox import CloseFrame
 from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
@@ -389,7 +389,7 @@ def test_flags_that_do_not_fit_the_version_exit_2(
         capsys.readouterr()
         .err.strip()
         .splitlines()[-1]
-        .startswith("python -m omni_sidecar.simulator")
+        .startswith("python -m engine_launcher.simulator")
     )
 
 

@@ -1,7 +1,7 @@
 """The engine supervisor with real child processes, seen through an in-process Sidecar.
 
-Each test runs a whole ``omni_sidecar.server.Sidecar`` on ephemeral loopback ports
-whose engine is a real simulator child (``python -m omni_sidecar.simulator``)
+Each test runs a whole ``proxy.server.Sidecar`` on ephemeral loopback ports
+whose engine is a real simulator child (``python -m engine_launcher.simulator``)
 with a fault knob, and asserts what clients and operators observe: /readyz,
 events and close codes, restart metrics, exit status, log lines, processes.
 docs/design.md, Admission and lifecycle (engine goes away, admission), Engine launcher and Engine
@@ -35,12 +35,12 @@ import aiohttp
 import orjson
 import pytest
 
-import omni_sidecar.engines.supervisor
-from omni_sidecar.engines.errors import RestartBudgetExhausted
-from omni_sidecar.engines.policy import EngineState
-from omni_sidecar.engines.supervisor import Supervisor
-from omni_sidecar.server import Sidecar
-from omni_sidecar.settings import EngineConfig, Settings
+import engine_launcher.supervisor
+from engine_launcher.launcher_errors import RestartBudgetExhausted
+from engine_launcher.policy import EngineState
+from engine_launcher.supervisor import Supervisor
+from proxy.server import Sidecar
+from proxy.settings import EngineConfig, Settings
 from tests.conftest import DEADLINE, MS, RunningSidecar, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,7 +70,7 @@ if os.path.exists(marker):
     del args[i:i + 2]
 else:
     open(marker, "w").close()
-os.execv(sys.executable, [sys.executable, "-m", "omni_sidecar.simulator", *args])
+os.execv(sys.executable, [sys.executable, "-m", "engine_launcher.simulator", *args])
 """
 
 START = [
@@ -115,7 +115,7 @@ def engine_children() -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"omni_sidecar.simulator" in cmdline:
+        if ppid == os.getpid() and b"engine_launcher.simulator" in cmdline:
             found.append(int(entry))
     return found
 
@@ -223,7 +223,7 @@ async def test_slow_start_is_not_ready_until_the_engine_is(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
-    monkeypatch.setattr(omni_sidecar.engines.supervisor, "PROGRESS_INTERVAL", 200 * MS)
+    monkeypatch.setattr(engine_launcher.supervisor, "PROGRESS_INTERVAL", 200 * MS)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.setblocking(False)

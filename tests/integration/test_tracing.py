@@ -204,7 +204,7 @@ async def test_session_and_response_spans(
     assert session.kind == Span.SPAN_KIND_SERVER
     assert session.status.code != Status.STATUS_CODE_ERROR
     s_attrs = attributes(session)
-    assert s_attrs["omni_sidecar.session.outcome"] == "client_closed"
+    assert s_attrs["proxy.session.outcome"] == "client_closed"
     assert s_attrs["omni_sidecar.close_code"] == 1000
     assert s_attrs["gen_ai.conversation.id"] == "sess_e1"
     assert collector.services == {"sidecar-under-test"}
@@ -268,7 +268,7 @@ async def test_overflow_is_an_event_and_an_error_end(
         )
     session = collector.named("realtime session")[0]
     assert session.status.code == Status.STATUS_CODE_ERROR
-    assert attributes(session)["omni_sidecar.session.outcome"] == "overflow"
+    assert attributes(session)["proxy.session.outcome"] == "overflow"
     assert events(session)["output_backpressure"] == {
         "omni_sidecar.overflow_policy": "close_session"
     }
@@ -301,22 +301,22 @@ async def test_tracing_off_exports_nothing(
 _IMPORTS_CHECK = textwrap.dedent(
     """
     import sys
-    from omni_sidecar.settings import Settings
-    import omni_sidecar.cli, omni_sidecar.server, omni_sidecar.edge.app, omni_sidecar.session.relay, omni_sidecar.session.observer
-    from omni_sidecar.startup import start_tracing
+    from proxy.settings import Settings
+    import proxy.cli, proxy.server, proxy.edge.client_app, proxy.session.relay, proxy.session.observer
+    from proxy.startup import start_tracing
 
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
     assert start_tracing(Settings(), env) is None
     off = {**env, "OTEL_SDK_DISABLED": "true"}
     assert start_tracing(Settings(tracing="otlp"), off) is None
-    loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry", "omni_sidecar.session.tracing")))
+    loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry", "proxy.session.tracing")))
     print(loaded)
     """
 )
 
 
 def test_tracing_off_imports_no_opentelemetry() -> None:
-    """Off (the default, or OTEL_SDK_DISABLED=true): neither omni_sidecar.session.tracing nor
+    """Off (the default, or OTEL_SDK_DISABLED=true): neither proxy.session.tracing nor
     any opentelemetry module is loaded in a fresh interpreter."""
     result = subprocess.run(
         [sys.executable, "-c", _IMPORTS_CHECK],

@@ -1,7 +1,7 @@
 """Trusted proxies (issue 13 item 8): whose address the per-IP limit and the logs use.
 
 Socket-free: ``X-Forwarded-For`` walking and PROXY v1/v2 parsing
-(omni_sidecar/edge/forwarded.py). Over loopback: a PROXY header or ``X-Forwarded-For``
+(proxy/edge/forwarded.py). Over loopback: a PROXY header or ``X-Forwarded-For``
 from a trusted peer sets the client's address (the per-IP limit refuses the
 second session of that address and logs it by that address); from an
 untrusted peer neither is believed. Then the nginx TLS example
@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.edge.forwarded import (
+from proxy.edge.forwarded import (
     PROXY_V2_SIGNATURE,
     ProxyHeader,
     ProxyHeaderError,

@@ -1,4 +1,4 @@
-"""The engine link (omni_sidecar/session/engine_link/__init__.py) against a real loopback engine.
+"""The engine link (proxy/session/upstream_link/__init__.py) against a real loopback engine.
 
 The engine here is the ``websockets`` package's sans-I/O server protocol over
 a plain asyncio socket: it parses what we send as strictly as a conforming
@@ -31,7 +31,7 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 
-from omni_sidecar.session.engine_link import (
+from proxy.session.upstream_link import (
     PicowsUpstreamLink,
     UpstreamConnectError,
     UpstreamLink,

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from omni_sidecar.simulator.config import DEFAULT_SAMPLE_RATE
+from engine_launcher.simulator.flags import DEFAULT_SAMPLE_RATE
 from tests.conftest import wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.integration.helpers import AUDIO_DELTA, SILENCE_100MS, Client, connect

@@ -35,7 +35,7 @@ pytest.importorskip(
 )
 uvicorn = pytest.importorskip("uvicorn")
 
-from omni_sidecar.core.session import DropReason
+from proxy.core.session_core import DropReason
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port
 from tests.integration.helpers import pcm16_b64
 from tests.integration.vllm_omni_wheel import run_duplex_session

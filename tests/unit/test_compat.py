@@ -12,7 +12,7 @@ import pytest
 from aiohttp import base_protocol, client_ws, web_runner, web_ws
 from aiohttp._websocket import helpers as websocket_helpers
 
-from omni_sidecar import compat
+from proxy import compat
 
 TEXT_PUSH_HOOK = (
     "web_ws.WebSocketDataQueue built by _post_start, its feed_data called by the parser"
@@ -80,7 +80,7 @@ def test_serve_exits_2_with_one_line_when_a_hook_is_missing() -> None:
     code = (
         "import aiohttp.base_protocol as b\n"
         "del b.BaseProtocol._drain_helper\n"
-        "from omni_sidecar.cli import main\n"
+        "from proxy.cli import main\n"
         "raise SystemExit(main(['serve', '--listen', '127.0.0.1:0',"
         " '--admin-listen', '127.0.0.1:0']))\n"
     )

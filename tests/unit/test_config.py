@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_sidecar.engines.errors import EngineStartError, LauncherError, RestartBudgetExhausted
-from omni_sidecar.errors import (
+from engine_launcher.launcher_errors import EngineStartError, LauncherError, RestartBudgetExhausted
+from proxy.errors import (
     ConfigError,
     InvalidState,
     ProtocolViolation,
@@ -20,7 +20,7 @@ from omni_sidecar.errors import (
     SessionClosed,
     UpstreamUnavailable,
 )
-from omni_sidecar.settings import (
+from proxy.settings import (
     KIB,
     LIVE_KEYS,
     MIB,
@@ -646,7 +646,7 @@ class TestDeclaration:
                 assert spec.doc.example, f"{spec.key}: unset by default, needs an example"
 
     def test_committed_example_is_the_generated_one(self) -> None:
-        # Regenerate with: python -m omni_sidecar.settings --example > configs/omni-sidecar.example.toml
+        # Regenerate with: python -m proxy.settings --example > configs/omni-sidecar.example.toml
         assert EXAMPLE.read_text(encoding="utf-8") == example_config()
 
     def test_help_shows_meaning_env_and_default(self) -> None:
@@ -818,8 +818,8 @@ class TestErrorTypes:
 
 
 def test_playback_settings_reach_the_core() -> None:
-    from omni_sidecar.core.playback import AckMode
-    from omni_sidecar.edge.state import session_settings
+    from proxy.core.playback import AckMode
+    from proxy.edge.state import session_settings
 
     playback = session_settings(
         Settings(

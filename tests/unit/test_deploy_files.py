@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from omni_sidecar.metrics import SidecarMetrics
+from metrics import SidecarMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"

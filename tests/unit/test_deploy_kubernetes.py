@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.settings import load, parse_listen
+from proxy.settings import load, parse_listen
 
 yaml = pytest.importorskip("yaml")
 

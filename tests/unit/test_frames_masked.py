@@ -1,7 +1,7 @@
-"""Masked frames toward the engine (``omni_sidecar.session.frames.masked_frame_header``), socket-free.
+"""Masked frames toward the engine (``proxy.session.frames.masked_frame_header``), socket-free.
 
 Each frame is built the way the picows engine link builds it (header, then the
-payload masked in place with ``omni_sidecar.compat.websocket_mask``) and read back
+payload masked in place with ``proxy.compat.websocket_mask``) and read back
 with the ``websockets`` package's own parser in server mode (``mask=True``: an
 unmasked frame is refused), which must return the original payload. The
 lengths straddle the three length forms of RFC 6455 §5.2.
@@ -15,8 +15,8 @@ import pytest
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
-from omni_sidecar.compat import websocket_mask
-from omni_sidecar.session.frames import OP_PING, OP_TEXT, masked_frame_header
+from proxy.compat import websocket_mask
+from proxy.session.frames import OP_PING, OP_TEXT, masked_frame_header
 
 #: Payload length -> how the length is written (second byte's low 7 bits).
 LENGTHS = {0: 0, 1: 1, 125: 125, 126: 126, 65535: 126, 65536: 127, 70_000: 127}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from omni_sidecar.startup import GC_YOUNG_THRESHOLD
+from proxy.startup import GC_YOUNG_THRESHOLD
 
 _CHILD = (
-    "import gc; before = gc.get_threshold(); from omni_sidecar.startup import tune_gc; tune_gc(); "
+    "import gc; before = gc.get_threshold(); from proxy.startup import tune_gc; tune_gc(); "
     "print(gc.get_threshold()[0], gc.get_threshold()[1:] == before[1:], "
     "gc.get_freeze_count() > 1000)"
 )

@@ -1,4 +1,4 @@
-"""The WebSocket handshake check (omni_sidecar/edge/handshake.py), socket-free.
+"""The WebSocket handshake check (proxy/edge/handshake.py), socket-free.
 
 Each malformed handshake of issue 12 item 2 is refused with the status and
 reason a client reads; a valid one passes; a request that does not ask for a
@@ -12,7 +12,7 @@ import base64
 import pytest
 from multidict import CIMultiDict
 
-from omni_sidecar.edge.handshake import tokens, validate_upgrade, wants_websocket
+from proxy.edge.handshake import tokens, validate_upgrade, wants_websocket
 
 KEY = base64.b64encode(b"0123456789abcdef").decode()
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omni_sidecar.logs import configure
+from proxy.logs import configure
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from omni_sidecar.metrics.definitions import QUEUE_DELAY_BUCKETS
-from omni_sidecar.metrics.folded import FoldedHistogram
+from metrics.definitions import QUEUE_DELAY_BUCKETS
+from metrics.folded import FoldedHistogram
 
 _CREATED = re.compile(r"^.*_created.*\n", re.MULTILINE)
 

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.metrics import definitions as d
+from metrics import SidecarMetrics
+from metrics import definitions as d
 
 PREFIX = "omni_sidecar_"
 ALLOWED_LABELS = frozenset(
@@ -270,25 +270,25 @@ def test_design_enums_match_the_definitions() -> None:
 
 def test_core_enums_match_the_label_enums() -> None:
     """The core's enums are the label values; a drift would export a value no dashboard knows."""
-    from omni_sidecar.core.session import DropReason, Outcome, OverflowPolicy
-    from omni_sidecar.engines.policy import EngineState
+    from engine_launcher.policy import EngineState
+    from proxy.core.session_core import DropReason, Outcome, OverflowPolicy
 
     assert tuple(r.value for r in DropReason) == d.DROP_REASONS
     assert tuple(o.value for o in Outcome) == d.SESSION_OUTCOMES
     assert {p.value for p in OverflowPolicy} <= set(d.OVERFLOW_POLICIES)
     assert tuple(s.value for s in EngineState) == d.ENGINE_STATES
-    from omni_sidecar.core.capabilities import CapabilitySource, EngineVersion
-    from omni_sidecar.core.playback import AckErrorCode
+    from proxy.core.capabilities import CapabilitySource, EngineVersion
+    from proxy.core.playback import AckErrorCode
 
     assert tuple(v.value for v in EngineVersion) == d.ENGINE_VERSIONS
     assert tuple(s.value for s in CapabilitySource) == d.CAPABILITY_SOURCES
     assert tuple(c.value for c in AckErrorCode) == d.ACK_ERROR_CODES
-    from omni_sidecar.core import usage
+    from proxy.core import usage
 
     assert tuple(v.value for v in usage.AudioDirection) == d.USAGE_DIRECTIONS
     assert tuple(v.value for v in usage.ResponseOutcome) == d.USAGE_RESPONSE_OUTCOMES
     assert usage.UNNAMED_KEY == d.UNNAMED_KEY
-    from omni_sidecar.core import quota
+    from proxy.core import quota_rules as quota
 
     assert tuple(v.value for v in quota.QuotaKind) == d.QUOTA_KINDS
 
@@ -449,7 +449,7 @@ def test_two_registries_do_not_collide() -> None:
 
 def test_engine_label_is_bounded() -> None:
     """``engine`` is a replica index below engine_launcher's MAX_REPLICAS, one series each."""
-    from omni_sidecar.settings import MAX_REPLICAS
+    from proxy.settings import MAX_REPLICAS
 
     assert d.ENGINE_REPLICAS == tuple(str(i) for i in range(MAX_REPLICAS))
     registry = CollectorRegistry()

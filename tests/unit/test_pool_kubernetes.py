@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.settings import load, parse_listen
+from proxy.settings import load, parse_listen
 
 yaml = pytest.importorskip("yaml")
 
@@ -104,8 +104,8 @@ def test_ports_match_the_listeners(docs: dict[str, dict[str, Any]], settings: An
 def test_probes_hit_routes_the_sidecar_serves(
     docs: dict[str, dict[str, Any]], settings: Any
 ) -> None:
-    from omni_sidecar.edge.app import build_client_app
-    from omni_sidecar.server import Sidecar
+    from proxy.edge.client_app import build_client_app
+    from proxy.server import Sidecar
 
     sidecar = Sidecar(dataclasses.replace(settings, api_keys_file=None), environ={})
     served = {

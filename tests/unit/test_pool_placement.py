@@ -1,12 +1,12 @@
-"""Replica choice, socket-free (omni_sidecar/engines/placement.py, omni_sidecar/engines/admission.py;
+"""Replica choice, socket-free (engine_launcher/placement.py, engine_launcher/admission.py;
 docs/design.md, Engine pool)."""
 
 from __future__ import annotations
 
 import pytest
 
-from omni_sidecar.engines.admission import EngineAdmission
-from omni_sidecar.engines.placement import ReplicaLoad, choose
+from engine_launcher.admission import EngineAdmission
+from engine_launcher.placement import ReplicaLoad, choose
 
 
 def load(index: int, sessions: int, pending: int = 0, *, admitting: bool = True) -> ReplicaLoad:

@@ -1,4 +1,4 @@
-"""How many engines, on which GPU and port (omni_sidecar/engines/pool.py), and the pool's
+"""How many engines, on which GPU and port (engine_launcher/pool.py), and the pool's
 failure and drain rules with fake supervisors: no children, no sockets."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.engines.errors import RestartBudgetExhausted
-from omni_sidecar.engines.policy import EngineState, Observation
-from omni_sidecar.engines.pool import EnginePool, plan_replicas, visible_gpus
-from omni_sidecar.settings import MAX_REPLICAS, EngineConfig, EngineConfigError
+from engine_launcher.launcher_errors import RestartBudgetExhausted
+from engine_launcher.policy import EngineState, Observation
+from engine_launcher.pool import EnginePool, plan_replicas, visible_gpus
+from proxy.settings import MAX_REPLICAS, EngineConfig, EngineConfigError
 from tests.conftest import DEADLINE, wait_until
 
 SMI = "GPU 0: NVIDIA H100 (UUID: GPU-a)\nGPU 1: NVIDIA H100 (UUID: GPU-b)\n"
@@ -212,9 +212,9 @@ async def test_sessions_that_outlive_the_drain_timeout_are_handed_back_to_close(
 
 def test_a_pool_whose_ports_run_out_is_a_config_error_before_anything_starts() -> None:
     """``serve`` exits 2 naming engine.port and its source, not with a traceback."""
-    from omni_sidecar.errors import ConfigError
-    from omni_sidecar.settings import load
-    from omni_sidecar.startup import validate_runtime
+    from proxy.errors import ConfigError
+    from proxy.settings import load
+    from proxy.startup import validate_runtime
 
     loaded = load(
         None, {"OMNI_SIDECAR_ENGINE_PORT": "65535", "OMNI_SIDECAR_ENGINE_REPLICAS": "2"}, None

@@ -30,8 +30,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer, unused_port
 
-from omni_sidecar.errors import ConfigError
-from omni_sidecar.probe import (
+from proxy.errors import ConfigError
+from proxy.probe import (
     PlayoutBuffer,
     ProbeConnectError,
     ProbeError,

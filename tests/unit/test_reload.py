@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_sidecar.server import Sidecar
-from omni_sidecar.settings import EngineConfig, LoadedSettings, load
+from proxy.server import Sidecar
+from proxy.settings import EngineConfig, LoadedSettings, load
 
 
 @pytest.fixture(autouse=True)

@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_sidecar.core.buffer import BufferLimits, Entry
-from omni_sidecar.core.capabilities import EngineCapabilities
-from omni_sidecar.core.events import UpstreamEvent, classify_upstream
-from omni_sidecar.core.session import ClientDecision, OverflowPolicy, SessionCore, SessionSettings
+from proxy.core.buffer import BufferLimits, Entry
+from proxy.core.capabilities import EngineCapabilities
+from proxy.core.events import UpstreamEvent, classify_upstream
+from proxy.core.session_core import ClientDecision, OverflowPolicy, SessionCore, SessionSettings
 
 __all__ = [
     "Delivered",

@@ -1,4 +1,4 @@
-"""OutputBuffer (omni_sidecar/core/buffer.py): docs/design.md, Output buffer, docs/engine-protocol.md,
+"""OutputBuffer (proxy/core/buffer.py): docs/design.md, Output buffer, docs/engine-protocol.md,
 Bounded output upstream.
 
 Budgets and their exact boundaries, the reserve for ``error``/``response.done``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_sidecar.core.buffer import (
+from proxy.core.buffer import (
     DEFAULT_MAX_CLOSE_NOTICE_BYTES,
     DEFAULT_MAX_PENDING_OUTPUT_BYTES,
     DEFAULT_MAX_PENDING_OUTPUT_EVENTS,
@@ -21,8 +21,8 @@ from omni_sidecar.core.buffer import (
     Offer,
     OutputBuffer,
 )
-from omni_sidecar.core.events import UpstreamEvent
-from omni_sidecar.core.notices import compact_session_closed, session_closed
+from proxy.core.events import UpstreamEvent
+from proxy.core.notices import compact_session_closed, session_closed
 from tests.unit.core.helpers import sized_event
 
 ORDINARY_KINDS = ["audio", "transcript", "created", "other"]

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from omni_sidecar.core.buffer import BufferLimits, Entry, Offer, OutputBuffer
-from omni_sidecar.core.events import EventKind, UpstreamEvent
-from omni_sidecar.core.notices import compact_session_closed, session_closed
+from proxy.core.buffer import BufferLimits, Entry, Offer, OutputBuffer
+from proxy.core.events import EventKind, UpstreamEvent
+from proxy.core.notices import compact_session_closed, session_closed
 from tests.unit.core.helpers import sized_event
 
 LIMITS = BufferLimits(

@@ -1,4 +1,4 @@
-"""Engine capabilities (omni_sidecar/core/capabilities.py) and what a session does with them.
+"""Engine capabilities (proxy/core/capabilities.py) and what a session does with them.
 
 - the version decides the capabilities; config beats preflight beats the wire;
 - the engine's answers to acks and truncations are settled by order (they
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.core.capabilities import (
+from proxy.core.capabilities import (
     CapabilitySource,
     EngineCapabilities,
     EngineVersion,
@@ -26,8 +26,8 @@ from omni_sidecar.core.capabilities import (
     parse_version,
     session_is_duplex,
 )
-from omni_sidecar.core.playback import ANSWER_TIMEOUT, AckErrorCode, AckMode, PlaybackSettings
-from omni_sidecar.core.session import DropReason
+from proxy.core.playback import ANSWER_TIMEOUT, AckErrorCode, AckMode, PlaybackSettings
+from proxy.core.session_core import DropReason
 from tests.unit.core.helpers import (
     SessionPair,
     b_response_cancel,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from omni_sidecar.core.session import (
+from proxy.core.session_core import (
     CLOSE_POLICY_VIOLATION,
     DropReason,
     Outcome,

@@ -1,4 +1,4 @@
-"""Event classification (omni_sidecar/core/events.py).
+"""Event classification (proxy/core/events.py).
 
 The classification table for both directions, the prefix scan of large audio
 frames (it must agree with a full parse), and properties: any text is
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni_sidecar.core.events import (
+from proxy.core.events import (
     AUDIO_DELTA_TYPES,
     ClientKind,
     EventKind,

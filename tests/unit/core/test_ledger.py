@@ -1,4 +1,4 @@
-"""CancellationLedger (omni_sidecar/core/ledger.py): docs/design.md, Cancellation.
+"""CancellationLedger (proxy/core/ledger.py): docs/design.md, Cancellation.
 
 Open/active responses, cancels, the bounded tombstone set (LRU eviction, TTL
 after the response's done was delivered) and failed responses. Time is always
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_sidecar.core.ledger import (
+from proxy.core.ledger import (
     DEFAULT_MAX_TOMBSTONES,
     DEFAULT_TOMBSTONE_TTL,
     CancellationLedger,

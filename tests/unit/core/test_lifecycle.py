@@ -1,4 +1,4 @@
-"""The session state machine (omni_sidecar/core/lifecycle.py): every (state, event) pair.
+"""The session state machine (proxy/core/lifecycle.py): every (state, event) pair.
 
 The expected table below is written out independently of ``TRANSITIONS`` so
 that a changed transition fails here and must be changed in both places (the
@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from omni_sidecar.core.lifecycle import (
+from proxy.core.lifecycle import (
     TRANSITIONS,
     InvalidState,
     SessionEvent,

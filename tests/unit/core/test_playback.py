@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.core.playback import AckMode, PlaybackSettings, audio_seconds
-from omni_sidecar.core.session import SessionState
+from proxy.core.playback import AckMode, PlaybackSettings, audio_seconds
+from proxy.core.session_core import SessionState
 from tests.unit.core.helpers import (
     SessionPair,
     b_response_cancel,

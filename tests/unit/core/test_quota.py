@@ -1,4 +1,4 @@
-"""Quota decisions (omni_sidecar/core/quota.py) with wall time passed in: docs/design.md, Quotas.
+"""Quota decisions (proxy/core/quota_rules.py) with wall time passed in: docs/design.md, Quotas.
 
 Windows (the UTC minute, the UTC day), their boundaries, ``Retry-After`` for
 each quota, and counts that belong to a key name across changed limits.
@@ -10,7 +10,7 @@ import calendar
 
 import pytest
 
-from omni_sidecar.core.quota import (
+from proxy.core.quota_rules import (
     MAX_SESSIONS_RETRY_AFTER,
     KeyQuota,
     LocalQuotaBook,

@@ -1,4 +1,4 @@
-"""SessionCore (omni_sidecar/core/session.py): the per-session policy, through SessionPair.
+"""SessionCore (proxy/core/session_core.py): the per-session policy, through SessionPair.
 
 One class per behaviour (docs/design.md, Per-session data path; Cancellation; Overflow policy;
 Admission and lifecycle; docs/engine-protocol.md, Bounded output upstream; Late audio after a
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni_sidecar.core.session import (
+from proxy.core.session_core import (
     CLOSE_ABNORMAL_ENGINE,
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,

@@ -1,4 +1,4 @@
-"""Usage accounting (omni_sidecar/core/usage.py) through SessionCore: docs/design.md, Usage.
+"""Usage accounting (proxy/core/usage.py) through SessionCore: docs/design.md, Usage.
 
 What a session's record says it used, against what its client appended and
 what the engine produced, was written to the client and was heard.
@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from omni_sidecar.core.session import SessionSettings
-from omni_sidecar.core.usage import UNNAMED_KEY, AudioDirection, ResponseOutcome, UsageMeter
+from proxy.core.session_core import SessionSettings
+from proxy.core.usage import UNNAMED_KEY, AudioDirection, ResponseOutcome, UsageMeter
 from tests.unit.core import helpers as h
 from tests.unit.core.helpers import SessionPair, dumps, make_settings
 

@@ -1,7 +1,7 @@
 """Golden command lines: ``build_argv`` for every shipped config (configs/*.toml).
 
 Each model config is loaded the way ``omni-sidecar serve --config`` loads it
-(``omni_sidecar.settings.load``) and must produce exactly the documented vLLM-Omni
+(``proxy.settings.load``) and must produce exactly the documented vLLM-Omni
 command (docs/design.md, Engine launcher, docs/engine-protocol.md, Launching): ``PYTHON -m
 vllm_omni.entrypoints.cli.main serve MODEL --omni --host 127.0.0.1 --port PORT
 --deploy-config YAML [extra_args]``. ``--omni`` matters: without it the CLI
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_sidecar.engines.errors import EngineStartError
-from omni_sidecar.engines.process import build_argv
-from omni_sidecar.settings import EngineConfig, load
+from engine_launcher.launcher_errors import EngineStartError
+from engine_launcher.process import build_argv
+from proxy.settings import EngineConfig, load
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 PY = sys.executable
@@ -109,7 +109,7 @@ def test_example_config_runs_the_simulator() -> None:
     assert build_argv(engine, 40123) == [
         PY,
         "-m",
-        "omni_sidecar.simulator",
+        "engine_launcher.simulator",
         "--host",
         "127.0.0.1",
         "--port",
@@ -160,7 +160,7 @@ def test_simulator_args_are_appended() -> None:
     assert build_argv(config, 5555) == [
         PY,
         "-m",
-        "omni_sidecar.simulator",
+        "engine_launcher.simulator",
         "--host",
         "127.0.0.1",
         "--port",

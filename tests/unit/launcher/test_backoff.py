@@ -1,4 +1,4 @@
-"""Restart pacing (omni_sidecar/engines/policy.py): ``Backoff`` and ``RestartBudget``.
+"""Restart pacing (engine_launcher/policy.py): ``Backoff`` and ``RestartBudget``.
 
 Properties, not examples, for the backoff: before jitter the delay never
 decreases with the attempt number and never passes the cap; with jitter it
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_sidecar.engines.policy import Backoff, RestartBudget
+from engine_launcher.policy import Backoff, RestartBudget
 
 initials = st.floats(min_value=1e-3, max_value=1e3, allow_nan=False)
 caps = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)

@@ -1,4 +1,4 @@
-"""The engine state machine (omni_sidecar/engines/policy.py): every (state, observation) pair.
+"""The engine state machine (engine_launcher/policy.py): every (state, observation) pair.
 
 The expected table below is written out independently of ``TRANSITIONS`` so
 that a changed transition fails here and must be changed in both places (the
@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from omni_sidecar.engines.policy import (
+from engine_launcher.policy import (
     TRANSITIONS,
     EngineState,
     EngineStateMachine,

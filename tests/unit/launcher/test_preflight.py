@@ -1,4 +1,4 @@
-"""``omni-sidecar preflight`` checks (omni_sidecar/engines/preflight/).
+"""``omni-sidecar preflight`` checks (engine_launcher/preflight/).
 
 Two machines are played: this one as it is (no vllm, vllm_omni or torch
 installed: those checks FAIL saying what to install, exit status 3) and an
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.engines import preflight
-from omni_sidecar.engines.preflight import (
+from engine_launcher import preflight
+from engine_launcher.preflight import (
     CheckStatus,
     StageSpec,
     add_preflight_arguments,
@@ -35,7 +35,7 @@ from omni_sidecar.engines.preflight import (
     run_checks,
     scan_deploy_yaml,
 )
-from omni_sidecar.settings import EngineConfig, load
+from proxy.settings import EngineConfig, load
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKES = ROOT / "tests" / "fakes" / "preflight_modules"

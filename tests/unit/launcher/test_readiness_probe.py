@@ -1,6 +1,6 @@
 """Which probe asks an engine whether it is ready, and what its answers mean.
 
-``health_verdict`` (omni_sidecar/engines/policy.py) classifies one answer to
+``health_verdict`` (engine_launcher/policy.py) classifies one answer to
 ``GET /health``: 200 is healthy; 400, 404, 405, 426 and a non-HTTP answer say
 the server has no health route (``auto`` hands over to a handshake); every
 other status, 5xx first, is unhealthy. ``probe_websocket_url`` builds the
@@ -17,11 +17,11 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
-from omni_sidecar.engines.policy import NO_HEALTH_ROUTE_STATUSES, HealthVerdict, health_verdict
-from omni_sidecar.engines.pool import plan_replicas
-from omni_sidecar.engines.process import HealthProbe, UpstreamProbe, probe_websocket_url
-from omni_sidecar.engines.supervisor import default_probe
-from omni_sidecar.settings import PROBE_KINDS, EngineConfig, EngineConfigError
+from engine_launcher.policy import NO_HEALTH_ROUTE_STATUSES, HealthVerdict, health_verdict
+from engine_launcher.pool import plan_replicas
+from engine_launcher.process import HealthProbe, UpstreamProbe, probe_websocket_url
+from engine_launcher.supervisor import default_probe
+from proxy.settings import PROBE_KINDS, EngineConfig, EngineConfigError
 
 V = HealthVerdict
 

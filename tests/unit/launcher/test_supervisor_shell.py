@@ -1,4 +1,4 @@
-"""The supervisor shell (omni_sidecar/engines/supervisor.py), socket-free and in virtual time.
+"""The supervisor shell (engine_launcher/supervisor.py), socket-free and in virtual time.
 
 A :class:`~tests.fakes.supervision.FakeClock` replaces time, a ``Spawner`` of
 ``FakeChild`` replaces the engine process and a ``ScriptedProbe`` replaces
@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from omni_sidecar.engines.errors import RestartBudgetExhausted
-from omni_sidecar.engines.policy import Backoff, EngineState, Observation
-from omni_sidecar.engines.process import HealthProbe, UpstreamProbe, build_argv
-from omni_sidecar.engines.supervisor import Supervisor, default_probe, probe_timeout
-from omni_sidecar.settings import EngineConfig
+from engine_launcher.launcher_errors import RestartBudgetExhausted
+from engine_launcher.policy import Backoff, EngineState, Observation
+from engine_launcher.process import HealthProbe, UpstreamProbe, build_argv
+from engine_launcher.supervisor import Supervisor, default_probe, probe_timeout
+from proxy.settings import EngineConfig
 from tests.conftest import DEADLINE, wait_until
 from tests.fakes.supervision import HANG, FakeClock, ScriptedProbe, Spawner
 

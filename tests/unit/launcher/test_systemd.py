@@ -1,4 +1,4 @@
-"""sd_notify (omni_sidecar/engines/systemd.py) and the systemd unit that relies on it.
+"""sd_notify (engine_launcher/systemd.py) and the systemd unit that relies on it.
 
 systemd's Type=notify protocol (sd_notify(3)): newline-separated
 ``KEY=VALUE`` assignments in one datagram to the socket named by
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_sidecar.engines.systemd import Notifier, watchdog_interval
-from omni_sidecar.settings import EngineConfig, Settings
+from engine_launcher.systemd import Notifier, watchdog_interval
+from proxy.settings import EngineConfig, Settings
 
 UNIT = Path(__file__).resolve().parents[3] / "deploy" / "systemd" / "omni-sidecar.service"
 INSTALLED_EXEC = "/opt/omni-sidecar/venv/bin/omni-sidecar"
@@ -242,7 +242,7 @@ class TestUnitFile:
         assert float(unit[("Service", "TimeoutStartSec")][0]) > EngineConfig().startup_timeout
 
     def test_config_errors_are_not_restarted(self, unit: dict[tuple[str, str], list[str]]) -> None:
-        from omni_sidecar.cli import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
+        from proxy.cli import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
 
         expected = f"{EXIT_CONFIG} {EXIT_PREFLIGHT} {EXIT_LISTEN}"
         assert unit[("Service", "RestartPreventExitStatus")] == [expected]

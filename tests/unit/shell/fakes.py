@@ -19,9 +19,9 @@ import aiohttp
 from websockets.frames import Frame
 from websockets.streams import StreamReader
 
-from omni_sidecar.core.buffer import Entry
-from omni_sidecar.core.session import DropReason, SessionCore
-from omni_sidecar.session.engine_link import UpstreamHandler, read_messages
+from proxy.core.buffer import Entry
+from proxy.core.session_core import DropReason, SessionCore
+from proxy.session.upstream_link import UpstreamHandler, read_messages
 
 __all__ = [
     "FakeClient",

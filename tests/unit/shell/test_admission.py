@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from omni_sidecar.edge.admission import Admission
-from omni_sidecar.engines.admission import EngineAdmission
+from engine_launcher.admission import EngineAdmission
+from proxy.edge.session_slots import Admission
 from tests.conftest import MS
 
 

@@ -1,4 +1,4 @@
-"""The API key file (omni_sidecar/edge/auth.py): keys with optional names, and which name a client gets.
+"""The API key file (proxy/edge/auth.py): keys with optional names, and which name a client gets.
 
 docs/design.md, Usage: ``KEY`` or ``KEY name=NAME``; any other field is an
 error naming the line, never ignored; the error never contains a key.
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_sidecar.core.usage import UNNAMED_KEY
-from omni_sidecar.edge.auth import KEY_SUBPROTOCOL_PREFIX, AuthPolicy, load_api_keys, load_key_file
-from omni_sidecar.errors import ConfigError
+from proxy.core.usage import UNNAMED_KEY
+from proxy.edge.auth import KEY_SUBPROTOCOL_PREFIX, AuthPolicy, load_api_keys, load_key_file
+from proxy.errors import ConfigError
 
 
 def _file(tmp_path: Path, text: str) -> str:
@@ -84,7 +84,7 @@ def test_without_auth_every_session_is_unnamed() -> None:
 
 
 def test_quota_fields_are_read_per_name(tmp_path: Path) -> None:
-    from omni_sidecar.core.quota import KeyQuota
+    from proxy.core.quota_rules import KeyQuota
 
     keys, quotas = load_key_file(
         (),

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import pytest
 from websockets.frames import Opcode
 
-from omni_sidecar.core.session import DropReason, SessionCore, SessionState
-from omni_sidecar.session.frames import OP_TEXT, close_payload, frame_header
-from omni_sidecar.session.relay import pump
-from omni_sidecar.session.writer import AiohttpWriterAdapter, ClientFrameWriter
+from proxy.core.session_core import DropReason, SessionCore, SessionState
+from proxy.session.frames import OP_TEXT, close_payload, frame_header
+from proxy.session.relay import pump
+from proxy.session.writer import AiohttpWriterAdapter, ClientFrameWriter
 from tests.unit.core.helpers import (
     audio,
     b_response_cancel,

@@ -7,9 +7,9 @@ import pytest
 
 def test_a_slot_ttl_under_two_check_intervals_is_a_config_error() -> None:
     """Slots are refreshed at every check: a shorter TTL would expire live sessions' slots."""
-    from omni_sidecar.errors import ConfigError
-    from omni_sidecar.settings import load
-    from omni_sidecar.startup import validate_runtime
+    from proxy.errors import ConfigError
+    from proxy.settings import load
+    from proxy.startup import validate_runtime
 
     loaded = load(
         None,

@@ -19,12 +19,12 @@ import aiohttp
 import pytest
 from websockets.frames import Opcode
 
-from omni_sidecar.core.buffer import Entry
-from omni_sidecar.core.events import UpstreamEvent
-from omni_sidecar.core.playback import AckMode, PlaybackSettings
-from omni_sidecar.core.session import OverflowPolicy, SessionCore, SessionSettings
-from omni_sidecar.session.limits import RelayLimits
-from omni_sidecar.session.relay import ACK_RIDE_WAIT, Relay
+from proxy.core.buffer import Entry
+from proxy.core.events import UpstreamEvent
+from proxy.core.playback import AckMode, PlaybackSettings
+from proxy.core.session_core import OverflowPolicy, SessionCore, SessionSettings
+from proxy.session.limits import RelayLimits
+from proxy.session.relay import ACK_RIDE_WAIT, Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
     audio,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_sidecar.session.timers import SessionTimers, Side
+from proxy.session.timers import SessionTimers, Side
 from tests.unit.shell.fakes import ManualScheduler
 
 START = 1000.0

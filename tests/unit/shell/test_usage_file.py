@@ -1,4 +1,4 @@
-"""The usage file's writer (omni_sidecar/session/usage_log.py): bounded queue, rotation, failures counted.
+"""The usage file's writer (proxy/session/usage_log.py): bounded queue, rotation, failures counted.
 
 docs/design.md, Usage: at most ``usage_file_max_pending`` records wait for the
 writer thread; one more is dropped (``put`` says so), never queued.
@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from omni_sidecar.session.usage_log import UsageFile
+from proxy.session.usage_log import UsageFile
 
 DEADLINE = 10.0
 

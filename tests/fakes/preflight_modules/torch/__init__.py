@@ -1,4 +1,4 @@
-"""Stand-in for ``torch``: only what omni_sidecar.engines.preflight touches."""
+"""Stand-in for ``torch``: only what engine_launcher.preflight touches."""
 
 from . import cuda
 

@@ -1,6 +1,0 @@
-"""The I/O-free core: buffer, cancellation ledger, classification, session policy.
-
-The same source runs as Python or compiled by mypyc (``make native``);
-:mod:`omni_sidecar.native` says which, and refuses a compiled module older than its
-source.
-"""

@@ -1,0 +1,100 @@
+"""The limits a session applies to what its client sends, I/O-free.
+
+Two token buckets (proxy/core/ratelimit.py), both off at 0:
+
+* ``max_client_frame_rate`` / ``client_frame_burst``: client data frames per
+  second. A frame over it is dropped; the first of a rate-limit *episode*
+  (refusals less than ``_RATE_EPISODE_GAP`` apart) is answered with one
+  ``error`` {client_rate_limited}, and an episode that lasts
+  ``client_rate_limit_close_after`` seconds ends the session with 1008.
+* ``max_input_audio_rate`` / ``input_burst_seconds``: appended input audio
+  seconds per wall second, in the session's input format (tracked from its
+  ``session.update``). An append over it is dropped with ``error``
+  {input_backpressure}.
+
+``ClientLimits`` decides; ``SessionCore`` acts (counts the drop, queues the
+error, ends the session). The buckets are attributes so the core takes a
+token without one more call per frame.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from proxy.core.ratelimit import TokenBucket, audio_bytes_per_second
+from proxy.core.session_settings import SessionSettings
+
+__all__ = ["ClientLimits"]
+
+#: A rate-limited frame less than this many seconds after the previous one
+#: continues the same rate-limit episode (one error per episode).
+_RATE_EPISODE_GAP: Final = 1.0
+
+
+class ClientLimits:
+    """One session's client frame rate and input audio rate limits."""
+
+    def __init__(self, settings: SessionSettings) -> None:
+        self.max_frame_rate = settings.max_client_frame_rate
+        self.frame_burst = settings.client_frame_burst or 2 * settings.max_client_frame_rate
+        self.close_after = settings.client_rate_limit_close_after
+        self.max_input_audio_rate = settings.max_input_audio_rate
+        #: Client data frames (one token each).
+        self.frame_bucket = TokenBucket(self.max_frame_rate, self.frame_burst)
+        #: Appended input audio, in seconds of audio.
+        self.input_bucket = TokenBucket(settings.max_input_audio_rate, settings.input_burst_seconds)
+        #: Raw input audio bytes per second, from the session's input format.
+        self.input_bytes_per_second = audio_bytes_per_second(None, None)
+        self._limited_since: float | None = None
+        self._last_limited = 0.0
+
+    # -- frame rate ----------------------------------------------------------------------------
+
+    def episode_begins(self, now: float) -> bool:
+        """A frame was refused: whether it starts a new rate-limit episode."""
+        since = self._limited_since
+        begins = since is None or now - self._last_limited > _RATE_EPISODE_GAP
+        if begins:
+            self._limited_since = now
+        self._last_limited = now
+        return begins
+
+    def episode_too_long(self, now: float) -> bool:
+        """The current episode has lasted ``client_rate_limit_close_after`` seconds."""
+        since = self._limited_since
+        return since is not None and now - since >= self.close_after
+
+    def frame_rate_message(self) -> str:
+        return (
+            f"more than {self.max_frame_rate:g} frames per second "
+            f"(burst {self.frame_burst:g}); frames are dropped"
+        )
+
+    # -- input audio rate ------------------------------------------------------------------------
+
+    def input_rate_message(self) -> str:
+        return (
+            "input audio arrives faster than "
+            f"{self.max_input_audio_rate:g}x real time; frame dropped"
+        )
+
+    def note_input_format(self, body: dict[str, Any] | None) -> None:
+        """Track the session's input audio format from a client ``session.update``."""
+        session = (body or {}).get("session")
+        if not isinstance(session, dict):
+            return
+        fmt = session.get("input_audio_format")
+        rate = session.get("sample_rate_hz")
+        audio = session.get("audio")
+        if isinstance(audio, dict) and isinstance(audio.get("input"), dict):
+            spec = audio["input"].get("format")
+            if isinstance(spec, dict):
+                fmt = spec.get("type", fmt)
+                rate = spec.get("rate", rate)
+            elif isinstance(spec, str):
+                fmt = spec
+        if fmt is None and rate is None:
+            return
+        self.input_bytes_per_second = audio_bytes_per_second(
+            fmt if isinstance(fmt, str) else None, rate if isinstance(rate, int) else None
+        )

@@ -1,0 +1,114 @@
+"""Events the proxy writes itself, in the engine's own shapes.
+
+Shapes follow vLLM-Omni 0.30 (docs/engine-protocol.md, Terminal events and errors) and PR #7644 for
+``output_backpressure``: the T1 error envelope, a failed ``response.done``
+with ``metadata.committed: false``, and ``session.closed`` with a reason.
+Ids are passed in (the core has no randomness of its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import orjson
+
+from proxy.core.events import UpstreamEvent, classify_upstream
+
+__all__ = [
+    "ERROR_TYPES",
+    "compact_session_closed",
+    "error_event",
+    "response_cancel",
+    "response_failed",
+    "session_close",
+    "session_closed",
+]
+
+#: error.type per code, as the engine derives it (unknown → invalid_request_error).
+ERROR_TYPES: Final[dict[str, str]] = {
+    "output_backpressure": "rate_limit_error",
+    "input_backpressure": "rate_limit_error",
+    "client_rate_limited": "rate_limit_error",
+    "quota_exceeded": "rate_limit_error",
+    "upstream_frame_too_large": "server_error",
+    "resource_exhausted": "rate_limit_error",
+    "engine_unavailable": "server_error",
+    "internal_error": "server_error",
+}
+
+
+def _event(body: dict[str, Any]) -> UpstreamEvent:
+    return classify_upstream(orjson.dumps(body).decode())
+
+
+def error_event(
+    event_id: str, code: str, message: str, *, client_event_id: str | None = None
+) -> UpstreamEvent:
+    """``error`` in the T1 envelope; echoes the client's event_id when given."""
+    error: dict[str, Any] = {
+        "type": ERROR_TYPES.get(code, "invalid_request_error"),
+        "code": code,
+        "message": message,
+    }
+    if client_event_id is not None:
+        error["event_id"] = client_event_id
+    return _event({"type": "error", "event_id": event_id, "error": error})
+
+
+def response_failed(event_id: str, response_id: str, reason: str) -> UpstreamEvent:
+    """A failed ``response.done`` (the proxy's terminal for a response it failed)."""
+    return _event(
+        {
+            "type": "response.done",
+            "event_id": event_id,
+            "response_id": response_id,
+            "response": {
+                "id": response_id,
+                "object": "realtime.response",
+                "status": "failed",
+                "status_details": {"type": "failed", "reason": reason},
+                # The engine always lists the assistant item, even when empty.
+                "output": [
+                    {
+                        "id": "item_" + response_id,
+                        "object": "realtime.item",
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "failed",
+                        "content": [],
+                    }
+                ],
+                "metadata": {"committed": False, "reason": reason},
+            },
+        }
+    )
+
+
+def session_closed(
+    event_id: str, session_id: str | None, reason: str, *, detail: str | None = None
+) -> UpstreamEvent:
+    """``session.closed``: always the last event of a session."""
+    body: dict[str, Any] = {
+        "type": "session.closed",
+        "event_id": event_id,
+        # A string like the engine's (SessionClosed.session_id is str), "" if unknown.
+        "session_id": session_id or "",
+        "reason": reason,
+        "event": {} if detail is None else {"detail": detail},
+    }
+    return _event(body)
+
+
+def compact_session_closed(event_id: str, session_id: str | None) -> UpstreamEvent:
+    """Replacement for a closure notice over the size limit (same identity)."""
+    return session_closed(event_id, session_id, "close_details_exceed_output_limit")
+
+
+def response_cancel(response_id: str) -> str:
+    """Upstream ``response.cancel`` naming one response."""
+    return orjson.dumps({"type": "response.cancel", "response_id": response_id}).decode()
+
+
+def session_close(reason: str) -> str:
+    """Upstream ``session.close`` so that a resumable engine frees the slot now."""
+    return orjson.dumps({"type": "session.close", "reason": reason}).decode()

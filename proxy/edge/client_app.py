@@ -1,0 +1,186 @@
+"""The aiohttp applications: the client listener and the admin listener.
+
+Client listener (docs/design.md, Routes and listeners): WS ``/v1/realtime``
+and ``/v1/duplex``, ``GET /healthz``, ``GET /readyz``; every other path is
+reverse-proxied to the engine, streamed (proxy/edge/reverse_proxy.py). The admin
+listener is ``proxy/admin/admin_app.py``. This module holds the routes; what
+they share is proxy/edge/state.py, the session slots
+proxy/edge/session_slots.py, how they refuse proxy/edge/refusals.py,
+and a session's opening proxy/edge/session_open.py.
+
+Admission happens before the WebSocket upgrade (docs/design.md, Admission and
+lifecycle), after the handshake itself was found valid (proxy/edge/handshake.py):
+draining or engine not ready → 503, ``max_sessions`` reached → 503 with ``Retry-After``
+(after waiting up to ``admission_timeout`` for a slot), upstream connect
+failure → 502. The upstream WebSocket is opened before the client's upgrade
+completes, so a client never gets a socket that leads nowhere. With an engine
+pool the session is first placed on a replica by the engines' admission state
+(engine_launcher/admission.py; docs/design.md, Engine pool): none admits
+→ 503 ``not_ready``, all full → 503 ``capacity`` with ``Retry-After``.
+
+A full engine accepts the socket and then sends ``error`` {resource_exhausted}
+(docs/design.md, Engine capabilities). When the engine opens the session at
+connect (``?model=`` without ``autostart=0``) that error is its first frame:
+the handshake waits up to ``engine_open_wait`` for it and answers 503
+``engine_capacity`` with ``Retry-After`` before the client's upgrade. Said
+later (the engine opens on the client's first frame) it is passed on to the
+client. Either way the replica admits no new session for
+``engine_full_backoff`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from proxy import compat
+from proxy.edge.guard import client_address
+from proxy.edge.handshake import validate_upgrade, wants_websocket
+from proxy.edge.refusals import check_auth, json_error, log_refused, retry_after
+from proxy.edge.reverse_proxy import ProxyRequest, reverse_proxy
+from proxy.edge.session_open import run_session
+from proxy.edge.state import STATE, WS_PATHS, ProxyState, upstream_headers
+
+__all__ = ["build_client_app"]
+
+
+# -- client listener ---------------------------------------------------------------------
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    refusal = state.admission.refusal()
+    body: dict[str, Any] = {
+        "sessions": state.admission.active,
+        "max_sessions": state.admission.max_sessions,
+        # Redis down is degraded, not down: the limits are then per process.
+        "quota": state.quota.readiness(),
+    }
+    router = state.router
+    if router is not None:
+        # Every replica's state; 200 while at least one admits (docs/design.md, Engine pool).
+        now = time.monotonic()
+        body["engines"] = router.views(now)
+        placed = router.refusal(now)
+        if refusal is None and placed is not None:
+            return web.json_response(
+                {"status": "not_ready", "reason": placed[0], "detail": placed[1], **body},
+                status=503,
+                headers={"Retry-After": retry_after(state, placed[0])},
+            )
+    if refusal is not None:
+        return web.json_response(
+            {"status": "not_ready", "reason": refusal[0], "detail": refusal[1], **body}, status=503
+        )
+    if not state.admission._has_slot():
+        return web.json_response(
+            {
+                "status": "not_ready",
+                "reason": "capacity",
+                "detail": "all session slots are in use",
+                **body,
+            },
+            status=503,
+        )
+    return web.json_response({"status": "ready", **body})
+
+
+async def _realtime(request: web.Request) -> web.StreamResponse:
+    """The handshake: validity, auth, readiness, per-address and global slots, in that order.
+
+    A request that does not ask for a WebSocket is plain HTTP and is
+    reverse-proxied; one that does must be a complete, valid handshake
+    (proxy/edge/handshake.py) before anything else is spent on it.
+    """
+    if not wants_websocket(request.headers):
+        return await _reverse_proxy(request)
+    state = request.app[STATE]
+    metrics = state.metrics
+    address = client_address(request)
+    version = (request.version.major, request.version.minor)
+    invalid = validate_upgrade(request.method, version, request.headers)
+    if invalid is not None:
+        metrics.rejected_connections.labels("bad_handshake").inc()
+        log_refused(address, invalid.status, invalid.reason)
+        response = json_error(invalid.status, invalid.reason, invalid.message, **invalid.headers)
+        response.force_close()
+        return response
+    auth = check_auth(request, state)
+    if isinstance(auth, web.Response):
+        return auth
+    refusal = state.admission.refusal()
+    if refusal is not None:
+        metrics.sessions_rejected.labels(refusal[0]).inc()
+        log_refused(address, 503, refusal[0])
+        return json_error(503, refusal[0], refusal[1], **{"Retry-After": "5"})
+    if not state.admission.acquire_ip(address):
+        metrics.sessions_rejected.labels("capacity").inc()
+        log_refused(address, 429, "capacity")
+        return json_error(
+            429, "capacity", "too many sessions from this address", **{"Retry-After": "1"}
+        )
+    try:
+        if not await state.admission.acquire():
+            metrics.sessions_rejected.labels("capacity").inc()
+            log_refused(address, 503, "capacity")
+            return json_error(
+                503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
+            )
+        try:
+            return await run_session(request, state, auth.key_name)
+        finally:
+            await state.admission.release()
+    finally:
+        state.admission.release_ip(address)
+
+
+async def _reverse_proxy(request: web.Request) -> web.StreamResponse:
+    """Any other HTTP request: auth, then streamed to the engine (proxy/edge/reverse_proxy.py)."""
+    state = request.app[STATE]
+    denied = check_auth(request, state)
+    if isinstance(denied, web.Response):
+        return denied
+    target = state.target()
+    if target is None:
+        return json_error(503, "not_ready", "engine is not ready")
+    address = client_address(request)
+    return await reverse_proxy(
+        request,
+        ProxyRequest(
+            base_url=target.http_base,
+            session=state.client_session(),
+            # Same rule as for WebSockets: upstream_authorization decides what the engine sees.
+            extra_headers=upstream_headers(state, request),
+            drop_headers=frozenset({"authorization"}),
+            max_body_bytes=state.edge.limits.max_http_body_bytes,
+            connect_timeout=state.settings.upstream_connect_timeout,
+            address=address,
+            reject=lambda reason: state.metrics.rejected_connections.labels(reason).inc(),
+        ),
+    )
+
+
+def build_client_app(state: ProxyState) -> web.Application:
+    """The client-facing application."""
+    # Client text frames can then be handed to their relay as they are parsed.
+    compat.install_text_push()
+    app = web.Application(client_max_size=state.settings.max_client_message_bytes)
+    app[STATE] = state
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    for path in WS_PATHS:
+        app.router.add_route("*", path, _realtime)
+    app.router.add_route("*", "/{tail:.*}", _reverse_proxy)
+
+    async def _close_http(_app: web.Application) -> None:
+        if state.http is not None:
+            await state.http.close()
+
+    app.on_cleanup.append(_close_http)
+    return app

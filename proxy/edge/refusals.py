@@ -1,0 +1,76 @@
+"""How the client listener says no: JSON error bodies, ``Retry-After``, one log line each.
+
+Shared by the routes (proxy/edge/client_app.py) and the session opening
+(proxy/edge/session_open.py), so a refusal looks the same whichever
+step refused (docs/design.md, Admission and lifecycle).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from proxy.core.quota_rules import QuotaRefusal
+from proxy.edge.auth import AuthResult, offered_subprotocols
+from proxy.edge.guard import client_address
+from proxy.edge.state import ProxyState
+
+__all__ = ["check_auth", "json_error", "log_refused", "quota_refused", "retry_after"]
+
+#: The name these lines have always been logged under (before the edge was split).
+log = logging.getLogger("omni_sidecar.edge.app")
+
+
+def json_error(status: int, reason: str, message: str, **headers: str) -> web.Response:
+    """A refusal's body: ``{"error": {"code", "message"}}``, the reason being the metric's."""
+    return web.json_response(
+        {"error": {"code": reason, "message": message}}, status=status, headers=headers
+    )
+
+
+def quota_refused(refused: QuotaRefusal) -> web.Response:
+    """429 ``quota_exceeded`` naming the quota, with ``Retry-After`` (docs/design.md, Quotas)."""
+    kind = refused.kind.value
+    message = f"this API key's {kind} quota ({refused.limit:g}) is used up"
+    return web.json_response(
+        {
+            # json_error's shape, plus what a client needs to back off.
+            "error": {"code": "quota_exceeded", "message": message},
+            "status": "rejected",
+            "reason": "quota_exceeded",
+            "quota": kind,
+            "limit": refused.limit,
+            "retry_after": refused.retry_after,
+        },
+        status=429,
+        headers={"Retry-After": str(refused.retry_after)},
+    )
+
+
+def log_refused(address: str, status: int, reason: str) -> None:
+    """One line per refused handshake: who, what status, why (never a key)."""
+    log.warning("refused handshake from %s: %d %s", address or "?", status, reason)
+
+
+def check_auth(request: web.Request, state: ProxyState) -> web.Response | AuthResult:
+    """401/403 before anything else, else the accepted result (with its key's name).
+
+    Keys are never logged.
+    """
+    result = state.auth.check(
+        request.headers, offered_subprotocols(request.headers.get("Sec-WebSocket-Protocol"))
+    )
+    if result.ok:
+        return result
+    state.metrics.sessions_rejected.labels(result.reason).inc()
+    log_refused(client_address(request), result.status, result.reason)
+    headers = {"WWW-Authenticate": 'Bearer realm="omni-sidecar"'} if result.status == 401 else {}
+    return json_error(result.status, result.reason, result.message, **headers)
+
+
+def retry_after(state: ProxyState, reason: str) -> str:
+    """``Retry-After`` for a 503 refusal of ``reason``."""
+    if reason == "engine_capacity":
+        return state.retry_after()
+    return "1" if reason == "capacity" else "5"

@@ -1,0 +1,335 @@
+"""Session registry: every live relay, the process-wide pending total, engine capabilities.
+
+``SessionRegistry`` knows every live relay (for shutdown, engine loss,
+``/debug/sessions`` and the process-wide pending-output cap) and keeps an
+exact running total of pending output bytes: each relay reports the change
+of its buffer after every core call (through its
+:class:`~proxy.session.observer.SessionObserver`), so enforcing
+``max_total_pending_output_bytes`` costs O(1) per event.
+
+For the operator console (``proxy/admin/admin_app.py``) the registry serves
+each live session's view and lifecycle events, and keeps the final view of
+the last ``RECENT_CLOSED_SESSIONS`` sessions so a session that just ended can
+still be inspected (a bounded ring: the oldest is dropped when full).
+
+``CapabilityBook`` holds what the process knows of the engine
+(docs/design.md, Engine capabilities) and its gauge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from metrics import SidecarMetrics
+from proxy.core.capabilities import EngineCapabilities, EngineVersion
+from proxy.core.usage import UNNAMED_KEY
+from proxy.session.observer import SessionObserver, SessionTracer
+
+if TYPE_CHECKING:
+    from proxy.core.session_core import SessionCore
+
+__all__ = ["RECENT_CLOSED_SESSIONS", "CapabilityBook", "SessionRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+class Relay(Protocol):
+    """What the registry needs of a live session (``proxy.session.relay.Relay`` has this
+    shape; a Protocol here keeps ``proxy.session.relay`` → ``proxy.session.registry`` one-way)."""
+
+    key: str
+    core: SessionCore
+    started_at: float
+    bytes_client_to_upstream: int
+    bytes_upstream_to_client: int
+
+    def shed(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def engine_unavailable(self) -> None: ...
+
+
+#: Ended sessions whose final view stays readable (sessions); oldest dropped.
+RECENT_CLOSED_SESSIONS: Final = 100
+
+
+class CapabilityBook:
+    """The process's engine capabilities (docs/design.md, Engine capabilities) and their gauge.
+
+    New sessions start from :attr:`current`; what a session learns on the wire
+    comes back through :meth:`learn` (never over config or preflight).
+
+    Args:
+        metrics: ``omni_sidecar_engine_info`` is kept equal to :attr:`current`.
+        initial: from ``engine.version`` and preflight.
+    """
+
+    def __init__(self, metrics: SidecarMetrics, initial: EngineCapabilities) -> None:
+        self._metrics = metrics
+        self.current = initial
+        self._export()
+
+    def learn(self, version: EngineVersion) -> bool:
+        """A session saw ``version``'s behaviour. Returns whether that changed anything."""
+        learned = self.current.learn(version)
+        if learned is self.current:
+            return False
+        log.info(
+            "the engine behaves like vLLM-Omni %s (seen on the wire; was %s from %s)",
+            version.value,
+            self.current.version.value,
+            self.current.source.value,
+        )
+        self.current = learned
+        self._export()
+        return True
+
+    def _export(self) -> None:
+        self._metrics.set_engine_info(self.current.version.value, self.current.source.value)
+
+
+class SessionRegistry:
+    """Live relays and the process-wide pending-output total.
+
+    Args:
+        metrics: where to report.
+        max_total_pending_output_bytes: above this, the largest session is shed.
+        capabilities: what the engine does, as far as known at start.
+    """
+
+    def __init__(
+        self,
+        metrics: SidecarMetrics,
+        *,
+        max_total_pending_output_bytes: int,
+        capabilities: EngineCapabilities | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.capabilities = CapabilityBook(
+            metrics, capabilities if capabilities is not None else EngineCapabilities()
+        )
+        #: Called with a session's engine replica (None: the one engine) when
+        #: that engine refused the session as full (set by proxy.edge.client_app.ProxyState).
+        self.on_engine_full: Callable[[int | None], None] = lambda engine: None
+        self.max_total = max_total_pending_output_bytes
+        self.relays: dict[str, Relay] = {}
+        self._observers: dict[str, SessionObserver] = {}
+        self._pending_bytes: dict[str, int] = {}
+        self._pending_events: dict[str, int] = {}
+        self.total_pending_bytes = 0
+        self.total_pending_events = 0
+        #: Final views of ended sessions, newest last (see RECENT_CLOSED_SESSIONS).
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CLOSED_SESSIONS)
+        #: Responses cancelled, all sessions, since start (the console's total).
+        self.total_cancels = 0
+        self._empty: asyncio.Event | None = None
+        #: Set at shutdown: a session admitted after it is told to close at once.
+        self.closing_all = False
+        # Read at scrape time: no gauge update on the per-event path.
+        metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
+        metrics.output_pending_events.set_function(lambda: self.total_pending_events)
+
+    async def wait_empty(self) -> None:
+        """Wait until no session is live."""
+        if not self.relays:
+            return
+        if self._empty is None:
+            self._empty = asyncio.Event()
+        self._empty.clear()
+        await self._empty.wait()
+
+    def add(self, relay: Relay) -> None:
+        self.relays[relay.key] = relay
+        self._pending_bytes[relay.key] = 0
+        self._pending_events[relay.key] = 0
+        self.metrics.sessions_active.set(len(self.relays))
+
+    def remove(self, relay: Relay) -> None:
+        if relay.key in self.relays:
+            self.recent.append(self.detail(relay.key) or {"id": relay.key})
+        self.relays.pop(relay.key, None)
+        self._observers.pop(relay.key, None)
+        self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
+        self.total_pending_events -= self._pending_events.pop(relay.key, 0)
+        self.metrics.sessions_active.set(len(self.relays))
+        if not self.relays and self._empty is not None:
+            self._empty.set()
+
+    def observer(
+        self,
+        key: str,
+        *,
+        client_address: str = "",
+        engine: int | None = None,
+        key_name: str = UNNAMED_KEY,
+        tracer: SessionTracer | None = None,
+    ) -> SessionObserver:
+        observer = SessionObserver(
+            self,
+            key,
+            client_address=client_address,
+            engine=engine,
+            key_name=key_name,
+            tracer=tracer,
+        )
+        self._observers[key] = observer
+        return observer
+
+    def relays_on(self, engine: int) -> list[Relay]:
+        """Live sessions placed on one engine replica (its failure ends only these)."""
+        return [
+            relay
+            for key, relay in self.relays.items()
+            if (observer := self._observers.get(key)) is not None and observer.engine == engine
+        ]
+
+    def pending_by_engine(self, count: int) -> list[int]:
+        """Pending output bytes per engine replica: placement's tie-breaker."""
+        totals = [0] * count
+        for key, observer in self._observers.items():
+            if observer.engine is not None and 0 <= observer.engine < count:
+                totals[observer.engine] += self._pending_bytes.get(key, 0)
+        return totals
+
+    def flush_metrics(self) -> None:
+        """Move per-session event/byte counts into the counters (before a scrape)."""
+        for observer in self._observers.values():
+            observer.flush()
+
+    def unflushed(self) -> tuple[int, int, int, int]:
+        """Events and bytes (client→upstream, then upstream→client) not in the counters yet.
+
+        Counters plus these are the exact totals now, without a flush: the
+        console asks every second, and flushing 500 sessions (thousands of
+        labelled-counter increments) would hold the relay up for milliseconds.
+        """
+        c2u_events = c2u_bytes = u2c_events = u2c_bytes = 0
+        for observer in self._observers.values():
+            a, b, c, d = observer.unflushed()
+            c2u_events += a
+            c2u_bytes += b
+            u2c_events += c
+            u2c_bytes += d
+        return c2u_events, c2u_bytes, u2c_events, u2c_bytes
+
+    def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
+        """Record a session's current buffer size; shed the largest if over the cap."""
+        if key not in self._pending_bytes:
+            return
+        self.total_pending_bytes += pending_bytes - self._pending_bytes[key]
+        self.total_pending_events += pending_events - self._pending_events[key]
+        self._pending_bytes[key] = pending_bytes
+        self._pending_events[key] = pending_events
+        if self.max_total and self.total_pending_bytes > self.max_total:
+            self._shed_largest()
+
+    def _shed_largest(self) -> None:
+        candidates = [key for key, relay in self.relays.items() if not relay.core.buffer.closed]
+        if not candidates:
+            return
+        key = max(candidates, key=self._pending_bytes.__getitem__)
+        relay = self.relays[key]
+        log.warning(
+            "pending output %d bytes over the process cap %d; shedding session %s (%d bytes)",
+            self.total_pending_bytes,
+            self.max_total,
+            key,
+            self._pending_bytes[key],
+        )
+        self.metrics.overflows.labels("process_total").inc()
+        relay.shed()
+
+    def statistics(self) -> list[dict[str, Any]]:
+        """Per-session JSON for /debug/sessions, oldest session first."""
+        now = time.monotonic()
+        return [self._view(key, relay, now) for key, relay in self.relays.items()]
+
+    def select(self, offset: int, limit: int, query: str = "") -> tuple[int, list[str]]:
+        """(sessions matching ``query``, the ids of ``limit`` of them from ``offset``).
+
+        Oldest first. ``query`` filters by substring of our id, the engine's
+        session id or the client address before paging, so only the page is
+        then rendered (with :meth:`view`).
+        """
+        keys = list(self.relays)
+        if query:
+            keys = [key for key in keys if query in self._search_text(key)]
+        return len(keys), keys[offset : offset + limit]
+
+    def view(self, key: str, *, max_ids: int | None = None) -> dict[str, Any] | None:
+        """One live session's JSON (None once it ended); id lists cut to the newest ``max_ids``."""
+        relay = self.relays.get(key)
+        if relay is None:
+            return None
+        return self._view(key, relay, time.monotonic(), max_ids=max_ids)
+
+    def detail(self, key: str) -> dict[str, Any] | None:
+        """One live session's view and its lifecycle events; None when not live."""
+        relay = self.relays.get(key)
+        if relay is None:
+            return None
+        view = self._view(key, relay, time.monotonic())
+        observer = self._observers.get(key)
+        view["events"] = [] if observer is None else observer.lifecycle()
+        return view
+
+    def _search_text(self, key: str) -> str:
+        relay = self.relays[key]
+        observer = self._observers.get(key)
+        address = observer.client_address if observer is not None else ""
+        return f"{key} {relay.core.session_id or ''} {address}"
+
+    def _view(
+        self, key: str, relay: Relay, now: float, *, max_ids: int | None = None
+    ) -> dict[str, Any]:
+        stats = relay.core.statistics()
+        cancelled = relay.core.ledger.tombstoned()
+        if max_ids is not None:
+            cancelled = cancelled[-max_ids:] if max_ids else []
+        buffer = stats.buffer
+        observer = self._observers.get(key)
+        playback = relay.core.playback.view(now)
+        # Audio the client holds unplayed (the largest over its items), when paced.
+        leads = [item["lead_ms"] for item in playback["items"] if not item["finished"]]
+        lead_ms = max(leads, default=0) if playback["pacing"] else None
+        if max_ids is not None:
+            playback["items"] = playback["items"][-max_ids:] if max_ids else []
+        return {
+            "id": key,
+            "upstream_session_id": stats.session_id,
+            "client_address": observer.client_address if observer is not None else "",
+            "key": observer.key_name if observer is not None else UNNAMED_KEY,
+            "engine": observer.engine if observer is not None else None,
+            "started_at": observer.started_at if observer is not None else None,
+            "age_seconds": round(now - relay.started_at, 3),
+            "state": stats.state.value,
+            "outcome": relay.core.outcome.value if relay.core.outcome is not None else None,
+            "close_code": relay.core.close_code,
+            "pending_bytes": buffer.pending_bytes,
+            "pending_events": buffer.pending_events,
+            "reserve_bytes": buffer.reserve_bytes,
+            "reserve_events": buffer.reserve_events,
+            "peak_pending_bytes": buffer.peak_pending_bytes,
+            "active_response": stats.active_response,
+            "open_responses": list(stats.open_responses),
+            "cancelled_responses": cancelled,
+            "tombstones": stats.ledger.tombstones,
+            "tombstone_evictions": stats.ledger.evictions,
+            "late_audio_after_eviction": stats.ledger.late_after_eviction,
+            "overflows": stats.overflows,
+            "overflowed": relay.core.outcome is not None and relay.core.outcome.value == "overflow",
+            "cancels": stats.cancels,
+            "dropped": {
+                r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e
+            },
+            "bytes_client_to_upstream": relay.bytes_client_to_upstream,
+            "bytes_upstream_to_client": relay.bytes_upstream_to_client,
+            "playback": playback,
+            "playback_lead_ms": lead_ms,
+        }
