@@ -31,8 +31,11 @@ class Notifier:
         if self.address is None or not assignments:
             return False
         payload = "\n".join(assignments).encode()
+        # Non-blocking: called from the event loop, and a receiver whose queue
+        # is full (a stalled manager) must cost a dropped datagram, not a hang.
+        kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            with socket.socket(socket.AF_UNIX, kind) as sock:
                 sock.connect(self.address)
                 sock.sendall(payload)
         except OSError:

@@ -125,6 +125,17 @@ class TestNotifier:
         assert Notifier({"NOTIFY_SOCKET": address}).notify() is False
         assert_nothing_sent(sock)
 
+    @pytest.mark.timeout(10)
+    def test_a_manager_that_does_not_read_costs_a_datagram_not_a_hang(
+        self, notify_socket: tuple[socket.socket, str]
+    ) -> None:
+        # The notifier runs on the event loop: a full receive queue must not block it.
+        sock, address = notify_socket
+        notifier = Notifier({"NOTIFY_SOCKET": address})
+        results = [notifier.notify(f"STATUS=filler {i} " + "x" * 1000) for i in range(2000)]
+        assert results[0] is True, "the first datagrams are queued"
+        assert results[-1] is False, "the queue filled: later ones are dropped, not waited for"
+
     def test_missing_socket_is_not_an_error(self, tmp_path: Path) -> None:
         notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "gone")})
         assert notifier.enabled
