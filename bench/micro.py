@@ -30,11 +30,10 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from metrics.definitions import SidecarMetrics
-from proxy.core.session_core import SessionCore
 from proxy.edge.state import session_settings
 from proxy.session.limits import RelayLimits
 from proxy.session.registry import SessionRegistry
-from proxy.session.relay import Relay, new_event_id
+from proxy.session.relay import Relay
 from proxy.session.upstream_link import UpstreamHandler
 from proxy.settings import Settings
 
@@ -133,13 +132,12 @@ def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
         client=client,
         client_protocol=_NullProtocol(),
         upstream=_NullLink(),
-        core=SessionCore(session_settings(settings), new_event_id=new_event_id),
+        settings=session_settings(settings),
         observer=registry.observer("micro"),
         limits=RelayLimits(
             close_timeout=1.0,
             drain_timeout=1.0,
             upstream_close_timeout=1.0,
-            max_pending_input_bytes=settings.max_pending_input_bytes,
             write_buffer_bytes=settings.client_write_buffer_bytes,
             heartbeat_interval=settings.heartbeat_interval,
             client_idle_timeout=settings.client_idle_timeout,

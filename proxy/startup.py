@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from engine_launcher.pool import plan_replicas
-from proxy.core.session_core import SessionCore
+from proxy.core.session_core import check_session_settings
 from proxy.edge.auth import load_api_keys
 from proxy.edge.state import session_settings
 from proxy.errors import ConfigError
@@ -50,7 +50,7 @@ def validate_runtime(loaded: LoadedSettings) -> None:
     """
     settings = loaded.settings
     try:
-        SessionCore(session_settings(settings), new_event_id=lambda: "validate")
+        check_session_settings(session_settings(settings))
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:

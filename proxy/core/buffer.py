@@ -1,33 +1,11 @@
 """OutputBuffer: the bounded queue between engine intake and client delivery.
 
-One per session (docs/design.md, Output buffer; the semantics follow vLLM-Omni PR #7644's
-``DuplexOutputBuffer``, docs/engine-protocol.md, Bounded output upstream).
-
-Theory:
-
-* **Ordinary budget.** Every event is charged its exact UTF-8 frame size
-  against ``max_pending_output_bytes`` and one slot against
-  ``max_pending_output_events``. An event that does not fit is *rejected*
-  (``Offer.REJECTED_FULL``): the buffer never blocks and never drops on its
-  own; the session policy decides what overflow means.
-* **Reserve.** Once the ordinary budget is full, ``error`` and ``response.done``
-  may still enter, charged to a small separate reserve. They join the same
-  FIFO, so they never overtake audio queued before them.
-* **Closure slot.** The final ``session.closed`` lives outside both budgets and
-  is handed out only after the queue is empty, exactly once. A notice larger
-  than ``max_close_notice_bytes`` is replaced by a compact one. After closure,
-  offers are refused (``Offer.REJECTED_CLOSED``).
-* **Held event.** ``get_nowait`` releases the event's budget and *holds* it
-  until ``release_held``. ``invalidate`` marks a held audio delta of the
-  cancelled response invalid; the shell must check ``held_is_valid`` before it
-  starts writing.
-
-Overflow behaviour of this queue: reject (never block, never grow). Bounds:
-``max_pending_output_bytes``/``_events`` plus ``output_reserve_bytes``/``_events``
-plus one held event plus one closure notice of at most
-``max(max_close_notice_bytes, compact notice)``.
-
-No I/O, no clocks: ``now`` is passed in and only stored for queue-delay figures.
+One per session (docs/design.md, Output buffer). Events are charged their UTF-8
+size against the ordinary budget; ``error`` and ``response.done`` may use a
+small reserve; the final ``session.closed`` has a closure slot outside both.
+An offer that does not fit is refused (``Offer.REJECTED_FULL``): the buffer
+never blocks and never drops on its own; the session policy decides. Sans-I/O:
+``now`` is passed in and only stored for queue-delay figures.
 """
 
 from __future__ import annotations
@@ -163,6 +141,9 @@ class OutputBuffer:
         "_rejected_full",
         "_reserve_bytes",
         "_reserve_events",
+        "closure_pending",
+        "pending_bytes",
+        "pending_events",
     )
 
     def __init__(self, limits: BufferLimits) -> None:
@@ -181,6 +162,11 @@ class OutputBuffer:
         self._invalidated_events = 0
         self._invalidated_bytes = 0
         self._rejected_full = 0
+        #: Output bytes and events queued (both budgets), kept current: read per event.
+        self.pending_bytes = 0
+        self.pending_events = 0
+        #: The closure notice waits to be taken.
+        self.closure_pending = False
 
     # -- producer side -----------------------------------------------------------
 
@@ -212,7 +198,7 @@ class OutputBuffer:
             self._ordinary_events += 1
             self._ordinary_bytes += size
             self._queue.append(Entry(event, now))
-            self._note_peak()
+            self._added(size)
             return Offer.ACCEPTED
         if (
             event.kind in _RESERVE_KINDS
@@ -222,7 +208,7 @@ class OutputBuffer:
             self._reserve_events += 1
             self._reserve_bytes += size
             self._queue.append(Entry(event, now, reserved=True))
-            self._note_peak()
+            self._added(size)
             return Offer.ACCEPTED_RESERVE
         self._rejected_full += 1
         return Offer.REJECTED_FULL
@@ -243,6 +229,7 @@ class OutputBuffer:
         chosen = notice if notice.size <= self._limits.max_close_notice_bytes else compact
         self._closure = Entry(chosen, now, closure=True)
         self._closed = True
+        self.closure_pending = True
         return True
 
     def invalidate(self, response_id: str) -> tuple[int, int]:
@@ -304,12 +291,25 @@ class OutputBuffer:
         elif self._closure is not None and not self._closure_taken:
             entry = self._closure
             self._closure_taken = True
+            self.closure_pending = False
         else:
             self._held_valid = False
             return None
         self._held = entry
         self._held_valid = True
         return entry
+
+    def pop(self) -> Entry | None:
+        """Take the next event to write at once (``get_nowait`` without holding it)."""
+        if self._queue:
+            entry = self._queue.popleft()
+            self._release(entry)
+            return entry
+        if self.closure_pending:
+            self._closure_taken = True
+            self.closure_pending = False
+            return self._closure
+        return None
 
     @property
     def holding(self) -> bool:
@@ -350,10 +350,6 @@ class OutputBuffer:
             closed=self._closed,
         )
 
-    @property
-    def pending_bytes(self) -> int:
-        return self._ordinary_bytes + self._reserve_bytes
-
     # -- internals -------------------------------------------------------------------
 
     def _release(self, entry: Entry) -> None:
@@ -364,7 +360,10 @@ class OutputBuffer:
         else:
             self._ordinary_events -= 1
             self._ordinary_bytes -= size
+        self.pending_bytes -= size
+        self.pending_events -= 1
 
-    def _note_peak(self) -> None:
-        total = self._ordinary_bytes + self._reserve_bytes
+    def _added(self, size: int) -> None:
+        self.pending_events += 1
+        total = self.pending_bytes = self.pending_bytes + size
         self._peak_bytes = max(self._peak_bytes, total)

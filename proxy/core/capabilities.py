@@ -1,23 +1,10 @@
-"""What the engine does, as a small value the sessions read (docs/design.md, Engine capabilities).
+"""What the engine does, as a small value the sessions read.
 
-vLLM-Omni changed behaviour a proxy depends on between releases, and it has no
-version endpoint, so the sidecar works out which behaviour to expect from three
-sources, the first that knows winning:
-
-1. ``config``: ``engine.version`` set to ``0.30``, ``0.31`` or ``0.32``;
-2. ``preflight``: the ``vllm-omni`` package version in the engine's
-   interpreter (``kind = "vllm-omni"``);
-3. ``wire``: behaviour a session saw (a ``bad_event`` answer to one of the
-   sidecar's own truncations is 0.32's rule; an ``output_backpressure`` error
-   from the engine is 0.31's bound). A wire observation never overrides
-   ``config`` or ``preflight``, and only moves the version up.
-
-Otherwise the source is ``unknown`` and the sidecar behaves as for 0.30.
-
-I/O-free: plain values, no clock. The shell keeps the process-wide value
-(``proxy.session.registry.SessionRegistry.capabilities``) and exports it as
-``omni_sidecar_engine_info{version, source}``; label values are this module's
-enum values, never a version string read from the engine or a package.
+vLLM-Omni changed behaviour a proxy depends on between releases and has no
+version endpoint: the version comes from ``config``, then ``preflight``, then
+what a session saw on the ``wire`` (never overriding the first two, only
+moving up), else ``unknown`` (behave as 0.30); docs/design.md, Engine
+capabilities. Sans-I/O; label values are this module's enum values.
 """
 
 from __future__ import annotations

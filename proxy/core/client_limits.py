@@ -1,20 +1,11 @@
-"""The limits a session applies to what its client sends, I/O-free.
+"""The limits a session applies to what its client sends: two token buckets.
 
-Two token buckets (proxy/core/ratelimit.py), both off at 0:
-
-* ``max_client_frame_rate`` / ``client_frame_burst``: client data frames per
-  second. A frame over it is dropped; the first of a rate-limit *episode*
-  (refusals less than ``_RATE_EPISODE_GAP`` apart) is answered with one
-  ``error`` {client_rate_limited}, and an episode that lasts
-  ``client_rate_limit_close_after`` seconds ends the session with 1008.
-* ``max_input_audio_rate`` / ``input_burst_seconds``: appended input audio
-  seconds per wall second, in the session's input format (tracked from its
-  ``session.update``). An append over it is dropped with ``error``
-  {input_backpressure}.
-
-``ClientLimits`` decides; ``SessionCore`` acts (counts the drop, queues the
-error, ends the session). The buckets are attributes so the core takes a
-token without one more call per frame.
+``max_client_frame_rate``/``client_frame_burst`` (client data frames per
+second; refusals less than ``_RATE_EPISODE_GAP`` apart are one episode, which
+gets one ``error`` and ends the session after ``client_rate_limit_close_after``)
+and ``max_input_audio_rate``/``input_burst_seconds`` (appended audio seconds
+per second). Both off at 0 (docs/design.md, Relay shell). ``ClientLimits``
+decides; ``SessionCore`` acts.
 """
 
 from __future__ import annotations

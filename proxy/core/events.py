@@ -22,13 +22,16 @@ import orjson
 
 __all__ = [
     "AUDIO_DELTA_TYPES",
+    "ENGINE_FULL_CODE",
     "ClientEvent",
     "ClientKind",
     "EventKind",
     "UpstreamEvent",
     "classify_client",
     "classify_upstream",
+    "error_code",
     "frame_size",
+    "is_engine_full",
 ]
 
 #: Audio delta names: GA (vLLM-Omni 0.30) and beta (0.28, OpenAI beta).
@@ -137,6 +140,8 @@ class UpstreamEvent:
     #: (``item_id``, ``format``, ``sample_rate_hz``), when the frame has them.
     audio_chars: int = 0
     audio_meta: dict[str, Any] | None = None
+    #: ``kind is EventKind.AUDIO_DELTA``, read several times per event: a field, not a call.
+    is_audio: bool = False
 
     # Written out (dataclass keeps it): built per engine event, and mypyc
     # compiles this one natively where it would interpret the generated one.
@@ -163,10 +168,7 @@ class UpstreamEvent:
         self.body = body
         self.audio_chars = audio_chars
         self.audio_meta = audio_meta
-
-    @property
-    def is_audio(self) -> bool:
-        return self.kind is EventKind.AUDIO_DELTA
+        self.is_audio = kind is EventKind.AUDIO_DELTA
 
 
 @dataclass(slots=True)  # treat as immutable (see UpstreamEvent)
@@ -426,3 +428,20 @@ def classify_client(text: str) -> ClientEvent:
         event_id=event_id,
         body=body,
     )
+
+
+#: The engine's error when it has no room for one more session (0.31+; the
+#: message says which limit: duplex_session_capacity_exhausted, or
+#: replica_capacity_exhausted with replica placement).
+ENGINE_FULL_CODE: Final = "resource_exhausted"
+
+
+def error_code(event: UpstreamEvent) -> object:
+    """``error.code`` of an engine ``error`` (None when it has none)."""
+    error = (event.body or {}).get("error")
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def is_engine_full(event: UpstreamEvent) -> bool:
+    """An engine ``error`` {resource_exhausted}: it has no room for another session."""
+    return event.kind is EventKind.ERROR and error_code(event) == ENGINE_FULL_CODE

@@ -1,30 +1,12 @@
 """CancellationLedger: which responses are open, cancelled or failed.
 
-Response ids are allocated by the engine and never reused after a cancel
-(docs/engine-protocol.md, Conventions), so a set of cancelled ids ("tombstones") is enough to drop
-late audio without knowing the engine's epochs. The proxy acts on a cancel the
-moment it sees the trigger, before the engine confirms: the engine never
-resumes a cancelled response, so acting early is always safe.
-
-Lifecycle of a response id, in the order the proxy sees events:
-
-    created (engine's response.created at intake)
-      → done received (engine's response.done at intake)
-      → done delivered (that response.done written to the client): no longer open
-
-"Open" responses are those created and not yet done-delivered; a cancel that
-names no response (``response.cancel`` without id, ``barge_in``, …) applies to
-all of them, including a finished response whose audio is still queued.
-A cancel naming an old response never touches a newer one.
-
-Bounds: ``max_tombstones`` tombstones (LRU; an eviction is counted) plus the
-same number of remembered evicted ids, so that audio arriving after its
-tombstone was evicted can be counted when it is forwarded. A tombstone expires
-``tombstone_ttl`` seconds after its response's ``response.done`` passed.
-Open responses are bounded by the engine (one or a few at a time); they are
-capped at ``max_tombstones`` as well, oldest first.
-
-No I/O, no clocks: ``now`` is passed in.
+Engine response ids are never reused, so remembered cancelled ids
+("tombstones") are enough to drop late audio (docs/design.md, Cancellation).
+A response is open from its ``response.created`` at intake until its
+``response.done`` was delivered; a cancel naming none applies to every open
+one. Bounded: ``max_tombstones`` tombstones (LRU, evictions counted) and as
+many remembered evicted ids; a tombstone expires ``tombstone_ttl`` seconds
+after its ``response.done`` was delivered. Sans-I/O: ``now`` is passed in.
 """
 
 from __future__ import annotations

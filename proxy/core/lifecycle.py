@@ -1,33 +1,11 @@
-"""How a session ends: its states, their transitions, and the closing sequences.
+"""How a session ends: its states, the transition table and the closing sequences.
 
-Rule: every change of ``state`` goes through :func:`next_state`, which looks
-the (state, event) pair up in ``TRANSITIONS``; a missing pair is an illegal
-transition and raises :class:`InvalidState` naming both.
-
-    OPEN ──closure_queued──▶ CLOSING ──closure_delivered──▶ CLOSED
-      │                         │
-      └────── client_gone ──────┴──────────────────────────▶ CLOSED (absorbing)
-
-``closure_queued``: the closure notice (``session.closed``) took the output
-buffer's closure slot: output overflow, engine lost, shutdown, a limit the
-client ran into, or the engine's own ``session.closed``. In CLOSING ordinary
-engine events are no longer accepted (the buffer refuses them after closure);
-what was queued is still delivered, then the notice, then the client is closed
-with ``close_code``. ``closure_delivered`` and ``client_gone`` may also come
-once the session is CLOSED (a closure written after the client's socket
-ended, a second end report); they change nothing.
-
-:class:`SessionLifecycle` is the half of ``SessionCore`` (proxy/core/session_core.py)
-that holds this state and the sequences that move it: the proxy's own ends
-(``end``, ``shutdown``, ``end_for_quota``), engine loss, the client going away,
-and the overflow policy (docs/design.md, Overflow policy): ``close_session``
-purges the active response's queued audio, queues ``error`` (rate_limit_error /
-output_backpressure) and a failed ``response.done`` for that response, asks
-the engine to cancel it and to close the session, and closes the client with
-1008 after ``session.closed``. ``fail_response`` does the same without closing,
-drops every later event of the failed response, and falls back to
-``close_session`` when there is no response to fail or the session is still
-full after the failure.
+Every change of ``state`` goes through :func:`next_state` (``TRANSITIONS``; a
+missing pair raises :class:`InvalidState`); the table and its events are in
+docs/design.md, Session core. :class:`SessionLifecycle` is the base of
+``SessionCore``: the proxy's own ends (``end`` with an :class:`EndReason`,
+``ENDINGS`` says how each closes), engine loss, the client going away, and
+the overflow policy's sequences (docs/design.md, Overflow policy).
 """
 
 from __future__ import annotations
@@ -48,7 +26,9 @@ __all__ = [
     "CLOSE_GOING_AWAY",
     "CLOSE_NORMAL",
     "CLOSE_POLICY_VIOLATION",
+    "ENDINGS",
     "TRANSITIONS",
+    "EndReason",
     "InvalidState",
     "Outcome",
     "SessionEvent",
@@ -117,6 +97,18 @@ def next_state(state: SessionState, event: SessionEvent) -> SessionState:
         raise InvalidState(state, event) from None
 
 
+class EndReason(enum.Enum):
+    """Why the proxy ends a session on its own initiative; the value is ``session.closed``'s reason."""
+
+    SHUTDOWN = "shutdown"
+    CLIENT_IDLE = "client_idle_timeout"
+    MAX_DURATION = "max_session_duration"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    INPUT_BACKPRESSURE = "input_backpressure"
+    CLIENT_RATE_LIMITED = "client_rate_limited"
+
+
 class Outcome(enum.Enum):
     """Label values of ``sessions_total{outcome}``."""
 
@@ -127,6 +119,19 @@ class Outcome(enum.Enum):
     SHUTDOWN = "shutdown"
     ERROR = "error"
     RATE_LIMITED = "rate_limited"
+
+
+#: How each of the proxy's own endings closes the client: (close code, outcome,
+#: whether an ``error`` {reason} precedes ``session.closed``).
+ENDINGS: Final[dict[EndReason, tuple[int, Outcome, bool]]] = {
+    EndReason.SHUTDOWN: (CLOSE_GOING_AWAY, Outcome.SHUTDOWN, False),
+    EndReason.CLIENT_IDLE: (CLOSE_NORMAL, Outcome.CLIENT_CLOSED, False),
+    EndReason.MAX_DURATION: (CLOSE_NORMAL, Outcome.CLIENT_CLOSED, False),
+    EndReason.UPSTREAM_TIMEOUT: (CLOSE_NORMAL, Outcome.CLIENT_CLOSED, False),
+    EndReason.QUOTA_EXCEEDED: (CLOSE_POLICY_VIOLATION, Outcome.RATE_LIMITED, True),
+    EndReason.INPUT_BACKPRESSURE: (CLOSE_POLICY_VIOLATION, Outcome.OVERFLOW, True),
+    EndReason.CLIENT_RATE_LIMITED: (CLOSE_POLICY_VIOLATION, Outcome.RATE_LIMITED, False),
+}
 
 
 class SessionLifecycle:
@@ -183,7 +188,7 @@ class SessionLifecycle:
     ) -> None:
         """Purge, tombstone (failed), queue error + failed done, cancel upstream."""
         if self.ledger.cancel(response_id, now, failed=True):
-            self.telemetry.cancels += 1
+            self.telemetry.response_failed(response_id)
         removed, removed_bytes = self.buffer.invalidate(response_id)
         self.telemetry.count_drop(reason, removed_bytes, events=removed)
         if error is None:
@@ -265,6 +270,15 @@ class SessionLifecycle:
         self.telemetry.news = True
         self.close_for_overflow(now, target=self.ledger.active_response())
 
+    def shed(self, now: float) -> None:
+        """The process-wide pending cap is exceeded and this is the largest session."""
+        self.close_for_overflow(now)
+
+    def failed(self) -> None:
+        """The shell's session task failed: the session's outcome is ``error``."""
+        if self.outcome is None:
+            self.outcome = Outcome.ERROR
+
     def close_for_overflow(
         self,
         now: float,
@@ -318,32 +332,21 @@ class SessionLifecycle:
         notice = notices.session_closed(self._new_id(), self.session_id, "engine_unavailable")
         self._close(notice, CLOSE_ABNORMAL_ENGINE, Outcome.ENGINE_UNAVAILABLE, now)
 
-    def shutdown(self, now: float) -> None:
-        """The proxy is shutting down: close with ``session.closed`` {shutdown} and 1001."""
-        self.end(now, reason="shutdown", code=CLOSE_GOING_AWAY, outcome=Outcome.SHUTDOWN)
+    def end(self, now: float, reason: EndReason, message: str = "") -> None:
+        """End the session on the proxy's initiative (``ENDINGS`` says how).
 
-    def end(
-        self,
-        now: float,
-        *,
-        reason: str,
-        code: int,
-        outcome: Outcome,
-        error_code: str | None = None,
-        error_message: str = "",
-    ) -> None:
-        """End the session on the proxy's initiative (shutdown, a limit).
-
-        Queues an optional ``error``, then ``session.closed`` {reason}; asks the
-        engine to close; the client is closed with ``code`` after delivery.
+        Queues an ``error`` {reason} with ``message`` where the ending has one,
+        then ``session.closed`` {reason}; asks the engine to close; the client
+        is closed with the ending's code after delivery.
         """
         if self.state is not SessionState.OPEN:
             return
-        if error_code is not None:
-            error = notices.error_event(self._new_id(), error_code, error_message)
+        code, outcome, with_error = ENDINGS[reason]
+        if with_error:
+            error = notices.error_event(self._new_id(), reason.value, message)
             self.buffer.offer(error, now)
-        self._request_upstream_close(reason)
-        notice = notices.session_closed(self._new_id(), self.session_id, reason)
+        self._request_upstream_close(reason.value)
+        notice = notices.session_closed(self._new_id(), self.session_id, reason.value)
         self._close(notice, code, outcome, now)
 
     def client_gone(self) -> None:
@@ -370,32 +373,5 @@ class SessionLifecycle:
             self.close_code = code
             self.outcome = outcome
 
-    def end_for_quota(self, now: float, message: str) -> None:
-        """The key's day audio quota ran out (docs/design.md, Quotas).
-
-        Queues ``error`` {rate_limit_error, quota_exceeded}, then
-        ``session.closed`` {quota_exceeded}; the client is closed with 1008,
-        as for the other limits a client runs into.
-        """
-        self.end(
-            now,
-            reason="quota_exceeded",
-            code=CLOSE_POLICY_VIOLATION,
-            outcome=Outcome.RATE_LIMITED,
-            error_code="quota_exceeded",
-            error_message=message,
-        )
-
     def _closed_outcome(self) -> Outcome:
         return Outcome.CLIENT_CLOSED if self.client_close_requested else Outcome.UPSTREAM_CLOSED
-
-    # -- outputs for the shell -------------------------------------------------------------------
-
-    @property
-    def has_upstream_commands(self) -> bool:
-        return bool(self._to_upstream)
-
-    def events_to_upstream(self) -> list[str]:
-        """Frames the proxy itself must send to the engine (cancel, close)."""
-        out, self._to_upstream = self._to_upstream, []
-        return out

@@ -1,44 +1,10 @@
 """The playback ledger: what a client was sent and has heard, per response item.
 
-I/O-free: time is passed in. One ledger per session (docs/design.md, Playback).
-
-- **Pacing** (``playback_pacing``): audio deltas of a response are released no
-  faster than real time plus ``max_audio_lead`` seconds, measured from its
-  first released delta, so after an interruption at most about
-  ``max_audio_lead`` (plus one chunk) of the old answer is in the client.
-  Audio waiting to be released stays in the session's output buffer, bounded
-  separately by ``max_paced_audio_bytes``: above it audio is released early
-  (counted) rather than failing the session.
-- **Heard estimate**: the audio seconds played of an item are the lesser of
-  what was released and the wall time since its first released delta (a
-  client plays at 1x and starts on the first delta).
-- **Acks on the client's behalf** (``playback_ack``: ``auto``, ``off``,
-  ``always``): stock clients never send ``playback.ack``, so the engine's
-  history would keep a whole reply the user did not hear. The ledger writes
-  ``playback.ack`` frames for the engine at most every ``ack_interval`` per
-  item and once when the item's audio is done playing; the engine's
-  ``playback.acknowledged`` answers to them are not shown to the client.
-  With ``auto`` the sidecar stops the moment the client sends its own ack;
-  with ``always`` the client's own acks are not forwarded.
-- **Truncation on interrupt**: when a response whose audio was partly heard
-  is cancelled and the client did not truncate it itself, the engine is told
-  where the user stopped hearing: ``conversation.item.truncate`` when the
-  engine announced ``supports_audio_truncate``, else a final ``playback.ack``
-  with ``truncate: true``. An engine that needs a truncated item to have
-  produced audio (0.32, ``EngineCapabilities.truncate_needs_audio_item``) is
-  sent a truncation only for an item whose audio the client was sent.
-- **Answers matched by order**: the engine answers acks and truncations in
-  the order it got them, and its ack errors carry no ``event_id``. The ledger
-  keeps every ack and truncation in flight, the client's and its own, in the
-  order sent (``MAX_OUTSTANDING``, oldest forgotten, and any unanswered
-  for ``ANSWER_TIMEOUT``); each answer
-  (``playback.acknowledged``, ``conversation.item.truncated``, an ack error)
-  settles the oldest one, or the one its ``event_id`` names. Answers to the
-  sidecar's own frames are not shown to the client (their errors are counted
-  by code, :class:`AckErrorCode`); answers to the client's own reach it.
-- **Non-duplex sessions** take no acks (``EngineCapabilities.duplex_acks``):
-  none is sent when the session is known to be non-duplex from its URL, and
-  none after the engine answered one of ours ``invalid_event``.
+One per session, sans-I/O (docs/design.md, Playback): pacing to real time plus
+``max_audio_lead``, the heard estimate, ``playback.ack`` on the client's
+behalf, truncation on interrupt, the engine's answers matched by order
+(``MAX_OUTSTANDING`` in flight, ``ANSWER_TIMEOUT``), and no acks for
+non-duplex sessions.
 """
 
 from __future__ import annotations
@@ -126,6 +92,9 @@ class PlaybackLedger:
         self.truncations_skipped = 0
         self.paced_bound_releases = 0
         self.lead_at_cancel: list[float] = []
+        #: Something the core's report takes (lead at cancel, own errors,
+        #: learned behaviour) arrived since the last take.
+        self.news = False
         #: Errors answering our own frames, hidden from the client, by code.
         self.own_errors: dict[AckErrorCode, int] = {}
         self._own_errors_new: list[AckErrorCode] = []
@@ -278,6 +247,7 @@ class PlaybackLedger:
         """One of our frames failed: count it; learn what the failure says."""
         self.own_errors[code] = self.own_errors.get(code, 0) + 1
         self._own_errors_new.append(code)
+        self.news = True
         if code is AckErrorCode.INVALID_EVENT:
             # A non-duplex session: it refuses every ack; send it no more.
             self.capabilities = self.capabilities.for_session(duplex=False)
@@ -291,6 +261,7 @@ class PlaybackLedger:
         if learned is not self.capabilities:
             self.capabilities = learned
             self._learned = version
+            self.news = True
 
     def take_learned(self) -> EngineVersion | None:
         """Behaviour newly seen on the wire since the last call (for the shell)."""
@@ -433,6 +404,7 @@ class PlaybackLedger:
         if item is None or item.started_at is None or item.finished:
             return []
         self.lead_at_cancel.append(item.lead(now))
+        self.news = True
         played = item.played(now)
         relayed = item.sent
         # What is in the client but unheard will not be played (the client
@@ -530,5 +502,6 @@ class PlaybackLedger:
         }
 
     def take_lead_observations(self) -> list[float]:
+        self.news = False
         out, self.lead_at_cancel = self.lead_at_cancel, []
         return out

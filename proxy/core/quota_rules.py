@@ -1,22 +1,10 @@
 """Quotas per named API key: concurrent sessions, sessions per minute, audio per day.
 
-I/O-free (house rule 1): wall time (Unix seconds) is passed in; the minute
-window and the UTC day are computed from it. The shell (proxy/edge/quota_store.py) asks
-:class:`LocalQuotaBook` when no shared backend is configured or reachable, and
-uses the same window arithmetic for its Redis keys (docs/design.md, Quotas).
-
-- **max_sessions**: sessions of the key open at once.
-- **sessions_per_minute**: sessions admitted in one wall-clock minute (a fixed
-  window: the count starts again at every full UTC minute).
-- **audio_seconds_per_day**: client input audio seconds forwarded to the engine
-  plus engine output audio seconds delivered to the client, summed over the
-  key's sessions for one UTC day. Counted while sessions run; a session open
-  when the day's quota runs out is ended.
-
-A limit of 0 is no limit. ``Retry-After`` is the whole seconds until the limit
-can admit again: the next minute for ``sessions_per_minute``, the next UTC
-midnight for ``audio_seconds_per_day``, and ``MAX_SESSIONS_RETRY_AFTER`` for
-``max_sessions`` (a slot frees when some session ends, which nobody can know).
+Sans-I/O: wall time (Unix seconds) is passed in; the UTC minute window and day
+are computed from it. The shell (proxy/edge/quota_store.py) asks
+:class:`LocalQuotaBook` without a shared store and uses the same window
+arithmetic for its Redis keys. What each limit counts and how ``Retry-After``
+is computed: docs/design.md, Quotas. A limit of 0 is no limit.
 """
 
 from __future__ import annotations

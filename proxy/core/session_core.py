@@ -1,50 +1,42 @@
-"""SessionCore: the per-session policy, free of I/O.
+"""SessionCore: one session's policy, sans-I/O (docs/design.md, Session core).
 
-The aiohttp relay feeds it frames (``receive_client``, ``receive_upstream``)
-and lifecycle facts (``upstream_lost``, ``shutdown``, ``client_gone``), takes
-events to write (``next_delivery``/``delivered``) and frames to send upstream
-(``events_to_upstream``), and closes the client with ``close_code`` once the
-closure notice was delivered. Everything that decides forward / drop / fail /
-close lives here and in the modules it is built from, so every interleaving
-can be tested without sockets:
-
-* proxy/core/lifecycle.py: ``SessionLifecycle``, the base class: the states
-  (OPEN → CLOSING → CLOSED, a transition table), the closing sequences and
-  the overflow policy;
-* proxy/core/client_limits.py: the client frame rate and input audio rate;
-* proxy/core/telemetry.py: what the observer exports (drops, overflows,
-  cancels, timings), as ``core.telemetry``;
-* this module: the intake of both peers, cancellation and delivery.
-
-The names the shell imports from here (states, outcomes, close codes, drop
-reasons, settings) are re-exported from those modules.
+Inputs are frames and facts with ``now``: ``receive_client``, ``receive_upstream``,
+``written``, the lifecycle facts (``end``, ``upstream_lost``, ``shed``,
+``client_gone``) and ``on_timer``. Output is one ``drain(now, room)``: what to
+write to the client, what to send upstream, the close code, the next deadline
+and a report for the observer. Reporters read ``SessionView``
+(proxy/core/view.py), never this type: only the relay calls it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Final, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NamedTuple
 
 from proxy.core import notices
-from proxy.core.buffer import BufferStatistics, Entry, Offer
+from proxy.core.buffer import Entry, Offer
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.client_limits import ClientLimits
+from proxy.core.drain import NOTHING, Drain, Report
 from proxy.core.events import (
+    ENGINE_FULL_CODE,
     ClientEvent,
     ClientKind,
     EventKind,
     UpstreamEvent,
     classify_client,
     classify_upstream,
+    error_code,
 )
-from proxy.core.ledger import LedgerStatistics, Verdict
+from proxy.core.ledger import CancellationLedger, Verdict
 from proxy.core.lifecycle import (
     CLOSE_ABNORMAL_ENGINE,
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
+    EndReason,
     InvalidState,
     Outcome,
     SessionEvent,
@@ -55,7 +47,8 @@ from proxy.core.lifecycle import (
 from proxy.core.playback import PlaybackLedger
 from proxy.core.session_settings import OverflowPolicy, SessionSettings
 from proxy.core.telemetry import DropReason
-from proxy.core.usage import UsageMeter
+from proxy.core.usage import UsageMeter, UsageRecord
+from proxy.core.view import PlaybackTotals, SessionStatistics
 
 __all__ = [
     "CLOSE_ABNORMAL_ENGINE",
@@ -65,6 +58,7 @@ __all__ = [
     "ENGINE_FULL_CODE",
     "ClientDecision",
     "DropReason",
+    "EndReason",
     "InvalidState",
     "Outcome",
     "OverflowPolicy",
@@ -72,7 +66,7 @@ __all__ = [
     "SessionSettings",
     "SessionState",
     "SessionStatistics",
-    "is_engine_full",
+    "check_session_settings",
 ]
 
 
@@ -96,48 +90,41 @@ def _commit_creates_response(event: ClientEvent) -> bool:
 #: Response creations remembered for first-audio timing (oldest dropped).
 _MAX_PENDING_CREATES: Final = 64
 
+#: While the client streams, a due playback ack waits this many ack intervals
+#: for a client frame to ride along with before the timer sends it alone.
+ACK_RIDE_WAIT: Final = 1.0
+
 #: Client playback acknowledgements (vLLM-Omni's name and its alias).
 _PLAYBACK_ACKS: Final = frozenset({"playback.ack", "audio.playback_ack"})
 
-#: The engine's error when it has no room for one more session (0.31+; the
-#: message says which limit: duplex_session_capacity_exhausted, or
-#: replica_capacity_exhausted with replica placement).
-ENGINE_FULL_CODE: Final = "resource_exhausted"
 #: The engine's own output bound (0.31+): seen, it tells the version.
 _ENGINE_BACKPRESSURE_CODE: Final = "output_backpressure"
 
 
-def _error_code(event: UpstreamEvent) -> object:
-    error = (event.body or {}).get("error")
-    return error.get("code") if isinstance(error, dict) else None
+def check_session_settings(settings: SessionSettings) -> None:
+    """Build, and throw away, the parts a session builds from ``settings``.
 
-
-def is_engine_full(event: UpstreamEvent) -> bool:
-    """An engine ``error`` {resource_exhausted}: it has no room for another session."""
-    return event.kind is EventKind.ERROR and _error_code(event) == ENGINE_FULL_CODE
+    Raises:
+        ValueError: a value a part refuses; the message starts with the
+            field's name ("max_tombstones must be >= 1").
+    """
+    CancellationLedger(max_tombstones=settings.max_tombstones, tombstone_ttl=settings.tombstone_ttl)
+    ClientLimits(settings)
+    PlaybackLedger(settings.playback)
 
 
 class ClientDecision(NamedTuple):
-    """What to do with a client frame: forward its original text or not.
+    """What became of a client frame: its event (None: over the frame rate, not
+    parsed) and whether its original text goes upstream.
 
     A named tuple: built per client frame, and cheaper than a frozen dataclass.
     """
 
-    event: ClientEvent
+    event: ClientEvent | None
     forward: bool
 
 
-@dataclass(frozen=True, slots=True)
-class SessionStatistics:
-    state: SessionState
-    session_id: str | None
-    buffer: BufferStatistics
-    ledger: LedgerStatistics
-    drops: dict[DropReason, tuple[int, int]]
-    overflows: int
-    cancels: int
-    active_response: str | None
-    open_responses: tuple[str, ...]
+_OVER_RATE: Final = ClientDecision(None, forward=False)
 
 
 class SessionCore(SessionLifecycle):
@@ -178,57 +165,40 @@ class SessionCore(SessionLifecycle):
         #: {resource_exhausted} before ``session.created``). Passed through to
         #: the client; the shell keeps new sessions off that engine a while.
         self.engine_full = False
+        self._engine_full_reported = False
         #: An engine frame larger than this can never be queued (the whole budget).
         self._max_frame_bytes = settings.buffer.max_pending_output_bytes
         #: While pacing holds the next audio delta back: when it may go.
-        self.paced_until: float | None = None
+        self._paced_until: float | None = None
+        #: When playback acks are next due (None: no ack timer needed).
+        self._ack_at: float | None = None
+        #: When a client frame last went upstream (due acks ride along with the next).
+        self._forwarded_at = -math.inf
+        self._overflows_reported = 0
+        self._late_evicted_reported = 0
+        self._out = Drain()
 
-    # -- client frame rate --------------------------------------------------------------
+    # -- the client's frames -----------------------------------------------------------------
 
-    def admit_client_frame(self, size: int, now: float) -> bool:
-        """Count one client data frame against ``max_client_frame_rate``.
+    def receive_client(self, text: str, now: float, *, upstream_backlog: int = 0) -> ClientDecision:
+        """One client text frame: rate limit, classify, act on cancel triggers at once.
 
-        Returns:
-            False when the frame must be dropped (not read further, not
-            forwarded). The first frame of a rate-limit episode queues one
-            ``error`` {rate_limit_error, client_rate_limited}; an episode that
-            lasts ``client_rate_limit_close_after`` seconds ends the session
-            (``session.closed`` {client_rate_limited}, close 1008).
-        """
-        limits = self.limits
-        if limits.frame_bucket.take(1.0, now):
-            return True
-        self.telemetry.count_drop(DropReason.CLIENT_RATE_LIMITED, size)
-        if self.state is not SessionState.OPEN:
-            return False
-        if limits.episode_begins(now):
-            error = notices.error_event(
-                self._new_id(), "client_rate_limited", limits.frame_rate_message()
-            )
-            self.buffer.offer(error, now)
-        if limits.episode_too_long(now):
-            self.end(
-                now,
-                reason="client_rate_limited",
-                code=CLOSE_POLICY_VIOLATION,
-                outcome=Outcome.RATE_LIMITED,
-            )
-        return False
-
-    # -- client → upstream ---------------------------------------------------------------
-
-    def receive_client(self, text: str, now: float) -> ClientDecision:
-        """Classify a client frame and act on cancel triggers at once.
+        Args:
+            upstream_backlog: bytes the engine link holds unsent now
+                (``max_pending_input_bytes`` counts them).
 
         Returns:
-            whether to forward the original text upstream. Invalid frames are
-            answered with an ``error`` to this client and not forwarded.
+            the event (None: over the frame rate, not even parsed) and whether
+            its original text goes upstream. What goes upstream is in the next
+            drain, in order: what the frame makes the proxy tell the engine
+            first (a cancel's truncation), then the frame, then acks riding
+            along. A refused frame gets an ``error``.
         """
+        if not self._admit(len(text), now):
+            return _OVER_RATE
         event = classify_client(text)
         if not event.is_valid:
-            self.reject_client_frame(
-                event.kind.value, event.detail, now, client_event_id=None, size=event.size
-            )
+            self._reject(event.kind.value, event.detail, now, size=event.size)
             return ClientDecision(event, forward=False)
         if self.state is not SessionState.OPEN:
             if event.cancels and self.state is SessionState.CLOSING:
@@ -243,7 +213,7 @@ class SessionCore(SessionLifecycle):
             limits = self.limits
             seconds = event.audio_chars * 0.75 / limits.input_bytes_per_second
             if not limits.input_bucket.take(seconds, now):
-                self.reject_client_frame(
+                self._reject(
                     "input_backpressure",
                     limits.input_rate_message(),
                     now,
@@ -270,9 +240,80 @@ class SessionCore(SessionLifecycle):
             self.playback.on_client_truncate(
                 item_id if isinstance(item_id, str) else None, event.event_id, now
             )
+        out = self._to_upstream
+        limit = self.settings.max_pending_input_bytes
+        if limit and upstream_backlog + sum(map(len, out)) + event.size > limit:
+            self.end(
+                now,
+                EndReason.INPUT_BACKPRESSURE,
+                f"the engine is not accepting input; more than {limit} bytes are waiting",
+            )
+            return ClientDecision(event, forward=False)
+        out.append(text)
+        self._forwarded_at = now
+        if self.playback.acking:
+            out.extend(self.playback.acks_due(now))
         return ClientDecision(event, forward=True)
 
-    def reject_client_frame(
+    def receive_client_binary(self, size: int, now: float) -> bool:
+        """A binary client frame: not part of the protocol, answered with an ``error``.
+
+        Returns:
+            False when it was over the frame rate (not answered).
+        """
+        if not self._admit(size, now):
+            return False
+        self._reject(
+            "binary_unsupported",
+            "binary frames are not supported; send JSON text frames",
+            now,
+            size=size,
+        )
+        return True
+
+    def receive_client_ping(self, unanswered_pings: int, now: float) -> bool:
+        """A client ping; ``unanswered_pings`` wait behind a client that is not reading.
+
+        Each counts as one event of the output budget: a client that pings
+        without reading ends with the overflow sequence (1008).
+
+        Returns:
+            True when this ping overflowed the session.
+        """
+        budget = self.settings.buffer.max_pending_output_events
+        if unanswered_pings + len(self.buffer) > budget and self.state is SessionState.OPEN:
+            self.control_overflow(now)
+            return True
+        return False
+
+    def _admit(self, size: int, now: float) -> bool:
+        """Count one client data frame against ``max_client_frame_rate``.
+
+        The first frame over it in an episode queues one ``error``
+        {client_rate_limited}; an episode longer than
+        ``client_rate_limit_close_after`` ends the session (1008).
+        """
+        limits = self.limits
+        if limits.frame_bucket.take(1.0, now):
+            return True
+        self.telemetry.count_drop(DropReason.CLIENT_RATE_LIMITED, size)
+        if self.state is not SessionState.OPEN:
+            return False
+        if limits.episode_begins(now):
+            error = notices.error_event(
+                self._new_id(), "client_rate_limited", limits.frame_rate_message()
+            )
+            self.buffer.offer(error, now)
+        if limits.episode_too_long(now):
+            self.end(now, EndReason.CLIENT_RATE_LIMITED)
+        return False
+
+    @property
+    def flooded(self) -> bool:
+        """The session ended because the client flooded it: read none of its backlog."""
+        return self.outcome is Outcome.RATE_LIMITED and self.state is not SessionState.OPEN
+
+    def _reject(
         self,
         code: str,
         message: str,
@@ -306,13 +347,13 @@ class SessionCore(SessionLifecycle):
                 1 for asked, _ in self._pending_creates if now - asked < _CREATE_IN_FLIGHT
             )
 
-    # -- upstream → client -----------------------------------------------------------------
+    # -- the engine's frames -----------------------------------------------------------------------
 
     def receive_upstream(self, text: str, now: float) -> UpstreamEvent:
         """Take an engine frame: filter, queue, or apply the overflow policy.
 
-        Never blocks and never raises. Returns the classified event so the
-        shell can see, e.g., the engine's ``session.closed``.
+        Never blocks and never raises. Returns the classified event (the
+        shell counts it and sees, e.g., the engine's ``session.closed``).
         """
         event = classify_upstream(text)
         kind = event.kind
@@ -396,6 +437,10 @@ class SessionCore(SessionLifecycle):
             self._overflow(event, now)
         return event
 
+    def receive_upstream_binary(self, size: int) -> None:
+        """An engine binary frame: not part of the protocol, dropped and counted."""
+        self.telemetry.count_drop(DropReason.INVALID_UPSTREAM_FRAME, size)
+
     def _response_of_item(self, body: dict[str, object]) -> str | None:
         """The response an assistant item event belongs to (``item_<response_id>``).
 
@@ -412,13 +457,12 @@ class SessionCore(SessionLifecycle):
 
     def _note_engine_error(self, event: UpstreamEvent) -> None:
         """What an engine error says about the engine (passed through either way)."""
-        code = _error_code(event)
+        code = error_code(event)
         if code == ENGINE_FULL_CODE and self.session_id is None and not self.engine_full:
             self.engine_full = True
             self.telemetry.news = True
         elif code == _ENGINE_BACKPRESSURE_CODE:
             self.playback.learn(EngineVersion.V0_31)
-            self.telemetry.news = True
 
     def _note_session_id(self, event: UpstreamEvent) -> None:
         body = event.body or {}
@@ -433,7 +477,6 @@ class SessionCore(SessionLifecycle):
         if told:
             # What the user heard goes to the engine before anything else we send.
             self._to_upstream.extend(told)
-            self.telemetry.news = True
         if self.ledger.cancel(response_id, now):
             self.telemetry.response_cancelled(response_id, now)
         removed, removed_bytes = self.buffer.invalidate(response_id)
@@ -464,119 +507,194 @@ class SessionCore(SessionLifecycle):
         del pending[index]
         self._born_cancelled = min(self._born_cancelled, len(pending))
 
-    # -- delivery ------------------------------------------------------------------------------------
+    # -- output -----------------------------------------------------------------------------------
 
-    def next_delivery(self, now: float) -> Entry | None:
-        """Take the next event to write, re-checking it at the last moment.
+    def drain(self, now: float, room: int) -> Drain:
+        """Everything the shell has to do now; the same object every call, read at once.
 
-        Returns:
-            the entry to write now, or None when nothing is ready. The caller
-            writes it without awaiting in between, then calls ``delivered``.
+        Args:
+            room: bytes the client transport may take now; events are taken
+                while they fit (one event larger than the room goes alone);
+                0 takes none (the client is not writable).
         """
+        out = self._out
+        buffer = self.buffer
+        if room > 0 and (buffer.pending_events or buffer.closure_pending):
+            entries = self._take(now, room)
+            out.to_client = entries
+            out.close_code = self.close_code if entries and entries[-1].closure else None
+        else:
+            out.to_client = NOTHING
+            out.close_code = None
+        if self._to_upstream:
+            out.to_upstream, self._to_upstream = self._to_upstream, []
+        else:
+            out.to_upstream = NOTHING
+        paced = self._paced_until
+        ack_at = self._ack_at
+        out.deadline = ack_at if paced is None else paced if ack_at is None else min(paced, ack_at)
+        out.pending_bytes = buffer.pending_bytes
+        out.pending_events = buffer.pending_events
+        out.report = self._report() if self.telemetry.news or self.playback.news else None
+        return out
+
+    def _take(self, now: float, room: int) -> list[Entry]:
+        """Take events to write now, re-checking each at the last moment, within ``room``."""
         buffer = self.buffer
         playback = self.playback
         # A closing session delivers what is left at once (its close deadline runs).
         pacing = playback.settings.pacing and self.state is SessionState.OPEN
-        self.paced_until = None
-        while True:
-            if pacing:
+        self._paced_until = None
+        taken: list[Entry] = []
+        size = 0
+        while size < room and (buffer.pending_events or buffer.closure_pending):
+            if pacing or size:
                 head = buffer.peek()
-                if head is not None and head.event.is_audio and not head.closure:
+                if head is None:
+                    break
+                if size and size + head.event.size > room:
+                    break  # a full room: only a first event may exceed it, alone
+                if pacing and head.event.is_audio and not head.closure:
                     when = playback.release_at(head.event, now, buffer.pending_bytes)
                     if when is not None:
-                        self.paced_until = when
-                        return None
-            entry = buffer.get_nowait()
+                        self._paced_until = when
+                        break
+            entry = buffer.pop()
             if entry is None:
-                return None
+                break
             event = entry.event
-            # cancelled_at, not verdict(): the intake already judged this event,
-            # and verdict() counts late audio (it would be counted twice).
-            if event.is_audio and (
-                not buffer.held_is_valid
-                or (
-                    event.response_id is not None
-                    and self.ledger.cancelled_at(event.response_id) is not None
-                )
-            ):
-                self.telemetry.count_drop(DropReason.CANCELLED_AUDIO, event.size)
-                buffer.release_held()
+            if event.is_audio:
+                # cancelled_at, not verdict(): the intake already judged this
+                # event, and verdict() counts late audio (it would count twice).
+                rid = event.response_id
+                if rid is not None and self.ledger.cancelled_at(rid) is not None:
+                    self.telemetry.count_drop(DropReason.CANCELLED_AUDIO, event.size)
+                    continue
+                playback.released(event, now)
+            taken.append(entry)
+            size += event.size
+            if entry.closure:
+                break
+        return taken
+
+    def written(self, entries: Sequence[Entry], now: float) -> None:
+        """The shell wrote these entries (a drain's ``to_client``) to the client."""
+        usage = self.usage
+        silence = self._silence
+        create_time = self._create_time
+        for entry in entries:
+            event = entry.event
+            rid = event.response_id
+            if entry.closure:
+                self.state = next_state(self.state, SessionEvent.CLOSURE_DELIVERED)
                 continue
             if event.is_audio:
-                playback.released(event, now)
-            return entry
+                usage.delivered_chars += event.audio_chars
+                if rid is None:
+                    continue
+                window = silence.get(rid)
+                if window is not None:
+                    window.last_audio_at = now
+                created = create_time.pop(rid, None)
+                if created is not None:
+                    self.telemetry.first_audio(max(0.0, now - created))
+            elif event.kind is EventKind.RESPONSE_DONE and rid is not None:
+                self.playback.done_delivered(rid)
+                self.ledger.on_done_delivered(rid, now)
+                # Time has moved on: tombstones whose TTL passed go now, not only
+                # when an event of their response happens to arrive.
+                self.ledger.expire(now)
+                create_time.pop(rid, None)
+                self.telemetry.observe_silence(rid)
+        if self._ack_at is None and self.playback.acking:
+            self._arm_acks(self.playback.next_ack_at(now), now)
 
-    def ready(self) -> bool:
-        """Something can be written now (output queued and not held by pacing)."""
-        return self.paced_until is None and self.buffer.has_output()
+    def not_written(self, entries: Sequence[Entry]) -> None:
+        """The shell could not write these entries (the connection is gone)."""
+        for entry in entries:
+            self.telemetry.count_drop(DropReason.SESSION_CLOSED, entry.event.size)
 
-    def ride_along_acks(self, now: float) -> None:
-        """Queue the playback acks due now, to go with a frame sent to the engine anyway."""
-        if self.state is SessionState.OPEN:
-            self._to_upstream.extend(self.playback.acks_due(now))
+    # -- time -----------------------------------------------------------------------------------
 
-    def playback_tick(self, now: float) -> float | None:
-        """Queue the playback acks due now; return when to call again (None: idle)."""
-        if self.state is not SessionState.OPEN:
-            return None
-        playback = self.playback
-        self._to_upstream.extend(playback.acks_due(now))
-        when = playback.next_ack_at(now)
-        if when is not None and when <= now:
-            when = now + playback.settings.ack_interval  # nothing new was heard yet
-        return when
+    def next_deadline(self) -> float | None:
+        """When ``on_timer`` must next be called (None: no deadline)."""
+        paced, ack_at = self._paced_until, self._ack_at
+        return ack_at if paced is None else paced if ack_at is None else min(paced, ack_at)
 
-    def delivered(self, entry: Entry, now: float, *, release: bool = True) -> None:
-        """The entry was written to the client.
+    def on_timer(self, now: float) -> None:
+        """Time passed: paced audio may be released, playback acks may be due."""
+        if self._paced_until is not None and now >= self._paced_until:
+            self._paced_until = None
+        if self._ack_at is not None and now >= self._ack_at:
+            self._ack_at = None
+            if self.state is SessionState.OPEN:
+                playback = self.playback
+                self._to_upstream.extend(playback.acks_due(now))
+                when = playback.next_ack_at(now)
+                if when is not None and when <= now:
+                    when = now + playback.settings.ack_interval  # nothing new was heard yet
+                self._arm_acks(when, now)
 
-        Args:
-            release: release the buffer's held event (False when the shell
-                released it already, e.g. for a batch of writes).
+    def _arm_acks(self, when: float | None, now: float) -> None:
+        """Set the ack deadline; while the client streams, an interval late.
+
+        A due ack rides along with the next client frame sent upstream (one
+        write for both); the timer only sends what found no ride within an
+        interval (``ACK_RIDE_WAIT``).
         """
-        if release:
-            self.buffer.release_held()
-        event = entry.event
-        rid = event.response_id
-        if entry.closure:
-            self.state = next_state(self.state, SessionEvent.CLOSURE_DELIVERED)
+        if when is None:
             return
-        if event.is_audio:
-            self.usage.delivered_chars += event.audio_chars
-        if rid is None:
-            return
-        if event.is_audio:
-            window = self._silence.get(rid)
-            if window is not None:
-                window.last_audio_at = now
-            created = self._create_time.pop(rid, None)
-            if created is not None:
-                self.telemetry.first_audio(max(0.0, now - created))
-        elif event.kind is EventKind.RESPONSE_DONE:
-            self.playback.done_delivered(rid)
-            self.ledger.on_done_delivered(rid, now)
-            # Time has moved on: tombstones whose TTL passed go now, not only
-            # when an event of their response happens to arrive.
-            self.ledger.expire(now)
-            self._create_time.pop(rid, None)
-            self.telemetry.observe_silence(rid)
+        interval = self.playback.settings.ack_interval
+        if now - self._forwarded_at < interval:
+            when += interval * ACK_RIDE_WAIT
+        self._ack_at = when
 
-    def still_valid(self, entry: Entry) -> bool:
-        """Re-check an entry taken earlier, just before it is written."""
-        event = entry.event
-        rid = event.response_id
-        return not (
-            event.is_audio and rid is not None and self.ledger.cancelled_at(rid) is not None
+    # -- reports ----------------------------------------------------------------------------------
+
+    def _report(self) -> Report:
+        telemetry = self.telemetry
+        playback = self.playback
+        telemetry.news = False
+        playback.news = False
+        silence, first = telemetry.take_observations()
+        overflows = telemetry.overflows - self._overflows_reported
+        self._overflows_reported = telemetry.overflows
+        evicted = self.ledger.late_after_eviction
+        late = evicted - self._late_evicted_reported
+        self._late_evicted_reported = evicted
+        engine_full = self.engine_full and not self._engine_full_reported
+        self._engine_full_reported = self.engine_full
+        return Report(
+            drops=telemetry.take_drops(),
+            overflows=overflows,
+            overflow_policy=self.settings.overflow_policy.value,
+            cancelled=telemetry.take_cancelled(),
+            silence=silence,
+            first_audio=first,
+            lead_at_cancel=playback.take_lead_observations(),
+            own_ack_errors=playback.take_own_errors(),
+            learned=playback.take_learned(),
+            late_after_eviction=late,
+            engine_full=engine_full,
         )
-
-    def drop_taken(self, entry: Entry, reason: DropReason) -> None:
-        """An entry taken for writing will not be written after all."""
-        self.telemetry.count_drop(reason, entry.event.size)
-
-    # -- outputs for the shell -------------------------------------------------------------------------
 
     def finish(self) -> None:
         """Session over: observe what is still open (no more audio can follow)."""
         self.telemetry.finish()
+
+    # -- the read-only view (proxy/core/view.py) --------------------------------------------------
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.buffer.pending_bytes
+
+    @property
+    def pending_events(self) -> int:
+        return self.buffer.pending_events
+
+    @property
+    def closing(self) -> bool:
+        return self.buffer.closed
 
     def statistics(self) -> SessionStatistics:
         telemetry = self.telemetry
@@ -592,6 +710,27 @@ class SessionCore(SessionLifecycle):
             open_responses=tuple(self.ledger.open_responses()),
         )
 
+    def tombstoned(self) -> list[str]:
+        return self.ledger.tombstoned()
+
     def drop_totals(self) -> dict[DropReason, tuple[int, int]]:
-        """Drops by reason over the session's life, as (events, bytes)."""
         return self.telemetry.drop_totals()
+
+    def playback_totals(self) -> PlaybackTotals:
+        p = self.playback
+        return PlaybackTotals(
+            p.audio_sent,
+            p.acks_sent,
+            p.truncations_client,
+            p.truncations_sidecar,
+            p.paced_bound_releases,
+        )
+
+    def playback_view(self, now: float) -> dict[str, Any]:
+        return self.playback.view(now)
+
+    def quota_seconds(self) -> float:
+        return self.usage.quota_seconds()
+
+    def usage_record(self, key: str, session_seconds: float, now: float) -> UsageRecord:
+        return self.usage.record(key, session_seconds, self.playback.heard(now))

@@ -42,6 +42,9 @@ class SessionSettings:
     max_client_frame_rate: float = 0.0
     client_frame_burst: float = 0.0
     client_rate_limit_close_after: float = 2.0
+    #: Client bytes the engine link may hold unsent (0 = off); forwarding more
+    #: ends the session (``error`` {input_backpressure}, 1008).
+    max_pending_input_bytes: int = 0
     #: Pacing, acks on the client's behalf, truncation (proxy.core.playback).
     playback: PlaybackSettings = field(default_factory=PlaybackSettings)
 

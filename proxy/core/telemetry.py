@@ -81,6 +81,8 @@ class SessionTelemetry:
         #: Open cancel-to-silence windows by response id. The core holds this very
         #: dict too (read per delivered audio event: one attribute away).
         self.silence_windows: dict[str, SilenceWindow] = {}
+        #: Responses tombstoned since the last take, oldest first.
+        self._cancelled: list[str] = []
         self._silence_observed: list[float] = []
         self._first_audio_observed: list[float] = []
 
@@ -122,11 +124,22 @@ class SessionTelemetry:
 
     def response_cancelled(self, response_id: str, now: float) -> None:
         """A response was tombstoned by a cancel: count it and open its silence window."""
-        self.cancels += 1
+        self.response_failed(response_id)
         windows = self.silence_windows
         if len(windows) >= self._max_windows:
             self.observe_silence(next(iter(windows)))
         windows[response_id] = SilenceWindow(now)
+
+    def response_failed(self, response_id: str) -> None:
+        """A response was tombstoned (cancelled, or failed by the overflow policy)."""
+        self.cancels += 1
+        self._cancelled.append(response_id)
+        self.news = True
+
+    def take_cancelled(self) -> list[str]:
+        """Responses tombstoned since the last call, oldest first."""
+        out, self._cancelled = self._cancelled, []
+        return out
 
     def observe_silence(self, response_id: str) -> None:
         """No more audio of this response can follow: its window is a measurement."""

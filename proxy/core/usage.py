@@ -1,22 +1,10 @@
 """Usage accounting of one session: audio seconds, responses and engine tokens.
 
-I/O-free (house rule 1): the session core feeds it where it already
-classifies events, and the shell turns the end-of-session :class:`UsageRecord`
-into the access line, the usage file and the per-key counters
-(docs/design.md, Usage).
-
-- **in**: audio seconds of ``input_audio_buffer.append`` frames forwarded to
-  the engine, from the base64 length and the session's input format (the same
-  conversion as the input rate limit, proxy/core/ratelimit.py).
-- **out**: audio seconds of every audio delta the engine sent, including
-  those the sidecar dropped later (cancelled, failed, overflow).
-- **delivered**: audio seconds written to the client.
-- **heard**: the playback ledger's estimate of what the client had played
-  when the session ended (proxy/core/playback.py).
-
-Audio is counted in base64 characters per delta (one integer addition on the
-per-event path) and converted to seconds once, at the end, with the seconds
-per character of the session's first audio delta.
+Sans-I/O: the session core feeds it where it already classifies events, and
+the shell turns the end-of-session :class:`UsageRecord` into the access line,
+the usage file and the per-key counters (docs/design.md, Usage: what ``in``,
+``out``, ``delivered`` and ``heard`` count). Output audio is counted in base64
+characters per delta and converted to seconds once, at the end.
 """
 
 from __future__ import annotations

@@ -27,8 +27,7 @@ from aiohttp import web
 
 from proxy import compat
 from proxy.core.capabilities import opens_at_connect, session_is_duplex
-from proxy.core.events import classify_upstream
-from proxy.core.session_core import SessionCore, is_engine_full
+from proxy.core.events import classify_upstream, is_engine_full
 from proxy.edge.guard import client_address
 
 # The short names the session-opening functions below were written with.
@@ -41,7 +40,7 @@ from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
 from proxy.session.limits import RelayLimits
 from proxy.session.observer import SessionObserver, SessionTracer
-from proxy.session.relay import Relay, new_event_id
+from proxy.session.relay import Relay
 from proxy.session.upstream_link import UpstreamConnectError, connect_upstream
 from proxy.session.usage_log import UsageBook
 from proxy.session.writer import AiohttpWriterAdapter
@@ -196,18 +195,16 @@ async def _open_session(
         client=client,
         client_protocol=protocol,
         upstream=upstream,
-        core=SessionCore(
-            state.session_settings, new_event_id=new_event_id, capabilities=capabilities
-        ),
+        settings=state.session_settings,
+        capabilities=capabilities,
         observer=observer,
         limits=RelayLimits.from_settings(settings),
-        client_address=address,
         client_push=functools.partial(compat.push_text, client),
     )
     # From here on every frame to this client, aiohttp's own close frames
     # included, goes through the relay's frame writer.
     compat.install_client_writer(client, AiohttpWriterAdapter(relay.writer))
-    state.quota.attach(key, relay.core.usage, relay.end_for_quota)
+    state.quota.attach(key, relay.view, relay.end_for_quota)
     metrics.sessions_started.inc()
     state.registry.add(relay)
     if state.registry.closing_all:
@@ -233,28 +230,28 @@ def _log_session_end(relay: Relay, observer: SessionObserver, usage: UsageBook) 
     The usage record (docs/design.md, Usage) is counted per key name and, with
     ``usage_file``, written as one JSON line.
     """
-    core = relay.core
+    view = relay.view
     now = relay.timers.now()
     duration = now - relay.started_at
     record = usage.add(
-        core.usage.record(observer.key_name, duration, core.playback.heard(now)),
+        view.usage_record(observer.key_name, duration, now),
         {
             "ts": round(observer.started_at + duration, 3),
             "session": relay.key,
-            "engine_session": core.session_id or "-",
+            "engine_session": view.session_id or "-",
             "started_at": round(observer.started_at, 3),
         },
     )
-    outcome = core.outcome.value if core.outcome is not None else "error"
-    sent = relay.close_code_sent
-    drops = {r.value: e for r, (e, _b) in core.drop_totals().items() if e}
+    outcome = view.outcome.value if view.outcome is not None else "error"
+    sent = relay.writer.close_code_sent
+    drops = {r.value: e for r, (e, _b) in view.drop_totals().items() if e}
     fields = {
         "session": relay.key,
-        "engine_session": core.session_id or "-",
-        "client": relay.client_address or "-",
+        "engine_session": view.session_id or "-",
+        "client": observer.client_address or "-",
         "duration_s": round(duration, 3),
         "events_in": observer.events_client_to_upstream,
-        "bytes_in": relay.bytes_client_to_upstream,
+        "bytes_in": observer.c2u_bytes,
         "events_out": relay.writer.frames_written,
         "bytes_out": relay.writer.bytes_written,
         "drops": ",".join(f"{k}:{v}" for k, v in sorted(drops.items())) or "none",

@@ -225,6 +225,7 @@ def session_settings(settings: Settings) -> SessionSettings:
         max_input_audio_rate=settings.max_input_audio_rate,
         max_client_frame_rate=settings.max_client_frame_rate,
         client_frame_burst=settings.client_frame_burst,
+        max_pending_input_bytes=settings.max_pending_input_bytes,
         playback=PlaybackSettings(
             pacing=settings.playback_pacing,
             max_audio_lead=settings.max_audio_lead,

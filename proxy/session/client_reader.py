@@ -1,22 +1,12 @@
 """How a session's client frames come in: one path, whether pushed or read.
 
-aiohttp parses the client's frames into its reader queue. Once that queue is
-empty, :class:`ClientReader` asks aiohttp to hand text messages over as they
-are parsed instead (``proxy.compat.push_text``): no queue, no task
-wake-up per frame. Either way a text frame reaches the session through the
-same call, :meth:`ClientFrames.client_text`, so there is one client read
-path. The reader task still reads the queue for everything else (control
-frames, binary frames, the close) and for text frames queued before the push
-was on, and it is where a flooding client is paced:
-
-- over ``max_client_frame_rate`` the push is turned off again, so aiohttp's
-  queue and its flow control pace the client, and the task yields to the
-  loop every 16 frames it reads;
-- a client the session ends for flooding is cut off: its reads are paused
-  and nothing more of its backlog is parsed.
-
-While the engine link is above its write mark, the client is not read
-(:meth:`pause_for_upstream`) until the link drains.
+Once aiohttp's reader queue is empty, text messages are handed over as they
+are parsed (``proxy.compat.push_text``); the reader task reads the queue for
+everything else. Either way a text frame reaches :meth:`ClientFrames.client_text`.
+A client over its frame rate goes back to the queue (paced by aiohttp's flow
+control, the task yielding every 16 frames); one ended for flooding is cut
+off; while the upstream link is above its write mark the client is not read
+(docs/design.md, Relay shell).
 """
 
 from __future__ import annotations

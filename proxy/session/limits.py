@@ -27,8 +27,6 @@ class RelayLimits:
             handshake.
         drain_timeout: seconds to deliver what is queued when the engine is lost.
         upstream_close_timeout: seconds to wait for the engine's ``session.closed``.
-        max_pending_input_bytes: unsent bytes toward the engine before the
-            session fails with ``input_backpressure``; 0 = off.
         write_buffer_bytes: the client write bound (``client_write_buffer_bytes``).
         max_session_duration: seconds a session may last; 0 = off.
         client_idle_timeout: seconds without a client event; 0 = off.
@@ -38,7 +36,6 @@ class RelayLimits:
     close_timeout: float
     drain_timeout: float
     upstream_close_timeout: float
-    max_pending_input_bytes: int = 0
     write_buffer_bytes: int = 64 * 1024
     max_session_duration: float = 0.0
     client_idle_timeout: float = 0.0
@@ -50,7 +47,6 @@ class RelayLimits:
             close_timeout=settings.close_timeout,
             drain_timeout=settings.drain_timeout,
             upstream_close_timeout=settings.upstream_close_timeout,
-            max_pending_input_bytes=settings.max_pending_input_bytes,
             write_buffer_bytes=settings.client_write_buffer_bytes,
             max_session_duration=settings.max_session_duration,
             client_idle_timeout=settings.client_idle_timeout,

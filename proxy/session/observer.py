@@ -1,22 +1,11 @@
-"""The hooks that turn relay activity into metrics, lifecycle events and traces.
+"""A session's observer: metrics, lifecycle events and traces from what the relay reports.
 
-A relay calls its :class:`SessionObserver` per event with plain integer
-arithmetic, and after every core call (``after_core_call``): the observer
-reports the session's buffer size to the registry
-(proxy/session/registry.py) and, when the core's telemetry
-(``core.telemetry``, proxy/core/telemetry.py) has news, exports drops,
-overflows and timings.
-
-For the operator console each session keeps its last ``LIFECYCLE_EVENTS``
-lifecycle events (created, engine session, cancels, overflows, closing,
-close) with wall-clock timestamps, noticed by comparing a few core fields
-after each core call; the ring is bounded and drops its oldest entry when full.
-
-Tracing (docs/design.md, Tracing) hangs off the same hooks: a session's
-:class:`SessionTracer` (None when ``tracing = "off"``) hears response-level
-events only (``session.created``, ``response.created``/``done``, cancels,
-overflows and the end), never an audio delta, so with tracing off its cost
-is one None check per non-audio event.
+The relay counts each event here with plain integer arithmetic and hands
+over each drain of the core (docs/design.md, Metrics): its news (drops,
+overflows, cancels, timings) and the buffer size for the registry. The
+observer reads the session through ``SessionView`` and writes nothing into
+it. Each session keeps its last ``LIFECYCLE_EVENTS`` lifecycle events for the
+console; tracing hears response-level events only (docs/design.md, Tracing).
 """
 
 from __future__ import annotations
@@ -24,16 +13,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 from metrics import SidecarMetrics
 from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineVersion
+from proxy.core.drain import Drain, Report
 from proxy.core.events import ClientEvent, EventKind, UpstreamEvent
 from proxy.core.usage import UNNAMED_KEY
-
-if TYPE_CHECKING:
-    from proxy.core.session_core import SessionCore
+from proxy.core.view import PlaybackTotals, SessionView
 
 __all__ = [
     "LIFECYCLE_EVENTS",
@@ -109,6 +97,9 @@ _U2C = "upstream_to_client"
 LIFECYCLE_EVENTS: Final = 50
 
 
+_NO_PLAYBACK: Final = PlaybackTotals(0.0, 0, 0, 0, 0)
+
+
 class SessionObserver:
     """Hooks a relay calls, kept to plain integer arithmetic per event.
 
@@ -119,20 +110,16 @@ class SessionObserver:
     """
 
     __slots__ = (
-        "_cancels_seen",
-        "_core",
         "_delay",
-        "_engine_full_seen",
         "_flushed",
         "_key",
         "_last_pending",
-        "_late_evicted_seen",
         "_m",
-        "_overflows_seen",
         "_playback_seen",
         "_registry",
         "_session_id_seen",
         "_state_seen",
+        "_view",
         "c2u_audio",
         "c2u_bytes",
         "c2u_control",
@@ -175,22 +162,26 @@ class SessionObserver:
         self.events: deque[tuple[float, str, str]] = deque(maxlen=LIFECYCLE_EVENTS)
         on = "" if engine is None else f", engine {engine}"
         self.events.append((self.started_at, "created", f"client {client_address or '?'}{on}"))
-        self._cancels_seen = 0
+        self._view: SessionView | None = None
         self._state_seen: object = None
         self._session_id_seen: str | None = None
         m = registry.metrics
         self._m = m
         self._delay = m.output_queue_delay
-        self._overflows_seen = 0
-        self._late_evicted_seen = 0
         self._last_pending = (0, 0)
         self.c2u_control = self.c2u_audio = self.c2u_invalid = self.c2u_bytes = 0
         self.u2c_audio = self.u2c_control = self.u2c_error = self.u2c_invalid = 0
         self.u2c_bytes = 0
-        self._core: SessionCore | None = None
-        self._playback_seen: tuple[float, int, int, int, int] = (0.0, 0, 0, 0, 0)
-        self._engine_full_seen = False
+        self._playback_seen = _NO_PLAYBACK
         self._flushed = (0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def watch(self, view: SessionView) -> None:
+        """The session this observer reports on (read-only)."""
+        self._view = view
+
+    @property
+    def view(self) -> SessionView | None:
+        return self._view
 
     def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
         if not forwarded:
@@ -216,10 +207,15 @@ class SessionObserver:
                 self.tracer.upstream_event(event)
         self.u2c_bytes += event.size
 
+    def upstream_invalid(self, size: int) -> None:
+        """An engine frame that is not part of the protocol (binary)."""
+        self.u2c_invalid += 1
+        self.u2c_bytes += size
+
     def flush(self) -> None:
         """Add the counts accumulated since the last flush to the counters."""
-        if self._core is not None:
-            self._export_playback(self._core)
+        if self._view is not None:
+            self._export_playback(self._view.playback_totals())
         now = (
             self.c2u_control,
             self.c2u_audio,
@@ -268,27 +264,25 @@ class SessionObserver:
         """Client frames read this session (forwarded or not)."""
         return self.c2u_control + self.c2u_audio + self.c2u_invalid
 
-    def delivered(self, entry: Entry, written_at: float) -> None:
-        self._delay.observe(max(0.0, written_at - entry.enqueued_at))
+    def delivered(self, entries: Sequence[Entry], written_at: float) -> None:
+        """These events were written to the client at ``written_at``: their queue delay."""
+        observe = self._delay.observe
+        for entry in entries:
+            observe(max(0.0, written_at - entry.enqueued_at))
 
-    def after_core_call(self, core: SessionCore) -> None:
-        """Sync buffer size; export drops, overflows and timings when there is news."""
-        self._core = core
-        buffer = core.buffer
-        pending = (buffer.pending_bytes, len(buffer))
-        if pending != self._last_pending:
-            self._last_pending = pending
-            self._registry.update_pending(self._key, pending[0], pending[1])
-        telemetry = core.telemetry
-        if telemetry.news:
-            telemetry.news = False
-            self._export_news(core)
-        if (
-            core.state is not self._state_seen
-            or core.session_id is not self._session_id_seen
-            or telemetry.cancels != self._cancels_seen
-        ):
-            self._note_lifecycle(core)
+    def after_drain(self, out: Drain) -> None:
+        """Sync the buffer size; export the drain's news; note lifecycle changes."""
+        view = self._view
+        if view is None:
+            return
+        last = self._last_pending
+        if out.pending_bytes != last[0] or out.pending_events != last[1]:
+            self._last_pending = (out.pending_bytes, out.pending_events)
+            self._registry.update_pending(self._key, out.pending_bytes, out.pending_events)
+        if out.report is not None:
+            self._export(out.report)
+        if view.state is not self._state_seen or view.session_id is not self._session_id_seen:
+            self._note_lifecycle(view)
 
     def note(self, kind: str, detail: str = "") -> None:
         """Add a lifecycle event (kind is ours; detail may carry peer strings)."""
@@ -298,105 +292,79 @@ class SessionObserver:
         """The lifecycle events as JSON, oldest first."""
         return [{"at": at, "kind": kind, "detail": detail} for at, kind, detail in self.events]
 
-    def _note_lifecycle(self, core: SessionCore) -> None:
-        """Record what changed since the last core call (rare: off the per-event path)."""
-        if core.session_id is not self._session_id_seen:
-            self._session_id_seen = core.session_id
-            if core.session_id is not None:
-                self.note("engine_session", core.session_id)
-        cancels = core.telemetry.cancels
-        if cancels != self._cancels_seen:
-            tombstoned = core.ledger.tombstoned()
-            latest = tombstoned[-1] if tombstoned else "?"
-            for _ in range(cancels - self._cancels_seen):
-                self.note("cancel", f"response {latest}")
-            if self.tracer is not None:
-                self.tracer.cancelled(tombstoned[-(cancels - self._cancels_seen) :])
-            self._registry.total_cancels += cancels - self._cancels_seen
-            self._cancels_seen = cancels
-        if core.state is not self._state_seen:
+    def _note_lifecycle(self, view: SessionView) -> None:
+        """Record what changed since the last drain (rare: off the per-event path)."""
+        if view.session_id is not self._session_id_seen:
+            self._session_id_seen = view.session_id
+            if view.session_id is not None:
+                self.note("engine_session", view.session_id)
+        if view.state is not self._state_seen:
             first = self._state_seen is None
-            self._state_seen = core.state
+            self._state_seen = view.state
             if not first:
-                outcome = core.outcome.value if core.outcome is not None else "?"
-                self.note(core.state.value, f"outcome {outcome}")
+                outcome = view.outcome.value if view.outcome is not None else "?"
+                self.note(view.state.value, f"outcome {outcome}")
 
-    def _export_news(self, core: SessionCore) -> None:
+    def _export(self, report: Report) -> None:
         m = self._m
-        telemetry = core.telemetry
-        for reason, (events, size) in telemetry.take_drops().items():
+        for reason, (events, size) in report.drops.items():
             m.dropped_events.labels(reason.value).inc(events)
             m.dropped_bytes.labels(reason.value).inc(size)
-        overflows = telemetry.overflows
-        if overflows != self._overflows_seen:
-            m.overflows.labels(core.settings.overflow_policy.value).inc(
-                overflows - self._overflows_seen
-            )
-            self._overflows_seen = overflows
-            self.note("overflow", f"policy {core.settings.overflow_policy.value}")
+        if report.cancelled:
+            for response_id in report.cancelled:
+                self.note("cancel", f"response {response_id}")
             if self.tracer is not None:
-                self.tracer.overflow(core.settings.overflow_policy.value)
-        late_evicted = core.ledger.late_after_eviction
-        if late_evicted != self._late_evicted_seen:
-            m.late_audio_after_eviction.inc(late_evicted - self._late_evicted_seen)
-            self._late_evicted_seen = late_evicted
-        silence, first = telemetry.take_observations()
-        for value in silence:
+                self.tracer.cancelled(report.cancelled)
+            self._registry.total_cancels += len(report.cancelled)
+        if report.overflows:
+            m.overflows.labels(report.overflow_policy).inc(report.overflows)
+            self.note("overflow", f"policy {report.overflow_policy}")
+            if self.tracer is not None:
+                self.tracer.overflow(report.overflow_policy)
+        if report.late_after_eviction:
+            m.late_audio_after_eviction.inc(report.late_after_eviction)
+        for value in report.silence:
             m.cancel_to_silence.observe(value)
-        for value in first:
+        for value in report.first_audio:
             m.first_audio.observe(value)
-        if core.engine_full and not self._engine_full_seen:
+        if report.engine_full:
             # Passed on to the client; new sessions keep off that engine a while.
-            self._engine_full_seen = True
             m.engine_full.labels("session").inc()
             self.note("engine_full", "the engine refused the session: no room")
             self._registry.on_engine_full(self.engine)
-        self._export_playback(core)
-
-    def _export_playback(self, core: SessionCore) -> None:
-        """Playback ledger counters since the last export (plain integer compares)."""
-        playback = core.playback
-        m = self._m
-        for value in playback.take_lead_observations():
+        for value in report.lead_at_cancel:
             m.audio_lead_at_cancel.observe(value)
-        for code in playback.take_own_errors():
+        for code in report.own_ack_errors:
             m.engine_ack_errors.labels(code.value).inc()
-        learned = playback.take_learned()
-        if learned is not None:
-            self.note("engine_behaviour", f"behaves like vLLM-Omni {learned.value}")
-            self._registry.capabilities.learn(learned)
+        if report.learned is not None:
+            self.note("engine_behaviour", f"behaves like vLLM-Omni {report.learned.value}")
+            self._registry.capabilities.learn(report.learned)
+
+    def _export_playback(self, now: PlaybackTotals) -> None:
+        """Playback ledger counters since the last export (plain compares)."""
         seen = self._playback_seen
-        now = (
-            playback.audio_sent,
-            playback.acks_sent,
-            playback.truncations_client,
-            playback.truncations_sidecar,
-            playback.paced_bound_releases,
-        )
         if now == seen:
             return
-        if now[0] > seen[0]:
-            m.audio_delivered.inc(now[0] - seen[0])
-        if now[1] > seen[1]:
-            m.playback_acks.inc(now[1] - seen[1])
-        if now[2] > seen[2]:
-            m.truncations.labels("client").inc(now[2] - seen[2])
-        if now[3] > seen[3]:
-            m.truncations.labels("sidecar").inc(now[3] - seen[3])
-        if now[4] > seen[4]:
-            m.paced_bound_releases.inc(now[4] - seen[4])
+        m = self._m
+        if now.audio_sent > seen.audio_sent:
+            m.audio_delivered.inc(now.audio_sent - seen.audio_sent)
+        if now.acks_sent > seen.acks_sent:
+            m.playback_acks.inc(now.acks_sent - seen.acks_sent)
+        if now.truncations_client > seen.truncations_client:
+            m.truncations.labels("client").inc(now.truncations_client - seen.truncations_client)
+        if now.truncations_sidecar > seen.truncations_sidecar:
+            m.truncations.labels("sidecar").inc(now.truncations_sidecar - seen.truncations_sidecar)
+        if now.paced_bound_releases > seen.paced_bound_releases:
+            m.paced_bound_releases.inc(now.paced_bound_releases - seen.paced_bound_releases)
         self._playback_seen = now
 
-    def session_observations(self, core: SessionCore) -> None:
-        """The session ended: final sync and its outcome."""
-        core.telemetry.news = False
-        self._export_news(core)
-        self.after_core_call(core)
+    def session_end(self) -> None:
+        """The session ended (after its last drain): final flush and its outcome."""
         self.flush()
-        outcome = core.outcome
+        view = self._view
+        outcome = view.outcome if view is not None else None
+        close_code = view.close_code if view is not None else None
         self._m.sessions.labels(outcome.value if outcome else "error").inc()
-        self.note(
-            "close", f"outcome {outcome.value if outcome else 'error'}, code {core.close_code}"
-        )
+        self.note("close", f"outcome {outcome.value if outcome else 'error'}, code {close_code}")
         if self.tracer is not None:
-            self.tracer.end(outcome.value if outcome else "error", core.close_code)
+            self.tracer.end(outcome.value if outcome else "error", close_code)

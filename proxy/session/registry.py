@@ -1,19 +1,12 @@
-"""Session registry: every live relay, the process-wide pending total, engine capabilities.
+"""Every live session, the process-wide pending-output total, engine capabilities.
 
-``SessionRegistry`` knows every live relay (for shutdown, engine loss,
-``/debug/sessions`` and the process-wide pending-output cap) and keeps an
-exact running total of pending output bytes: each relay reports the change
-of its buffer after every core call (through its
-:class:`~proxy.session.observer.SessionObserver`), so enforcing
-``max_total_pending_output_bytes`` costs O(1) per event.
-
-For the operator console (``proxy/admin/admin_app.py``) the registry serves
-each live session's view and lifecycle events, and keeps the final view of
-the last ``RECENT_CLOSED_SESSIONS`` sessions so a session that just ended can
-still be inspected (a bounded ring: the oldest is dropped when full).
-
+``SessionRegistry`` knows every live relay (shutdown, engine loss, the
+console) and an exact running total of pending output, reported by each
+session's observer after every core call, so ``max_total_pending_output_bytes``
+costs O(1) per event. It reads sessions through their ``SessionView`` only,
+and keeps the final view of the last ``RECENT_CLOSED_SESSIONS`` sessions.
 ``CapabilityBook`` holds what the process knows of the engine
-(docs/design.md, Engine capabilities) and its gauge.
+(docs/design.md, Engine capabilities).
 """
 
 from __future__ import annotations
@@ -23,15 +16,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 from metrics import SidecarMetrics
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.usage import UNNAMED_KEY
+from proxy.core.view import SessionView
 from proxy.session.observer import SessionObserver, SessionTracer
-
-if TYPE_CHECKING:
-    from proxy.core.session_core import SessionCore
 
 __all__ = ["RECENT_CLOSED_SESSIONS", "CapabilityBook", "SessionRegistry"]
 
@@ -43,10 +34,8 @@ class Relay(Protocol):
     shape; a Protocol here keeps ``proxy.session.relay`` → ``proxy.session.registry`` one-way)."""
 
     key: str
-    core: SessionCore
+    view: SessionView
     started_at: float
-    bytes_client_to_upstream: int
-    bytes_upstream_to_client: int
 
     def shed(self) -> None: ...
 
@@ -230,7 +219,7 @@ class SessionRegistry:
             self._shed_largest()
 
     def _shed_largest(self) -> None:
-        candidates = [key for key, relay in self.relays.items() if not relay.core.buffer.closed]
+        candidates = [key for key, relay in self.relays.items() if not relay.view.closing]
         if not candidates:
             return
         key = max(candidates, key=self._pending_bytes.__getitem__)
@@ -283,18 +272,19 @@ class SessionRegistry:
         relay = self.relays[key]
         observer = self._observers.get(key)
         address = observer.client_address if observer is not None else ""
-        return f"{key} {relay.core.session_id or ''} {address}"
+        return f"{key} {relay.view.session_id or ''} {address}"
 
     def _view(
         self, key: str, relay: Relay, now: float, *, max_ids: int | None = None
     ) -> dict[str, Any]:
-        stats = relay.core.statistics()
-        cancelled = relay.core.ledger.tombstoned()
+        view = relay.view
+        stats = view.statistics()
+        cancelled = view.tombstoned()
         if max_ids is not None:
             cancelled = cancelled[-max_ids:] if max_ids else []
         buffer = stats.buffer
         observer = self._observers.get(key)
-        playback = relay.core.playback.view(now)
+        playback = view.playback_view(now)
         # Audio the client holds unplayed (the largest over its items), when paced.
         leads = [item["lead_ms"] for item in playback["items"] if not item["finished"]]
         lead_ms = max(leads, default=0) if playback["pacing"] else None
@@ -309,8 +299,8 @@ class SessionRegistry:
             "started_at": observer.started_at if observer is not None else None,
             "age_seconds": round(now - relay.started_at, 3),
             "state": stats.state.value,
-            "outcome": relay.core.outcome.value if relay.core.outcome is not None else None,
-            "close_code": relay.core.close_code,
+            "outcome": view.outcome.value if view.outcome is not None else None,
+            "close_code": view.close_code,
             "pending_bytes": buffer.pending_bytes,
             "pending_events": buffer.pending_events,
             "reserve_bytes": buffer.reserve_bytes,
@@ -323,13 +313,13 @@ class SessionRegistry:
             "tombstone_evictions": stats.ledger.evictions,
             "late_audio_after_eviction": stats.ledger.late_after_eviction,
             "overflows": stats.overflows,
-            "overflowed": relay.core.outcome is not None and relay.core.outcome.value == "overflow",
+            "overflowed": view.outcome is not None and view.outcome.value == "overflow",
             "cancels": stats.cancels,
             "dropped": {
                 r.value: {"events": e, "bytes": b} for r, (e, b) in stats.drops.items() if e
             },
-            "bytes_client_to_upstream": relay.bytes_client_to_upstream,
-            "bytes_upstream_to_client": relay.bytes_upstream_to_client,
+            "bytes_client_to_upstream": observer.c2u_bytes if observer is not None else 0,
+            "bytes_upstream_to_client": observer.u2c_bytes if observer is not None else 0,
             "playback": playback,
             "playback_lead_ms": lead_ms,
         }

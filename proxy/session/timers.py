@@ -1,28 +1,10 @@
-"""A session's timers: keepalive, idle timeout, maximum duration, close deadline.
+"""A session's timers on an injected scheduler (docs/design.md, Relay shell).
 
-Time comes from an injected :class:`Scheduler` (the event loop in production,
-a manual clock in tests), so every deadline can be checked at exact injected
-times without sleeping. The timers decide *when*; what happens then is the
-session's business, through :class:`TimerListener`.
-
-- **Keepalive** (``heartbeat_interval``): every half interval, a side silent
-  for half an interval is pinged; a side silent for two intervals (no frame,
-  no pong) is gone. A live peer is thus never silent for much more than one
-  interval plus a round trip: a full interval of margin. Activity is a
-  timestamp the session stores per received frame, so keepalive costs nothing
-  per event.
-- **Idle** (``client_idle_timeout``): no client *event* (data frame) for that
-  long ends the session. Pings and pongs are not events: a client that only
-  answers pings is idle.
-- **Duration** (``max_session_duration``).
-- **Close deadline**: once a session is closing it has a bounded time to
-  deliver its final events and close frame, also while its client does not
-  read; then the connection is dropped.
-- **Pacing and playback**: one-shot wake-ups at the times the core asks
-  for (paced audio release, playback acks).
-- **Upstream close** (``upstream_close_timeout``): starts when the client
-  sends ``session.close``; if the engine has not answered by then, the proxy
-  closes the session itself, so a close always completes.
+Keepalive, client idle, maximum duration, the close deadline, the upstream
+close timeout, and the one core deadline (``SessionCore.next_deadline``:
+paced audio, playback acks). The timers decide *when*; the session decides
+what happens then (:class:`TimerListener`). Tests drive them with a manual
+clock, without sleeping.
 """
 
 from __future__ import annotations
@@ -30,6 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from typing import Literal, Protocol
+
+from proxy.core.lifecycle import EndReason
+from proxy.session.limits import RelayLimits
 
 __all__ = ["LoopScheduler", "Scheduler", "SessionTimers", "Side", "TimerListener"]
 
@@ -72,23 +57,16 @@ class TimerListener(Protocol):
     def peer_gone(self, side: Side, silent: float) -> None:
         """``side`` was silent for two keepalive intervals: drop it."""
 
-    def client_idle(self, idle: float) -> None:
-        """No client event for ``client_idle_timeout``."""
-
-    def duration_reached(self) -> None:
-        """``max_session_duration`` passed."""
+    def time_up(self, reason: EndReason) -> None:
+        """A limit ended the session: ``CLIENT_IDLE`` (no client event for
+        ``client_idle_timeout``), ``MAX_DURATION``, or ``UPSTREAM_TIMEOUT`` (the
+        engine did not answer the client's ``session.close`` in time)."""
 
     def close_deadline_passed(self) -> None:
         """The closing session did not finish in time."""
 
-    def upstream_close_timed_out(self) -> None:
-        """The engine did not answer the client's ``session.close`` in time."""
-
-    def pace_due(self) -> None:
-        """Paced audio held back may be released now."""
-
-    def playback_due(self) -> None:
-        """Playback acks may be due."""
+    def core_due(self) -> None:
+        """The core's deadline passed (``SessionCore.on_timer``)."""
 
 
 class SessionTimers:
@@ -97,13 +75,16 @@ class SessionTimers:
     Args:
         scheduler: time source and timer factory.
         listener: called when a timer fires.
-        heartbeat_interval: keepalive period, seconds.
-        client_idle_timeout: seconds without a client event.
-        max_session_duration: seconds.
+        limits: ``heartbeat_interval``, ``client_idle_timeout`` and
+            ``max_session_duration`` (seconds; 0 turns a timer off).
     """
 
     __slots__ = (
         "_close_deadline",
+        "_close_timeout",
+        "_core",
+        "_core_at",
+        "_drain_timeout",
         "_duration",
         "_heartbeat",
         "_heartbeat_timer",
@@ -111,9 +92,6 @@ class SessionTimers:
         "_idle_timer",
         "_listener",
         "_max_duration",
-        "_pace",
-        "_pace_at",
-        "_playback",
         "_scheduler",
         "_upstream_close",
         "close_deadline_at",
@@ -123,20 +101,14 @@ class SessionTimers:
         "started_at",
     )
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        listener: TimerListener,
-        *,
-        heartbeat_interval: float = 0.0,
-        client_idle_timeout: float = 0.0,
-        max_session_duration: float = 0.0,
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, listener: TimerListener, limits: RelayLimits) -> None:
         self._scheduler = scheduler
         self._listener = listener
-        self._heartbeat = heartbeat_interval
-        self._idle = client_idle_timeout
-        self._max_duration = max_session_duration
+        self._heartbeat = limits.heartbeat_interval
+        self._idle = limits.client_idle_timeout
+        self._max_duration = limits.max_session_duration
+        self._close_timeout = limits.close_timeout
+        self._drain_timeout = limits.drain_timeout
         now = scheduler.time()
         self.started_at = now
         #: Last frame of any kind from each side (keepalive).
@@ -149,9 +121,8 @@ class SessionTimers:
         self._duration: Cancellable | None = None
         self._close_deadline: Cancellable | None = None
         self._upstream_close: Cancellable | None = None
-        self._pace: Cancellable | None = None
-        self._pace_at = 0.0
-        self._playback: Cancellable | None = None
+        self._core: Cancellable | None = None
+        self._core_at: float | None = None
         self.close_deadline_at: float | None = None
 
     def now(self) -> float:
@@ -177,39 +148,29 @@ class SessionTimers:
             self._heartbeat_timer,
             self._close_deadline,
             self._upstream_close,
-            self._pace,
-            self._playback,
+            self._core,
         ):
             if timer is not None:
                 timer.cancel()
         self._duration = self._idle_timer = self._heartbeat_timer = None
-        self._close_deadline = self._upstream_close = self._pace = self._playback = None
+        self._close_deadline = self._upstream_close = self._core = None
+        self._core_at = None
 
-    def arm_pace(self, when: float) -> None:
-        """Wake the session at ``when`` to release paced audio (the earliest wins)."""
-        if self._pace is not None:
-            if self._pace_at <= when:
-                return
-            self._pace.cancel()
-        self._pace_at = when
-        self._pace = self._scheduler.call_at(when, self._pace_fired)
+    def arm_core(self, when: float | None) -> None:
+        """Wake the session at ``when`` for the core (None: no deadline); the latest call wins."""
+        if when == self._core_at:
+            return
+        if self._core is not None:
+            self._core.cancel()
+            self._core = None
+        self._core_at = when
+        if when is not None:
+            self._core = self._scheduler.call_at(when, self._core_fired)
 
-    @property
-    def playback_armed(self) -> bool:
-        return self._playback is not None
-
-    def arm_playback(self, when: float) -> None:
-        """Wake the session at ``when`` for playback acks, unless already armed."""
-        if self._playback is None:
-            self._playback = self._scheduler.call_at(when, self._playback_fired)
-
-    def _pace_fired(self) -> None:
-        self._pace = None
-        self._listener.pace_due()
-
-    def _playback_fired(self) -> None:
-        self._playback = None
-        self._listener.playback_due()
+    def _core_fired(self) -> None:
+        self._core = None
+        self._core_at = None
+        self._listener.core_due()
 
     def arm_upstream_close(self, timeout: float) -> None:
         """The client asked to close: the engine has ``timeout`` seconds to answer."""
@@ -217,10 +178,12 @@ class SessionTimers:
             when = self._scheduler.time() + timeout
             self._upstream_close = self._scheduler.call_at(when, self._upstream_close_due)
 
-    def arm_close_deadline(self, budget: float) -> None:
-        """Give a closing session ``budget`` seconds to finish; only the first call counts."""
+    def arm_close_deadline(self, *, engine_lost: bool = False) -> None:
+        """Give a closing session ``close_timeout`` seconds to finish (``drain_timeout``
+        when the engine was lost); only the first call counts."""
         if self._close_deadline is not None or self.close_deadline_at is not None:
             return
+        budget = self._drain_timeout if engine_lost else self._close_timeout
         when = self._scheduler.time() + budget
         self.close_deadline_at = when
         self._close_deadline = self._scheduler.call_at(when, self._deadline_passed)
@@ -229,10 +192,10 @@ class SessionTimers:
 
     def _expire(self) -> None:
         self._duration = None
-        self._listener.duration_reached()
+        self._listener.time_up(EndReason.MAX_DURATION)
 
     def _upstream_close_due(self) -> None:
-        self._listener.upstream_close_timed_out()
+        self._listener.time_up(EndReason.UPSTREAM_TIMEOUT)
 
     def _deadline_passed(self) -> None:
         self._close_deadline = None
@@ -245,7 +208,7 @@ class SessionTimers:
             self._idle_timer = self._scheduler.call_at(now + self._idle - idle, self._check_idle)
             return
         self._idle_timer = None
-        self._listener.client_idle(idle)
+        self._listener.time_up(EndReason.CLIENT_IDLE)
 
     def _heartbeat_tick(self) -> None:
         now = self._scheduler.time()

@@ -1,52 +1,20 @@
-"""The one path from a session to its client socket.
+"""The one path from a session to its client socket (docs/design.md, Relay shell).
 
-``ClientFrameWriter`` owns every byte written to a client connection: engine
-events (text frames), pings, pongs and the close frame. It is a sink: the
-relay takes events from the core and hands them over (:meth:`take`), with a
-validity check the writer applies at write time; the writer holds no
-reference to the core and reports what it wrote or dropped through
-:class:`DeliveryHooks`. It is also installed
-as the aiohttp ``WebSocketResponse``'s own frame writer (see
-:func:`proxy.compat.install_client_writer`), so the close frames aiohttp sends
-by itself (an oversized client frame: 1009) take the same path.
-
-Rules it enforces (docs/design.md, Relay shell):
-
-- **Write bound.** :meth:`start_batch` and :meth:`take` tell the relay to take
-  events only while what the client transport holds unsent plus the batch of
-  taken events is below ``client_write_buffer_bytes`` (also the transport's
-  high-water mark, set by the app). So a client that stops reading pins at
-  most the bound plus one event here; a single event larger than the bound
-  is written alone.
-- **Write-time re-check.** A taken event is re-checked (``still_valid``, the
-  core's check) when it is written: audio of a response cancelled between
-  taking and writing is dropped (``cancelled_audio``), not written.
-- **Batching.** While more engine frames are already parsed and waiting
-  (``upstream_backlog``), taken events are gathered and written with one
-  ``writelines`` at the end of the loop tick; at real-time pace (no backlog)
-  each event is written at once.
-- **Control frames.** A ping is written at once (the keepalive sends at most
-  one per half interval). A pong is written at once while the transport is
-  below its mark; above it only the latest ping's pong is kept and written
-  when the transport drains (RFC 6455 §5.5.3 allows answering only the most
-  recent ping), so a client that pings without reading cannot grow memory.
-- **Close.** The close frame is written once, after everything taken before
-  it; nothing is written after it (RFC 6455 §5.5.1).
-
-The writer does no waiting itself except :meth:`wait_writable`; everything
-else is synchronous, so there is no await between taking an event from the
-core and writing it (apart from the batch's end-of-tick write, re-checked).
+``ClientFrameWriter`` writes every byte a client gets: engine events, pings,
+pongs and the close frame. It is a sink: the relay gives it what the core
+drained (:meth:`write`) and hands what it reports back to the core; it holds
+no core. It is also aiohttp's own frame writer for that ``WebSocketResponse``
+(:class:`AiohttpWriterAdapter`), so aiohttp's own close frames take this path.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sized
-from typing import Any, Final, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 from proxy import compat
 from proxy.core.buffer import Entry
-from proxy.core.session_core import DropReason
 from proxy.session.frames import (
     MAX_CONTROL_PAYLOAD,
     OP_BINARY,
@@ -58,27 +26,9 @@ from proxy.session.frames import (
     frame_header,
 )
 
-__all__ = ["AiohttpWriterAdapter", "ClientFrameWriter", "DeliveryHooks"]
+__all__ = ["AiohttpWriterAdapter", "ClientFrameWriter"]
 
 log = logging.getLogger(__name__)
-
-_NO_BACKLOG: Final[Sized] = ()
-
-
-class DeliveryHooks(Protocol):
-    """What the writer reports to its session (the core's bookkeeping, metrics, wake-ups)."""
-
-    def delivered(self, entry: Entry, taken_at: float, now: float) -> None:
-        """One taken event was written to the client at ``now``."""
-
-    def dropped(self, entry: Entry, reason: DropReason) -> None:
-        """One taken event was not written (cancelled since, or the connection is gone)."""
-
-    def written(self) -> None:
-        """A write (or a drop of taken events) happened: sync buffer metrics."""
-
-    def blocked(self) -> None:
-        """Something is waiting for the transport to drain: wake the delivery task."""
 
 
 class ClientFrameWriter:
@@ -86,38 +36,13 @@ class ClientFrameWriter:
 
     Args:
         protocol: aiohttp's protocol of the client connection (flow control).
-        hooks: delivery callbacks.
-        still_valid: the write-time re-check of a taken event (the core's).
-        write_buffer_bytes: the write bound (``client_write_buffer_bytes``).
-        clock: monotonic seconds.
-        call_soon: schedules the end-of-tick batch write (``loop.call_soon``).
-        upstream_backlog: engine frames parsed and not yet read (live view).
+        write_buffer_bytes: the write bound (``client_write_buffer_bytes``,
+            also the transport's high-water mark).
     """
 
-    def __init__(
-        self,
-        protocol: Any,
-        hooks: DeliveryHooks,
-        *,
-        still_valid: Callable[[Entry], bool],
-        write_buffer_bytes: int,
-        clock: Callable[[], float],
-        call_soon: Callable[[Callable[[], None]], object],
-        upstream_backlog: Sized = _NO_BACKLOG,
-    ) -> None:
+    def __init__(self, protocol: Any, *, write_buffer_bytes: int) -> None:
         self._protocol = protocol
-        self._still_valid = still_valid
-        self._hooks = hooks
         self._bound = write_buffer_bytes
-        self._clock = clock
-        self._call_soon = call_soon
-        self._backlog = upstream_backlog
-        #: Entries taken from the core and not written yet (at most one tick).
-        self._batch: list[tuple[Entry, float]] = []
-        self._batch_bytes = 0
-        #: What the batch being taken may hold: the bound less what the transport holds.
-        self._room = write_buffer_bytes
-        self._flush_scheduled = False
         #: Payload of the latest unanswered ping, while the transport was paused.
         self._pending_pong: bytes | None = None
         self.close_sent = False
@@ -149,13 +74,8 @@ class ClientFrameWriter:
 
     @property
     def has_pending(self) -> bool:
-        """Taken events or a pong wait for the transport."""
-        return bool(self._batch) or self._pending_pong is not None
-
-    @property
-    def batch_bytes(self) -> int:
-        """Bytes taken into the batch and not written yet."""
-        return self._batch_bytes
+        """A pong waits for the transport to drain."""
+        return self._pending_pong is not None
 
     async def wait_writable(self) -> None:
         """Wait until the transport is below its low-water mark.
@@ -168,146 +88,53 @@ class ClientFrameWriter:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def start_batch(self) -> bool | None:
-        """Start taking events: write a pending pong, and say whether any may be taken.
+    def room(self) -> int:
+        """Bytes of events the relay may take now; a pending pong goes first.
 
-        What the transport already holds counts against the bound too, so a
-        client that stops reading pins at most the bound (plus one event)
-        here, not a full batch on top of a full transport.
+        What the transport already holds counts against the bound, so a client
+        that stops reading pins at most the bound (plus one event) here.
 
         Returns:
-            None when nothing may be taken or written now (the transport is
-            above its mark, or a close frame went out: no :meth:`end_batch`
-            either); False when the batch already holds the bound; True when
-            events may be taken.
+            0 while the transport is above its mark, the connection is gone
+            or a close frame went out; else the bound less what it holds.
         """
         protocol = self._protocol
         if compat.writing_paused(protocol) or self.close_sent:
-            return None
+            return 0
+        transport = compat.client_transport(protocol)
+        if transport is None or transport.is_closing():
+            return 0
         if self._pending_pong is not None:
             self._write_control(OP_PONG, self._pending_pong)
             self._pending_pong = None
             self.unanswered_pings = 0
-        # What the transport holds (_buffered, written out: once per engine event).
-        transport = compat.client_transport(protocol)
-        held = 0 if transport is None else int(transport.get_write_buffer_size())
-        self._room = self._bound - held
-        return self._batch_bytes < self._room
+        return max(0, self._bound - int(transport.get_write_buffer_size()))
 
-    def take(self, entry: Entry, taken_at: float) -> bool:
-        """Add a taken event to the batch; a full batch is written first.
-
-        Args:
-            entry: the event, already taken from the core.
-            taken_at: when it was taken (its queue delay ends there).
+    def write(self, entries: Sequence[Entry]) -> bool:
+        """Write events as text frames, in order, in one transport call.
 
         Returns:
-            Whether another event may be taken into this batch.
+            True when they were written; False when the connection is gone
+            (none was).
         """
-        size = entry.event.size
-        if self._batch and self._batch_bytes + size > self._room:
-            # The batch is full: write it; this event starts the next one.
-            self.flush()
-            self._room = self._bound - self._buffered()
-        self._batch.append((entry, taken_at))
-        self._batch_bytes += size
-        return self._batch_bytes < self._room and not compat.writing_paused(self._protocol)
-
-    def end_batch(self, *, defer: bool = False) -> None:
-        """Write the batch now, or at the end of the loop tick.
-
-        Args:
-            defer: the caller is the engine reader: while more engine frames
-                are already waiting, write the batch at the end of the loop
-                tick instead of now (one transport write per burst).
-        """
-        if not self._batch:
-            return
-        if defer and self._backlog and self._batch_bytes < self._bound:
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._call_soon(self._scheduled_flush)
+        transport = compat.client_transport(self._protocol)
+        if transport is None or transport.is_closing() or self.close_sent:
+            return False
+        if len(entries) == 1:
+            # One event (real-time pace): no list to build.
+            payload = entries[0].event.text.encode("utf-8", "surrogatepass")
+            transport.writelines((frame_header(OP_TEXT, len(payload)), payload))
+            self.bytes_written += len(payload)
         else:
-            self.flush()
-
-    def _buffered(self) -> int:
-        """Bytes the client transport holds unsent (0 once it is gone)."""
-        transport = compat.client_transport(self._protocol)
-        return 0 if transport is None else int(transport.get_write_buffer_size())
-
-    def _scheduled_flush(self) -> None:
-        self._flush_scheduled = False
-        self.flush()
-
-    def flush(self, *, force: bool = False) -> None:
-        """Write the taken events as text frames in one transport call.
-
-        Each is re-checked first. While the transport is above its mark the
-        batch stays (the delivery task writes it once it drains), unless
-        ``force`` (the session is closing: what was taken goes before the
-        close frame).
-        """
-        batch = self._batch
-        if not batch:
-            return
-        transport = compat.client_transport(self._protocol)
-        if (
-            not force
-            and compat.writing_paused(self._protocol)
-            and transport is not None
-            and not transport.is_closing()
-        ):
-            self._hooks.blocked()
-            return
-        self._batch = []
-        self._batch_bytes = 0
-        still_valid = self._still_valid
-        hooks = self._hooks
-        if transport is None or transport.is_closing():
-            for entry, _ in batch:
-                hooks.dropped(entry, DropReason.SESSION_CLOSED)
-            hooks.written()
-            return
-        if len(batch) == 1:
-            # One event (real-time pace): no lists to build.
-            entry, taken_at = batch[0]
-            if still_valid(entry):
-                payload = entry.event.text.encode("utf-8", "surrogatepass")
-                transport.writelines((frame_header(OP_TEXT, len(payload)), payload))
-                self.frames_written += 1
-                self.bytes_written += len(payload)
-                hooks.delivered(entry, taken_at, self._clock())
-            else:
-                # Cancelled after it was taken: not one byte of it is written.
-                hooks.dropped(entry, DropReason.CANCELLED_AUDIO)
-            hooks.written()
-            return
-        parts: list[bytes] = []
-        written: list[tuple[Entry, float]] = []
-        for entry, taken_at in batch:
-            if not still_valid(entry):
-                hooks.dropped(entry, DropReason.CANCELLED_AUDIO)
-            else:
+            parts: list[bytes] = []
+            for entry in entries:
                 payload = entry.event.text.encode("utf-8", "surrogatepass")
                 parts.append(frame_header(OP_TEXT, len(payload)))
                 parts.append(payload)
-                written.append((entry, taken_at))
                 self.bytes_written += len(payload)
-        if parts:
             transport.writelines(parts)
-            self.frames_written += len(written)
-            now = self._clock()
-            for entry, taken_at in written:
-                hooks.delivered(entry, taken_at, now)
-        hooks.written()
-
-    def discard(self) -> None:
-        """Drop what was taken and not written (the connection is gone)."""
-        for entry, _ in self._batch:
-            self._hooks.dropped(entry, DropReason.SESSION_CLOSED)
-        self._batch = []
-        self._batch_bytes = 0
-        self._hooks.written()
+        self.frames_written += len(entries)
+        return True
 
     # -- control frames ----------------------------------------------------------------------------
 
@@ -315,29 +142,32 @@ class ClientFrameWriter:
         """Write a ping at once (keepalive)."""
         self._write_control(OP_PING, payload[:MAX_CONTROL_PAYLOAD])
 
-    def pong(self, payload: bytes) -> None:
-        """Answer a client's ping; above the mark, keep only the latest."""
+    def pong(self, payload: bytes) -> bool:
+        """Answer a client's ping; above the mark, keep only the latest (RFC 6455 §5.5.3).
+
+        Returns:
+            False when the pong waits for the transport to drain.
+        """
         payload = payload[:MAX_CONTROL_PAYLOAD]
         if self.paused and not self.gone:
             if self._pending_pong is not None:
                 self.pongs_coalesced += 1
             self._pending_pong = payload
             self.unanswered_pings += 1
-            self._hooks.blocked()
-            return
+            return False
         self._pending_pong = None
         self.unanswered_pings = 0
         self._write_control(OP_PONG, payload)
+        return True
 
     def close(self, code: int, reason: bytes = b"") -> bool:
-        """Write the close frame once, after everything already taken.
+        """Write the close frame once, after everything written before it (RFC 6455 §5.5.1).
 
         Returns:
             True when this call wrote it.
         """
         if self.close_sent:
             return False
-        self.flush(force=True)
         if self.gone:
             self.close_sent = True
             return False

@@ -840,10 +840,8 @@ def _fake_registry(sessions: int) -> Any:
         key = f"s{i:04d}"
         relay = types.SimpleNamespace(
             key=key,
-            core=SessionCore(SessionSettings(), new_event_id=lambda: "e"),
+            view=SessionCore(SessionSettings(), new_event_id=lambda: "e"),
             started_at=time.monotonic(),
-            bytes_client_to_upstream=0,
-            bytes_upstream_to_client=0,
         )
         registry.add(relay)
         registry.observer(key, client_address=f"10.0.{i // 256}.{i % 256}")

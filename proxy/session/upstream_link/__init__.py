@@ -1,28 +1,12 @@
-"""The session's WebSocket to the engine, as the relay sees it.
+"""The session's WebSocket to the engine, as the relay sees it (docs/design.md, Relay shell).
 
-The engine link pushes frames into the relay instead of being read by it:
-``run(handler)`` hands every engine text frame to
-:meth:`UpstreamHandler.upstream_text` as it arrives, sends what the handler
-answers, and returns when the connection ends. Sending never waits and never
-raises for a connection that went away; the link tells how many bytes of
-input the engine has not taken yet (``max_pending_input_bytes`` is enforced
-by the relay with it), whether it is above its write mark (the relay then
-stops reading the client until it drains), whether more engine frames are
-already parsed (the client writer batches on it), and can drop the
-connection when the keepalive gives up.
-
-One module per implementation, behind :mod:`.protocol`, chosen by the
-``upstream_client`` setting:
-
-- :mod:`.picows_link` (the default): picows parses frames in C and calls back
-  per frame, so an engine event costs no task wake-up, no message object and
-  no reader queue.
-- :mod:`.aiohttp_link`: aiohttp's client WebSocket, read by a loop of
-  ``await receive()``.
-
-Both write their frames through :mod:`.outbox` (masked, one write per loop
-tick) and answer the engine's pings themselves; the relay's own keepalive
-pings go through :meth:`UpstreamLink.ping`.
+The upstream link pushes frames into the relay: ``run(handler)`` hands every
+engine text frame to :meth:`UpstreamHandler.upstream_text` as it arrives, sends
+what the handler answers, and returns when the connection ends. Sending never
+waits. One module per implementation behind :mod:`.interface`, chosen by
+``upstream_client``: :mod:`.picows_link` (default: frames parsed in C, one
+callback per frame) and :mod:`.aiohttp_link`; both write through
+:mod:`.frame_outbox` (masked, one write per loop tick).
 """
 
 from __future__ import annotations

@@ -13,13 +13,17 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.core.buffer import BufferLimits, Entry
-from proxy.core.capabilities import EngineCapabilities
+from proxy.core.capabilities import EngineCapabilities, EngineVersion
+from proxy.core.drain import Drain
 from proxy.core.events import UpstreamEvent, classify_upstream
+from proxy.core.playback_state import AckErrorCode
 from proxy.core.session_core import ClientDecision, OverflowPolicy, SessionCore, SessionSettings
+from proxy.core.telemetry import DropReason
 
 __all__ = [
     "Delivered",
@@ -368,6 +372,12 @@ class SessionPair:
     forwarded: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._drops: dict[DropReason, tuple[int, int]] = {}
+        self._own_errors: list[AckErrorCode] = []
+        self._learned: EngineVersion | None = None
+        self._silence: list[float] = []
+        self._first_audio: list[float] = []
+        self._lead_at_cancel: list[float] = []
         ids = itertools.count(1)
         self.core = SessionCore(
             self.settings,
@@ -385,20 +395,26 @@ class SessionPair:
         return out
 
     def client(self, frame: str) -> ClientDecision:
-        """Feed one client frame; forwarded frames are recorded."""
+        """Feed one client frame; forwarded frames are recorded apart from the proxy's own."""
         decision = self.core.receive_client(frame, self.now)
-        if decision.forward:
-            self.forwarded.append(decision.event.text)
-        self.collect_upstream()
+        self._record_upstream(self._drain(0).to_upstream, frame)
         return decision
 
+    def timer(self) -> float | None:
+        """The core's timer at ``now`` (acks due, paced audio); returns the next deadline."""
+        self.core.on_timer(self.now)
+        self.collect_upstream()
+        return self.core.next_deadline()
+
     def take(self) -> Entry | None:
-        """``next_delivery`` only: the caller is about to write it."""
-        return self.core.next_delivery(self.now)
+        """Drain one event for the client (room for one): the caller is about to write it."""
+        out = self._drain(1)
+        self._record_upstream(out.to_upstream)
+        return out.to_client[0] if out.to_client else None
 
     def write(self, entry: Entry) -> Delivered:
         """The shell wrote ``entry``; record it."""
-        self.core.delivered(entry, self.now)
+        self.core.written([entry], self.now)
         d = Delivered(entry.event.text, json.loads(entry.event.text), entry.closure)
         self.deliveries.append(d)
         return d
@@ -422,8 +438,57 @@ class SessionPair:
 
     def collect_upstream(self) -> None:
         """Record what the proxy must send upstream (after a direct ``core`` call)."""
-        for frame in self.core.events_to_upstream():
-            self.upstream_sent.append(json.loads(frame))
+        self._record_upstream(self._drain(0).to_upstream)
+
+    # What the drains reported (the observer's side), taken like the core's own takes.
+
+    def take_drops(self) -> dict[DropReason, tuple[int, int]]:
+        self.collect_upstream()
+        out, self._drops = self._drops, {}
+        return out
+
+    def take_own_errors(self) -> list[AckErrorCode]:
+        self.collect_upstream()
+        out, self._own_errors = self._own_errors, []
+        return out
+
+    def take_learned(self) -> EngineVersion | None:
+        self.collect_upstream()
+        out, self._learned = self._learned, None
+        return out
+
+    def take_observations(self) -> tuple[list[float], list[float]]:
+        """(cancel_to_silence, first_audio) seconds reported since the last call."""
+        self.collect_upstream()
+        out = (self._silence, self._first_audio)
+        self._silence, self._first_audio = [], []
+        return out
+
+    def take_lead_at_cancel(self) -> list[float]:
+        self.collect_upstream()
+        out, self._lead_at_cancel = self._lead_at_cancel, []
+        return out
+
+    def _drain(self, room: int) -> Drain:
+        out = self.core.drain(self.now, room)
+        report = out.report
+        if report is not None:
+            for reason, (events, size) in report.drops.items():
+                before = self._drops.get(reason, (0, 0))
+                self._drops[reason] = (before[0] + events, before[1] + size)
+            self._own_errors.extend(report.own_ack_errors)
+            self._learned = report.learned or self._learned
+            self._silence.extend(report.silence)
+            self._first_audio.extend(report.first_audio)
+            self._lead_at_cancel.extend(report.lead_at_cancel)
+        return out
+
+    def _record_upstream(self, frames: Sequence[str], forwarded: str | None = None) -> None:
+        for frame in frames:
+            if frame is forwarded:
+                self.forwarded.append(frame)
+            else:
+                self.upstream_sent.append(json.loads(frame))
 
 
 def types(deliveries: list[Delivered]) -> list[str]:

@@ -69,8 +69,11 @@ def playing(p: SessionPair, seconds: float = 0.3) -> None:
 
 
 def own_ack(p: SessionPair) -> dict[str, Any]:
-    """Let the ack timer fire; the ack it sent."""
-    p.core.playback_tick(p.now)
+    """Let the ack timer fire (at its deadline, when that is later); the ack it sent."""
+    deadline = p.core.next_deadline()
+    assert deadline is not None, "an ack is due some time"
+    p.now = max(p.now, deadline)
+    p.timer()
     frame = sent(p)[-1]
     assert frame["type"] == "playback.ack"
     return frame
@@ -183,7 +186,7 @@ class TestAnswersByOrder:
         own_ack(p)
         p.upstream(ack_error("playback_ack_too_late"))
         assert types(p.deliver()) == []
-        assert p.core.playback.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
+        assert p.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
         assert p.core.drop_totals()[DropReason.PLAYBACK_ANSWER][0] == 1
         assert not p.core.playback.awaiting_answers
 
@@ -192,7 +195,7 @@ class TestAnswersByOrder:
         client_ack(p, "client_1")
         p.upstream(ack_error("playback_item_not_found"))
         assert types(p.deliver()) == ["error"]
-        assert p.core.playback.take_own_errors() == []
+        assert p.take_own_errors() == []
 
     def test_interleaved_answers_go_each_to_its_sender(self) -> None:
         p = pair(V032)
@@ -217,7 +220,7 @@ class TestAnswersByOrder:
         assert sent(p)[0]["type"] == "conversation.item.truncate"
         p.upstream(dumps({"type": "playback.acknowledged"}), ack_error("bad_event"))
         assert types(p.deliver()) == ["playback.acknowledged"]
-        assert p.core.playback.take_own_errors() == [AckErrorCode.BAD_EVENT]
+        assert p.take_own_errors() == [AckErrorCode.BAD_EVENT]
 
     def test_an_error_naming_another_event_is_not_ours(self) -> None:
         p = pair(V032)
@@ -258,7 +261,7 @@ class TestAnswersByOrder:
             ack_error("playback_ack_too_late"),
         )
         assert types(p.deliver()) == ["conversation.item.truncated", "playback.acknowledged"]
-        assert p.core.playback.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
+        assert p.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
 
     def test_a_frame_never_answered_is_forgotten_after_the_answer_timeout(self) -> None:
         p = pair(V032)
@@ -274,7 +277,7 @@ class TestAnswersByOrder:
         own_ack(p)
         p.upstream(ack_error("playback_ack_too_late"))
         assert types(p.deliver()) == []
-        assert p.core.playback.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
+        assert p.take_own_errors() == [AckErrorCode.PLAYBACK_ACK_TOO_LATE]
 
     def test_in_flight_is_bounded(self) -> None:
         p = pair(V032)
@@ -310,22 +313,22 @@ class TestTruncationRule:
         p.upstream(ack_error("bad_event"))  # 0.32's answer, no event_id
         assert types(p.deliver()) == []
         playback = p.core.playback
-        assert playback.take_learned() is EngineVersion.V0_32
+        assert p.take_learned() is EngineVersion.V0_32
         assert playback.capabilities.truncate_needs_audio_item
         assert playback.capabilities.source is CapabilitySource.WIRE
-        assert playback.take_learned() is None, "taken once"
+        assert p.take_learned() is None, "taken once"
 
     def test_a_bad_event_to_a_plain_ack_teaches_nothing(self) -> None:
         p = pair(None)
         playing(p)
         own_ack(p)
         p.upstream(ack_error("bad_event"))
-        assert p.core.playback.take_learned() is None
+        assert p.take_learned() is None
 
     def test_the_engines_own_output_bound_means_0_31(self) -> None:
         p = pair(None)
         p.upstream(ack_error("output_backpressure"))
-        assert p.core.playback.take_learned() is EngineVersion.V0_31
+        assert p.take_learned() is EngineVersion.V0_31
         assert types(p.deliver()) == ["error"], "the engine's error is the client's"
 
 
@@ -333,7 +336,7 @@ class TestNonDuplex:
     def test_a_session_known_non_duplex_is_never_acked(self) -> None:
         p = pair(V032.for_session(duplex=False))
         playing(p)
-        assert p.core.playback_tick(p.now) is None
+        assert p.timer() is None
         p.client(b_response_cancel("r1"))
         assert sent(p) == [], "no ack, no truncating ack"
 
@@ -351,7 +354,7 @@ class TestNonDuplex:
         assert not playback.acking and not playback.capabilities.duplex_acks
         before = len(sent(p))
         p.tick(0.3)
-        assert p.core.playback_tick(p.now) is None
+        assert p.timer() is None
         p.client(b_response_cancel("r1"))
         assert sent(p)[before:] == [], "no ack, no truncating ack"
         assert playback.own_errors == {AckErrorCode.INVALID_EVENT: 2}

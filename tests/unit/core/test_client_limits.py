@@ -23,6 +23,11 @@ from tests.unit.core.helpers import (
 )
 
 
+def admitted(pair: SessionPair) -> bool:
+    """One small client frame: under the frame rate (parsed and forwarded) or not."""
+    return pair.client('{"type":"x.noop"}').event is not None
+
+
 def rate_limited(rate: float = 2.0, burst: float = 4.0, close_after: float = 2.0) -> SessionPair:
     settings = dataclasses.replace(
         make_settings(),
@@ -36,7 +41,7 @@ def rate_limited(rate: float = 2.0, burst: float = 4.0, close_after: float = 2.0
 class TestClientFrameRate:
     def test_burst_then_rate(self) -> None:
         pair = rate_limited(rate=2.0, burst=4.0)
-        assert [pair.core.admit_client_frame(10, pair.now) for _ in range(5)] == [
+        assert [admitted(pair) for _ in range(5)] == [
             True,
             True,
             True,
@@ -44,16 +49,16 @@ class TestClientFrameRate:
             False,
         ]
         pair.tick(0.5)  # one token back at 2 frames/s
-        assert pair.core.admit_client_frame(10, pair.now)
-        assert not pair.core.admit_client_frame(10, pair.now)
+        assert admitted(pair)
+        assert not admitted(pair)
 
     def test_one_error_per_episode_then_close_1008_after_two_seconds(self) -> None:
         pair = rate_limited(rate=2.0, burst=4.0)
         for _ in range(4):
-            pair.core.admit_client_frame(10, pair.now)
+            admitted(pair)
         refused = 0
         while pair.core.state is SessionState.OPEN and refused < 10_000:
-            refused += not pair.core.admit_client_frame(10, pair.now)
+            refused += not admitted(pair)
             pair.tick(0.01)
         delivered = pair.deliver()
         errors = [d for d in delivered if d.type == "error"]
@@ -72,15 +77,15 @@ class TestClientFrameRate:
     def test_a_pause_ends_the_episode_so_short_bursts_are_only_dropped(self) -> None:
         pair = rate_limited(rate=1.0, burst=1.0)
         for _ in range(5):  # five episodes of one refused frame, 1.5 s apart
-            pair.core.admit_client_frame(10, pair.now)
-            pair.core.admit_client_frame(10, pair.now)
+            admitted(pair)
+            admitted(pair)
             pair.tick(1.5)
         assert pair.core.state is SessionState.OPEN
         assert [d.body["error"]["code"] for d in pair.deliver()] == ["client_rate_limited"] * 5
 
     def test_off_by_default(self) -> None:
         pair = SessionPair()
-        assert all(pair.core.admit_client_frame(10, pair.now) for _ in range(100_000))
+        assert all(admitted(pair) for _ in range(100_000))
 
 
 class TestOversizedEngineFrame:

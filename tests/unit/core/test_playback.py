@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.core.playback import AckMode, PlaybackSettings, audio_seconds
-from proxy.core.session_core import SessionState
+from proxy.core.session_core import EndReason, SessionState
 from tests.unit.core.helpers import (
     SessionPair,
     b_response_cancel,
@@ -76,8 +76,8 @@ class TestPacing:
         p.upstream(response_created("r1"), chunk("r1", 0), chunk("r1", 1))
         p.upstream(transcript_delta("r1"), response_done("r1"))
         assert types(p.deliver()) == ["response.created", "response.output_audio.delta"]
-        assert p.core.paced_until == pytest.approx(p.now + 0.1)
-        assert not p.core.ready()
+        assert p.core.next_deadline() == pytest.approx(p.now + 0.1)
+        assert p.take() is None, "nothing ready until then"
         p.tick(0.1)
         assert types(p.deliver()) == [
             "response.output_audio.delta",
@@ -104,7 +104,7 @@ class TestPacing:
     def test_closing_delivers_held_audio_at_once(self) -> None:
         p = pair(pacing=True, max_audio_lead=0.0)
         p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(10)])
-        p.core.shutdown(p.now)
+        p.core.end(p.now, EndReason.SHUTDOWN)
         delivered = p.deliver()
         assert types(delivered)[-1] == "session.closed"
         assert len([d for d in delivered if d.is_audio]) == 10
@@ -112,7 +112,7 @@ class TestPacing:
     def test_off_releases_everything_at_once(self) -> None:
         p = pair(pacing=False)
         p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(10)])
-        assert len(p.deliver()) == 11 and p.core.paced_until is None
+        assert len(p.deliver()) == 11 and p.core.next_deadline() is None
 
     def test_held_audio_must_fit_the_output_budget(self) -> None:
         with pytest.raises(ValueError, match="max_paced_audio_bytes"):
@@ -129,7 +129,7 @@ class TestAcks:
         p.upstream(response_done("r1"))
         p.deliver()  # 1 s of audio sent at t = 0
         for _ in range(120):
-            p.core.playback_tick(p.now)
+            p.timer()
             p.tick(0.01)
         acks = [f for f in sent(p) if f["type"] == "playback.ack"]
         played = [a["played_ms"] for a in acks]
@@ -138,7 +138,7 @@ class TestAcks:
         assert all(a["committed_ms"] == a["played_ms"] for a in acks)
         assert {a["item_id"] for a in acks} == {"item_r1"}
         assert all(a["event_id"].startswith("event_sidecar_ack_") for a in acks)
-        assert p.core.playback_tick(p.now) is None, "nothing more to say about r1"
+        assert p.timer() is None, "nothing more to say about r1"
 
     def test_the_first_ack_is_due_an_interval_after_the_audio_started(self) -> None:
         p = pair(ack=AckMode.AUTO, ack_interval=0.25)
@@ -157,7 +157,7 @@ class TestAcks:
         p.upstream(response_created("r1"), chunk("r1", 0))
         p.deliver()
         p.tick(0.3)
-        p.core.playback_tick(p.now)
+        p.timer()
         ack = sent(p)[-1]
         p.upstream(dumps({"type": "playback.acknowledged", "event": {"played_ms": 100}}))
         p.upstream(dumps({"type": "playback.acknowledged", "event": {"played_ms": 1}}))
@@ -165,7 +165,7 @@ class TestAcks:
         p.upstream(chunk("r1", 1))
         p.deliver()
         p.tick(0.3)
-        p.core.playback_tick(p.now)
+        p.timer()
         p.upstream(
             dumps(
                 {
@@ -185,7 +185,7 @@ class TestAcks:
         p.upstream(response_done("r1"))
         p.deliver()
         for _ in range(100):
-            p.core.playback_tick(p.now)
+            p.timer()
             p.tick(0.05)
         p.client(b_response_cancel("r1"))
         assert [f["type"] for f in sent(p)] == []
@@ -199,7 +199,7 @@ class TestAcks:
         p.upstream(response_created("r1"), chunk("r1", 0))
         p.deliver()
         p.tick(0.3)
-        p.core.playback_tick(p.now)
+        p.timer()
         assert [f["type"] for f in sent(p)] == ["playback.ack"]
 
     def test_off_sends_nothing(self) -> None:
@@ -207,7 +207,7 @@ class TestAcks:
         p.upstream(response_created("r1"), chunk("r1", 0))
         p.deliver()
         p.tick(0.3)
-        assert p.core.playback_tick(p.now) is None
+        assert p.timer() is None
         p.client(b_response_cancel("r1"))
         assert sent(p) == []
 
@@ -226,7 +226,7 @@ class TestTruncation:
         assert frames[-1]["truncate"] is True
         assert frames[-1]["played_ms"] == 700
         assert p.core.playback.truncations_sidecar == 1
-        assert p.core.playback.lead_at_cancel == [pytest.approx(1.3)]
+        assert p.take_lead_at_cancel() == [pytest.approx(1.3)]
 
     def test_engine_that_supports_truncate_gets_conversation_item_truncate(self) -> None:
         p = pair(ack=AckMode.AUTO)
@@ -283,7 +283,7 @@ class TestTruncation:
         p.upstream(response_created("r1"), chunk("r1", 0), response_done("r1"))
         p.deliver()
         p.tick(0.5)
-        p.core.playback_tick(p.now)  # the final ack: r1 is over
+        p.timer()  # the final ack: r1 is over
         before = len(sent(p))
         p.client(b_response_cancel("r1"))
         assert len(sent(p)) == before

@@ -10,6 +10,7 @@ interleavings of engine output, client cancels and deliveries.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from proxy.core.session_core import (
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
     DropReason,
+    EndReason,
     Outcome,
     OverflowPolicy,
     SessionState,
@@ -136,8 +138,8 @@ class TestRelay:
     def test_take_drops_resets(self) -> None:
         p = pair()
         p.upstream("x")
-        assert p.core.telemetry.take_drops() == {DropReason.INVALID_UPSTREAM_FRAME: (1, 1)}
-        assert p.core.telemetry.take_drops() == {}
+        assert p.take_drops() == {DropReason.INVALID_UPSTREAM_FRAME: (1, 1)}
+        assert p.take_drops() == {}
         assert p.core.drop_totals()[DropReason.INVALID_UPSTREAM_FRAME] == (1, 1)
 
 
@@ -247,29 +249,9 @@ class TestClientCancel:
         assert dones(out) == [("r1", "completed"), ("r2", "completed")]
         assert p.core.statistics().cancels == 0
 
-    def test_held_audio_invalidated_by_cancel(self) -> None:
-        # the shell took an event and has not started writing: it must re-check
-        p = pair()
-        p.upstream(h.response_created("r1"), h.audio("r1", seq=0))
-        p.deliver(1)
-        entry = p.take()
-        assert entry is not None and entry.event.is_audio
-        assert p.core.buffer.held_is_valid
-        p.client(h.b_barge_in())
-        assert not p.core.buffer.held_is_valid
-
-    def test_held_audio_of_other_response_stays_valid(self) -> None:
-        p = pair()
-        p.upstream(h.response_created("r1"), h.response_created("r2"), h.audio("r2", seq=0))
-        p.deliver(2)
-        entry = p.take()
-        assert entry is not None
-        p.client(h.b_response_cancel("r1"))
-        assert p.core.buffer.held_is_valid
-
     def test_audio_taken_before_cancel_is_not_written_after_recheck(self) -> None:
-        # next_delivery re-checks at the last moment: audio still queued when
-        # the cancel arrives is skipped even if the buffer was not purged of it
+        # the drain re-checks at the last moment: audio still queued when the
+        # cancel arrives is skipped even if the buffer was not purged of it
         p = pair()
         p.upstream(h.response_created("r1"), h.audio("r1", seq=0), h.rate_limits_updated())
         p.deliver(1)
@@ -467,20 +449,28 @@ class TestInvalidClientFrames:
         assert p.core.statistics().cancels == 0
 
     def test_reject_echoes_client_event_id(self) -> None:
-        p = pair()
-        p.core.reject_client_frame("event_too_large", "too big", 0.0, client_event_id="c-7", size=9)
+        p = SessionPair(
+            settings=dataclasses.replace(
+                make_settings(), max_input_audio_rate=1.0, input_burst_seconds=0.1
+            )
+        )
+        text = h.dumps(
+            {
+                "type": "input_audio_buffer.append",
+                "event_id": "c-7",
+                "audio": h.audio_payload(16_000),  # 0.375 s at 16 kHz: over the burst
+            }
+        )
+        assert not p.client(text).forward
         (d,) = p.deliver()
-        assert d.body["error"] == {
-            "type": "invalid_request_error",
-            "code": "event_too_large",
-            "message": "too big",
-            "event_id": "c-7",
-        }
-        assert p.core.drop_totals()[DropReason.INVALID_CLIENT_FRAME] == (1, 9)
+        assert d.body["error"]["code"] == "input_backpressure"
+        assert d.body["error"]["event_id"] == "c-7"
+        assert p.core.drop_totals()[DropReason.INPUT_BACKPRESSURE] == (1, len(text))
+        assert p.core.close_code is None, "the session stays open"
 
     def test_after_close_no_error_is_queued(self) -> None:
         p = pair()
-        p.core.shutdown(0.0)
+        p.core.end(0.0, EndReason.SHUTDOWN)
         assert not p.client("nope").forward
         out = p.deliver()
         assert types(out) == ["session.closed"]
@@ -628,8 +618,8 @@ class TestOverflowCloseSession:
     def test_shed_by_process_total(self) -> None:
         p = pair()
         p.upstream(h.session_created("duplex-s"), h.response_created("r1"), h.audio("r1"))
-        p.core.close_for_overflow(p.now)
-        p.core.close_for_overflow(p.now)  # idempotent
+        p.core.shed(p.now)
+        p.core.shed(p.now)  # idempotent
         p.collect_upstream()
         out = p.deliver()
         assert types(out) == [
@@ -859,7 +849,7 @@ class TestLifecycle:
     def test_shutdown(self) -> None:
         p = pair()
         p.upstream(h.session_created("duplex-z"), h.response_created("r1"))
-        p.core.shutdown(p.now)
+        p.core.end(p.now, EndReason.SHUTDOWN)
         p.collect_upstream()
         out = p.deliver()
         assert types(out) == ["session.created", "response.created", "session.closed"]
@@ -871,8 +861,8 @@ class TestLifecycle:
     def test_first_close_wins(self) -> None:
         p = pair()
         p.core.upstream_lost(0.0)
-        p.core.shutdown(0.0)
-        p.core.close_for_overflow(0.0)
+        p.core.end(0.0, EndReason.SHUTDOWN)
+        p.core.shed(0.0)
         out = p.deliver()
         assert [d.type for d in out] == ["error", "session.closed"]
         assert out[-1].body["reason"] == "engine_unavailable"
@@ -920,24 +910,23 @@ class TestLifecycle:
         assert state(p) is SessionState.CLOSED
         assert p.core.outcome is Outcome.CLIENT_CLOSED
         p.core.client_gone()
-        assert p.core.events_to_upstream() == [
-            json.dumps({"type": "session.close", "reason": "client_close"}, separators=(",", ":"))
-        ]
+        p.collect_upstream()
+        assert p.upstream_sent == [{"type": "session.close", "reason": "client_close"}]
 
     def test_client_gone_after_own_session_close_sends_nothing_more(self) -> None:
         p = pair()
         p.client(h.b_session_close())
         p.core.client_gone()
-        assert p.core.events_to_upstream() == []
+        p.collect_upstream()
+        assert p.upstream_sent == []
 
     def test_client_gone_keeps_earlier_outcome(self) -> None:
         p = pair()
-        p.core.shutdown(0.0)
+        p.core.end(0.0, EndReason.SHUTDOWN)
         p.core.client_gone()
         assert p.core.outcome is Outcome.SHUTDOWN
-        assert p.core.events_to_upstream() == [
-            json.dumps({"type": "session.close", "reason": "shutdown"}, separators=(",", ":"))
-        ]
+        p.collect_upstream()
+        assert p.upstream_sent == [{"type": "session.close", "reason": "shutdown"}]
 
 
 # ================================================================================
@@ -956,14 +945,14 @@ class TestObservations:
         p.client(h.b_response_cancel())
         p.now = 1.25
         p.write(entry)
-        assert tuple(map(list, p.core.telemetry.take_observations())) == ([], [])
+        assert tuple(map(list, p.take_observations())) == ([], [])
         p.now = 2.0
         p.upstream(h.response_done("r1", "cancelled"))
         p.deliver()
-        silence, first = p.core.telemetry.take_observations()
+        silence, first = p.take_observations()
         assert silence == [pytest.approx(0.25)]
         assert first == []
-        assert tuple(map(list, p.core.telemetry.take_observations())) == ([], [])
+        assert tuple(map(list, p.take_observations())) == ([], [])
 
     def test_cancel_to_silence_zero_when_purged(self) -> None:
         p = pair()
@@ -974,7 +963,7 @@ class TestObservations:
         p.now = 4.0
         p.upstream(h.response_done("r1", "cancelled"))
         p.deliver()
-        assert p.core.telemetry.take_observations()[0] == [0.0]
+        assert p.take_observations()[0] == [0.0]
 
     def test_cancel_to_silence_for_engine_cancel(self) -> None:
         p = pair()
@@ -984,15 +973,15 @@ class TestObservations:
         p.upstream(h.response_done("r1", "cancelled"))
         p.now = 1.5
         p.deliver()
-        assert p.core.telemetry.take_observations()[0] == [0.0]
+        assert p.take_observations()[0] == [0.0]
 
     def test_finish_observes_open_windows(self) -> None:
         p = pair()
         p.upstream(h.response_created("r1"))
         p.client(h.b_response_cancel("r1"))
-        assert list(p.core.telemetry.take_observations()[0]) == []
+        assert list(p.take_observations()[0]) == []
         p.core.finish()
-        assert p.core.telemetry.take_observations()[0] == [0.0]
+        assert p.take_observations()[0] == [0.0]
 
     def test_first_audio_from_response_create(self) -> None:
         p = pair()
@@ -1005,7 +994,7 @@ class TestObservations:
         assert types(p.deliver(2)) == ["response.created", AUDIO]
         p.now = 10.5
         p.deliver()
-        silence, first = p.core.telemetry.take_observations()
+        silence, first = p.take_observations()
         assert silence == []
         assert first == [pytest.approx(0.3)]
 
@@ -1013,7 +1002,7 @@ class TestObservations:
         p = pair()
         p.upstream(h.response_created("r1"), h.audio("r1"))  # e.g. server VAD response
         p.deliver()
-        assert tuple(map(list, p.core.telemetry.take_observations())) == ([], [])
+        assert tuple(map(list, p.take_observations())) == ([], [])
 
     def test_first_audio_pairs_creates_in_order(self) -> None:
         p = pair()
@@ -1023,7 +1012,7 @@ class TestObservations:
         p.now = 2.0
         p.upstream(h.response_created("r1"), h.response_created("r2"), h.audio("r2"), h.audio("r1"))
         p.deliver()
-        assert p.core.telemetry.take_observations()[1] == [pytest.approx(1.0), pytest.approx(2.0)]
+        assert p.take_observations()[1] == [pytest.approx(1.0), pytest.approx(2.0)]
 
 
 # ================================================================================
@@ -1201,7 +1190,7 @@ class TestProperties:
             assert stats.pending_events - stats.reserve_events <= max_events
             assert stats.pending_bytes - stats.reserve_bytes <= max_bytes
         if end == "shutdown":
-            run.p.core.shutdown(run.p.now)
+            run.p.core.end(run.p.now, EndReason.SHUTDOWN)
         elif end == "upstream_lost":
             run.p.core.upstream_lost(run.p.now)
         run.finish()
@@ -1286,29 +1275,48 @@ class TestCancelRacingCreate:
         assert types(p.deliver()) == ["response.created", AUDIO]
 
 
-class TestTakenThenCancelled:
-    """The relay may take several entries before writing them in one batch: a
-    cancel in between must still keep their audio from the client."""
+class TestDrain:
+    """``drain(now, room)`` is the core's one output: events within the room, frames upstream."""
 
-    def test_still_valid_turns_false_after_a_cancel(self) -> None:
+    def test_events_are_taken_while_they_fit_the_room(self) -> None:
         p = pair()
-        p.upstream(h.response_created("r1"), h.audio("r1", seq=0), h.transcript_delta("r1", seq=0))
-        created = p.core.next_delivery(p.now)
-        assert created is not None
-        p.core.buffer.release_held()
-        audio = p.core.next_delivery(p.now)
-        assert audio is not None
-        p.core.buffer.release_held()
-        transcript = p.core.next_delivery(p.now)
-        assert transcript is not None
-        p.core.buffer.release_held()
-        assert p.core.still_valid(audio)
-        p.client(h.dumps({"type": "response.cancel", "response_id": "r1"}))
-        assert not p.core.still_valid(audio)
-        assert p.core.still_valid(transcript)  # only audio is silenced
-        assert p.core.still_valid(created)
-        p.core.drop_taken(audio, DropReason.CANCELLED_AUDIO)
-        assert drop_events(p, DropReason.CANCELLED_AUDIO) == 1
+        p.upstream(h.response_created("r1"), *[h.audio("r1", 400, seq=i) for i in range(5)])
+        room = len(h.response_created("r1")) + len(h.audio("r1", 400, seq=0))
+        out = p.core.drain(p.now, room)
+        assert [e.event.type for e in out.to_client] == ["response.created", AUDIO]
+        p.core.written(out.to_client, p.now)
+        out = p.core.drain(p.now, 1)
+        assert len(out.to_client) == 1, "one event larger than the room still goes alone"
+
+    def test_no_room_takes_nothing_but_frames_for_the_engine_still_come(self) -> None:
+        p = pair()
+        p.upstream(h.response_created("r1"), h.audio("r1", seq=0))
+        p.core.receive_client(h.b_response_cancel("r1"), p.now)
+        out = p.core.drain(p.now, 0)
+        assert list(out.to_client) == []
+        assert [json.loads(f)["type"] for f in out.to_upstream] == ["response.cancel"]
+
+    def test_the_close_code_comes_with_the_closure_notice(self) -> None:
+        p = pair()
+        p.upstream(h.response_created("r1"))
+        p.core.end(p.now, EndReason.SHUTDOWN)
+        out = p.core.drain(p.now, 1)
+        assert out.close_code is None, "the closure comes after what was queued before it"
+        p.core.written(out.to_client, p.now)
+        out = p.core.drain(p.now, 1 << 20)
+        assert [e.event.type for e in out.to_client] == ["session.closed"]
+        assert out.close_code == CLOSE_GOING_AWAY
+
+    def test_a_report_only_when_something_changed(self) -> None:
+        p = pair()
+        for text in (h.response_created("r1"), h.audio("r1", seq=0)):
+            p.core.receive_upstream(text, p.now)
+        assert p.core.drain(p.now, 0).report is None, "ordinary events are no news"
+        p.core.receive_upstream("not json", p.now)
+        report = p.core.drain(p.now, 0).report
+        assert report is not None
+        assert report.drops == {DropReason.INVALID_UPSTREAM_FRAME: (1, len("not json"))}
+        assert p.core.drain(p.now, 0).report is None, "taken once"
 
 
 class TestTombstoneExpiry:

@@ -130,7 +130,7 @@ class TestNotifier:
         self, notify_socket: tuple[socket.socket, str]
     ) -> None:
         # The notifier runs on the event loop: a full receive queue must not block it.
-        sock, address = notify_socket
+        _sock, address = notify_socket
         notifier = Notifier({"NOTIFY_SOCKET": address})
         results = [notifier.notify(f"STATUS=filler {i} " + "x" * 1000) for i in range(2000)]
         assert results[0] is True, "the first datagrams are queued"

@@ -19,8 +19,6 @@ import aiohttp
 from websockets.frames import Frame
 from websockets.streams import StreamReader
 
-from proxy.core.buffer import Entry
-from proxy.core.session_core import DropReason, SessionCore
 from proxy.session.upstream_link import UpstreamHandler, read_messages
 
 __all__ = [
@@ -29,7 +27,6 @@ __all__ = [
     "FakeTransport",
     "FakeUpstream",
     "ManualScheduler",
-    "RecordingHooks",
     "parse_frames",
 ]
 
@@ -186,32 +183,6 @@ class ManualScheduler:
             self.fired.append((timer.when, getattr(timer.callback, "__name__", "?")))
             timer.callback()
         self.now = target
-
-
-class RecordingHooks:
-    """DeliveryHooks that remember what the writer reported and book it in the
-    core as the relay does (delivered, or dropped with its reason)."""
-
-    def __init__(self, core: SessionCore) -> None:
-        self.core = core
-        self.entries: list[Entry] = []
-        self.dropped_entries: list[tuple[Entry, DropReason]] = []
-        self.written_calls = 0
-        self.blocked_calls = 0
-
-    def delivered(self, entry: Entry, taken_at: float, now: float) -> None:
-        self.core.delivered(entry, now, release=False)
-        self.entries.append(entry)
-
-    def dropped(self, entry: Entry, reason: DropReason) -> None:
-        self.core.drop_taken(entry, reason)
-        self.dropped_entries.append((entry, reason))
-
-    def written(self) -> None:
-        self.written_calls += 1
-
-    def blocked(self) -> None:
-        self.blocked_calls += 1
 
 
 class FakeClient:

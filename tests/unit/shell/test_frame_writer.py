@@ -1,57 +1,42 @@
 """ClientFrameWriter without sockets: bytes on the wire checked by an independent parser.
 
 Every rule of the writer (frame encoding at the length boundaries, the write
-bound, the write-time re-check, batching, pong coalescing, close once and
-last) is asserted on what a client would read, parsed with the ``websockets``
+bound with the core's drain, pong coalescing, close once and last) is
+asserted on what a client would read, parsed with the ``websockets``
 package's frame parser.
 """
 
 from __future__ import annotations
 
 import json
-from collections import deque
-from collections.abc import Callable
 
 import pytest
 from websockets.frames import Opcode
 
-from proxy.core.session_core import DropReason, SessionCore, SessionState
+from proxy.core.buffer import Entry
+from proxy.core.session_core import DropReason, EndReason, SessionCore, SessionState
 from proxy.session.frames import OP_TEXT, close_payload, frame_header
-from proxy.session.relay import pump
 from proxy.session.writer import AiohttpWriterAdapter, ClientFrameWriter
 from tests.unit.core.helpers import (
     audio,
-    b_response_cancel,
     make_settings,
     response_created,
     response_done,
     sized,
-    transcript_delta,
 )
-from tests.unit.shell.fakes import FakeProtocol, RecordingHooks, parse_frames
+from tests.unit.shell.fakes import FakeProtocol, parse_frames
 
 BOUND = 4096
 
 
 class Harness:
-    """A core, a writer on a fake transport, and a hand-run ``call_soon``."""
+    """A core and a writer on a fake transport, joined as the relay joins them."""
 
-    def __init__(self, *, bound: int = BOUND, backlog: deque[object] | None = None) -> None:
+    def __init__(self, *, bound: int = BOUND) -> None:
         self.now = 10.0
         self.core = SessionCore(make_settings(), new_event_id=lambda: "event_proxy")
         self.protocol = FakeProtocol()
-        self.hooks = RecordingHooks(self.core)
-        self.soon: list[Callable[[], None]] = []
-        self.backlog: deque[object] = backlog if backlog is not None else deque()
-        self.writer = ClientFrameWriter(
-            self.protocol,
-            self.hooks,
-            still_valid=self.core.still_valid,
-            write_buffer_bytes=bound,
-            clock=lambda: self.now,
-            call_soon=self.soon.append,
-            upstream_backlog=self.backlog,
-        )
+        self.writer = ClientFrameWriter(self.protocol, write_buffer_bytes=bound)
 
     @property
     def transport(self):  # type: ignore[no-untyped-def]
@@ -62,10 +47,14 @@ class Harness:
         for frame in frames:
             self.core.receive_upstream(frame, self.now)
 
-    def run_soon(self) -> None:
-        calls, self.soon = self.soon, []
-        for call in calls:
-            call()
+    def pump(self) -> None:
+        """Drain what the room allows and write it, as the relay does after a core call."""
+        out = self.core.drain(self.now, self.writer.room())
+        if out.to_client:
+            if self.writer.write(out.to_client):
+                self.core.written(out.to_client, self.now)
+            else:
+                self.core.not_written(out.to_client)
 
     def texts(self) -> list[dict[str, object]]:
         return [
@@ -93,7 +82,7 @@ def test_written_events_at_boundaries_arrive_whole_and_in_order(size: int) -> No
     frames_in = [first] if first is not None else []
     frames_in.append(json.dumps({"type": "x.after"}))
     h.engine(*frames_in)
-    pump(h.core, h.writer, h.now)
+    h.pump()
     written = parse_frames(h.transport.data)
     assert [f.data.decode() for f in written] == frames_in
     assert all(f.opcode is Opcode.TEXT and f.fin for f in written)
@@ -105,7 +94,7 @@ def test_non_ascii_text_is_framed_by_utf8_length() -> None:
         {"type": "response.output_text.delta", "delta": "héllo ☃ 🎙"}, ensure_ascii=False
     )
     h.engine(text)
-    pump(h.core, h.writer, h.now)
+    h.pump()
     assert [f.data.decode() for f in parse_frames(h.transport.data)] == [text]
 
 
@@ -123,30 +112,23 @@ def test_nothing_is_taken_while_the_transport_is_paused() -> None:
     h = Harness()
     h.protocol.pause()
     h.engine(response_created("r1"), audio("r1"))
-    pump(h.core, h.writer, h.now)
+    h.pump()
     assert h.transport.data == b""
     assert len(h.core.buffer) == 2, "events stay queued in the core, inside its budget"
     h.protocol.resume()
-    pump(h.core, h.writer, h.now)
+    h.pump()
     assert [t["type"] for t in h.texts()] == ["response.created", "response.output_audio.delta"]
 
 
-def test_a_deferred_batch_never_exceeds_the_write_bound() -> None:
-    backlog: deque[object] = deque([object()])  # more engine frames are waiting
-    h = Harness(bound=1000, backlog=backlog)
-    events = [sized({"type": "x.e", "i": i}, 300) for i in range(10)]
-    h.engine(*events)
-    sizes: list[int] = []
-    original = h.writer.flush
-
-    def spy(*, force: bool = False) -> None:
-        sizes.append(h.writer.batch_bytes)
-        original(force=force)
-
-    h.writer.flush = spy  # type: ignore[method-assign]
-    pump(h.core, h.writer, h.now, defer=True)
-    h.run_soon()
-    assert sizes and max(sizes) <= 1000, sizes
+def test_a_drain_never_takes_more_than_the_room() -> None:
+    h = Harness(bound=1000)
+    h.engine(*[sized({"type": "x.e", "i": i}, 300) for i in range(10)])
+    writes = 0
+    while len(h.core.buffer):
+        h.pump()
+        writes += 1
+    assert [len(c) for c in h.transport.calls] and max(map(len, h.transport.calls)) <= 1000
+    assert writes == len(h.transport.calls) == 4, "three events per write, then one"
     assert [t["i"] for t in h.texts()] == list(range(10))
 
 
@@ -154,11 +136,12 @@ def test_what_the_transport_holds_counts_against_the_bound() -> None:
     h = Harness(bound=1000)
     h.transport.buffered = 900  # the client stopped reading: the transport holds 900 bytes
     h.engine(*[sized({"type": "x.e", "i": i}, 300) for i in range(5)])
-    pump(h.core, h.writer, h.now)
+    h.pump()
     assert [t["i"] for t in h.texts()] == [0], "one event past the room, then nothing"
     assert len(h.core.buffer) == 4, "the rest stays queued in the core, inside its budget"
     h.transport.buffered = 0  # drained
-    pump(h.core, h.writer, h.now)
+    while len(h.core.buffer):
+        h.pump()
     assert [t["i"] for t in h.texts()] == [0, 1, 2, 3, 4]
 
 
@@ -166,84 +149,31 @@ def test_one_event_larger_than_the_bound_is_written_alone() -> None:
     h = Harness(bound=1000)
     big = sized({"type": "x.big"}, 5000)
     h.engine(sized({"type": "x.small"}, 100), big)
-    pump(h.core, h.writer, h.now)
+    h.pump()
+    h.pump()
     assert [len(c) for c in h.transport.calls][-1] >= 5000
     assert len(h.transport.calls) == 2, "the small event and the big one in separate writes"
 
 
-def test_batch_waits_for_the_end_of_the_tick_while_engine_frames_are_waiting() -> None:
-    backlog: deque[object] = deque([object()])
-    h = Harness(backlog=backlog)
-    h.engine(response_created("r1"))
-    pump(h.core, h.writer, h.now, defer=True)
-    h.engine(audio("r1", seq=1))
-    pump(h.core, h.writer, h.now, defer=True)
-    assert h.transport.calls == [], "deferred while the engine has more frames parsed"
-    assert len(h.soon) == 1, "one end-of-tick write scheduled per burst"
-    h.run_soon()
-    assert len(h.transport.calls) == 1, "the burst goes out in one transport write"
-    assert len(h.texts()) == 2
-
-
-def test_no_backlog_writes_at_once() -> None:
+def test_nothing_is_written_once_the_connection_is_gone() -> None:
     h = Harness()
     h.engine(response_created("r1"))
-    pump(h.core, h.writer, h.now, defer=True)
-    assert len(h.texts()) == 1 and h.soon == []
-
-
-# -- write-time re-check ---------------------------------------------------------------------------
-
-
-def test_cancel_between_taking_and_writing_writes_no_byte_of_that_response() -> None:
-    backlog: deque[object] = deque([object()])
-    h = Harness(backlog=backlog)
-    h.engine(response_created("r1"), audio("r1", 400, seq=1), transcript_delta("r1"))
-    pump(h.core, h.writer, h.now, defer=True)  # taken into the batch, not yet written
-    assert h.transport.calls == []
-    h.core.receive_client(b_response_cancel("r1"), h.now)  # the cancel lands in between
-    h.run_soon()
-    written = h.texts()
-    assert [t["type"] for t in written] == [
-        "response.created",
-        "response.output_audio_transcript.delta",
-    ]
-    assert b'"response.output_audio.delta"' not in h.transport.data
-    assert h.core.drop_totals()[DropReason.CANCELLED_AUDIO][0] == 1
-
-
-def test_a_single_taken_delta_cancelled_before_its_write_is_dropped() -> None:
-    """The batch of one (real-time pace) has a path of its own: re-checked too."""
-    backlog: deque[object] = deque([object()])
-    h = Harness(backlog=backlog)
-    h.engine(response_created("r1"))
-    pump(h.core, h.writer, h.now)
-    h.engine(audio("r1", 400, seq=1))
-    pump(h.core, h.writer, h.now, defer=True)  # one delta taken, its write at the end of the tick
-    h.core.receive_client(b_response_cancel("r1"), h.now)
-    h.run_soon()
-    assert [t["type"] for t in h.texts()] == ["response.created"]
-    assert h.core.drop_totals()[DropReason.CANCELLED_AUDIO][0] == 1
-
-
-def test_taken_events_are_dropped_not_written_once_the_connection_is_gone() -> None:
-    backlog: deque[object] = deque([object()])
-    h = Harness(backlog=backlog)
-    h.engine(response_created("r1"))
-    pump(h.core, h.writer, h.now, defer=True)
     h.transport.abort()
-    h.run_soon()
+    assert h.writer.room() == 0, "no room on a lost connection: the core keeps its events"
+    entries: list[Entry] = list(h.core.drain(h.now, 1 << 20).to_client)
+    assert not h.writer.write(entries), "a write after the loss writes nothing"
+    h.core.not_written(entries)
     assert h.transport.calls == []
     assert h.core.drop_totals()[DropReason.SESSION_CLOSED][0] == 1
 
 
-def test_delivered_reports_each_written_event_to_core_and_hooks() -> None:
+def test_written_counts_frames_and_bytes() -> None:
     h = Harness()
     h.engine(response_created("r1"), response_done("r1"))
-    pump(h.core, h.writer, h.now)
-    assert [e.event.type for e in h.hooks.entries] == ["response.created", "response.done"]
+    h.pump()
+    assert [t["type"] for t in h.texts()] == ["response.created", "response.done"]
     assert h.writer.frames_written == 2
-    assert h.hooks.written_calls >= 1
+    assert h.writer.bytes_written == len(response_created("r1")) + len(response_done("r1"))
 
 
 # -- control frames ----------------------------------------------------------------------------------
@@ -263,9 +193,9 @@ def test_pongs_above_the_mark_are_coalesced_to_the_latest() -> None:
         h.writer.pong(str(i).encode())
     assert h.transport.calls == [], "nothing is written above the mark"
     assert h.writer.pongs_coalesced == 999
-    assert h.hooks.blocked_calls >= 1, "the delivery task is woken to write it later"
+    assert h.writer.has_pending, "the delivery task writes it once the transport drains"
     h.protocol.resume()
-    pump(h.core, h.writer, h.now)
+    h.pump()
     frames = parse_frames(h.transport.data)
     assert [(f.opcode, f.data) for f in frames] == [(Opcode.PONG, b"999")]
 
@@ -277,18 +207,16 @@ def test_ping_is_written_at_once_and_capped_at_125_bytes() -> None:
     assert frames[0].opcode is Opcode.PING and len(frames[0].data) == 125
 
 
-def test_close_frame_goes_after_taken_events_once_and_nothing_follows() -> None:
-    backlog: deque[object] = deque([object()])
-    h = Harness(backlog=backlog)
+def test_close_frame_goes_after_written_events_once_and_nothing_follows() -> None:
+    h = Harness()
     h.engine(response_created("r1"))
-    pump(h.core, h.writer, h.now, defer=True)
+    h.pump()
     assert h.writer.close(1008, b"overflow")
     assert not h.writer.close(1000), "a second close writes nothing"
     h.writer.ping()
     h.writer.pong(b"x")
     h.engine(response_done("r1"))
-    pump(h.core, h.writer, h.now)
-    h.run_soon()
+    h.pump()
     frames = parse_frames(h.transport.data)
     assert [f.opcode for f in frames] == [Opcode.TEXT, Opcode.CLOSE]
     assert frames[1].data == close_payload(1008, b"overflow")
@@ -317,8 +245,8 @@ async def test_aiohttp_close_and_control_frames_route_through_the_writer() -> No
 def test_closure_notice_is_the_last_event_taken() -> None:
     h = Harness()
     h.engine(response_created("r1"))
-    h.core.shutdown(h.now)
-    pump(h.core, h.writer, h.now)
+    h.core.end(h.now, EndReason.SHUTDOWN)
+    h.pump()
     types = [t["type"] for t in h.texts()]
     assert types[-1] == "session.closed"
     assert h.core.state is SessionState.CLOSED

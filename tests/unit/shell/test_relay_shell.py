@@ -20,11 +20,13 @@ import pytest
 from websockets.frames import Opcode
 
 from proxy.core.buffer import Entry
+from proxy.core.drain import Drain
 from proxy.core.events import UpstreamEvent
 from proxy.core.playback import AckMode, PlaybackSettings
-from proxy.core.session_core import OverflowPolicy, SessionCore, SessionSettings
+from proxy.core.session_core import ACK_RIDE_WAIT, OverflowPolicy, SessionSettings
+from proxy.core.view import SessionView
 from proxy.session.limits import RelayLimits
-from proxy.session.relay import ACK_RIDE_WAIT, Relay
+from proxy.session.relay import Relay
 from tests.conftest import DEADLINE, wait_until
 from tests.unit.core.helpers import (
     audio,
@@ -48,6 +50,10 @@ class Observer:
         self.upstream_events = 0
         self.entries: list[Entry] = []
         self.ended = False
+        self.tracer = None
+
+    def watch(self, view: SessionView) -> None:
+        pass
 
     def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
         self.client_events += 1
@@ -55,13 +61,16 @@ class Observer:
     def upstream_event(self, event: UpstreamEvent) -> None:
         self.upstream_events += 1
 
-    def delivered(self, entry: Entry, taken_at: float) -> None:
-        self.entries.append(entry)
+    def upstream_invalid(self, size: int) -> None:
+        self.upstream_events += 1
 
-    def after_core_call(self, core: SessionCore) -> None:
+    def delivered(self, entries: list[Entry], written_at: float) -> None:
+        self.entries.extend(entries)
+
+    def after_drain(self, out: Drain) -> None:
         pass
 
-    def session_observations(self, core: SessionCore) -> None:
+    def session_end(self) -> None:
         self.ended = True
 
 
@@ -85,9 +94,6 @@ class Session:
         self.client = FakeClient()
         self.upstream = FakeUpstream(answer_close=answer_close)
         self.observer = Observer()
-        self.core = SessionCore(
-            core_settings or make_settings(), new_event_id=lambda: "event_proxy"
-        )
         limit_values = {
             name: relay_kwargs.pop(name)
             for name in [f.name for f in dataclasses.fields(RelayLimits)]
@@ -104,12 +110,13 @@ class Session:
             client=self.client,
             client_protocol=self.protocol,
             upstream=self.upstream,  # type: ignore[arg-type]
-            core=self.core,
+            settings=core_settings or make_settings(),
             observer=self.observer,  # type: ignore[arg-type]
             limits=limits,
             scheduler=self.scheduler,
             **relay_kwargs,
         )
+        self.core = self.relay.core
         self.client.writer = self.relay.writer
         # A lost connection ends the client's reads, as aiohttp's reader does.
         self.transport.on_lost.append(self.client.lose)
@@ -170,7 +177,7 @@ async def test_engine_events_reach_the_client_in_order_and_client_text_goes_upst
     assert s.upstream.sent == [text]
 
 
-async def test_cancel_after_the_batch_was_taken_writes_no_audio_of_that_response(
+async def test_a_cancel_before_the_end_of_tick_write_writes_no_audio_of_that_response(
     session_factory: Any,
 ) -> None:
     s = await session_factory(manual_soon=True)
@@ -178,10 +185,10 @@ async def test_cancel_after_the_batch_was_taken_writes_no_audio_of_that_response
     s.upstream.feed(response_created("r1"))
     s.upstream.feed(audio("r1", seq=1))
     s.upstream.feed(audio("r1", seq=2))
-    # The intake takes the three events into the end-of-tick batch.
+    # The three events wait for the one end-of-tick write.
     await wait_until(lambda: s.upstream.inbox.empty(), what="engine frames read")
     await s.settle()
-    assert s.relay.writer.batch_bytes > 0 and s.transport.calls == []
+    assert len(s.core.buffer) == 3 and s.transport.calls == []
     s.client.send(aiohttp.WSMsgType.TEXT, b_response_cancel("r1"))
     await wait_until(lambda: bool(s.upstream.sent), what="the cancel forwarded")
     for flush in s.soon:  # the end of the tick comes after the cancel
@@ -248,7 +255,7 @@ async def test_idle_client_gets_session_closed_and_close_1000_at_the_timeout(
     await s.finished()
     closed = s.texts()[-1]
     assert closed["type"] == "session.closed" and closed["reason"] == "client_idle_timeout"
-    assert s.relay.close_code_sent == 1000
+    assert s.relay.writer.close_code_sent == 1000
     frames = s.transport.frames()
     assert frames[-1].opcode is Opcode.CLOSE
 
@@ -268,7 +275,7 @@ async def test_close_deadline_aborts_a_client_that_never_reads_the_final_events(
     s.scheduler.advance(0.001)
     assert s.transport.aborted
     await s.finished()
-    assert s.relay.close_code_sent is None, "no close frame reached the client"
+    assert s.relay.writer.close_code_sent is None, "no close frame reached the client"
 
 
 async def test_overflow_closes_with_1008_after_the_failure_sequence(
@@ -284,7 +291,7 @@ async def test_overflow_closes_with_1008_after_the_failure_sequence(
     await s.finished()
     types = s.types()
     assert types[-3:] == ["error", "response.done", "session.closed"]
-    assert s.relay.close_code_sent == 1008
+    assert s.relay.writer.close_code_sent == 1008
 
 
 async def test_a_response_failed_by_an_engine_frame_is_cancelled_upstream_in_the_same_call(
@@ -312,7 +319,7 @@ async def test_engine_close_after_session_closed_ends_the_session_cleanly(
     s.upstream.feed_close(1000)
     await s.finished()
     assert s.types() == ["response.created", "response.done", "session.closed"]
-    assert s.relay.close_code_sent == 1000
+    assert s.relay.writer.close_code_sent == 1000
     assert s.observer.ended
 
 
@@ -350,13 +357,15 @@ async def test_engine_loss_gives_a_stalled_client_the_drain_timeout_not_the_clos
 async def test_input_the_engine_does_not_take_fails_the_session_with_1008(
     session_factory: Any,
 ) -> None:
-    s = await session_factory(max_pending_input_bytes=1000)
+    s = await session_factory(
+        core_settings=dataclasses.replace(make_settings(), max_pending_input_bytes=1000)
+    )
     s.upstream.pending_input = 990
     s.client.send(aiohttp.WSMsgType.TEXT, '{"type":"input_audio_buffer.append","audio":"AAAA"}')
     await s.finished()
     error = next(t for t in s.texts() if t["type"] == "error")
     assert error["error"]["code"] == "input_backpressure"
-    assert s.relay.close_code_sent == 1008
+    assert s.relay.writer.close_code_sent == 1008
     assert s.upstream.sent == [] or all(
         '"input_audio_buffer.append"' not in t for t in s.upstream.sent
     )
@@ -389,7 +398,7 @@ async def test_session_close_to_a_silent_engine_completes_at_upstream_close_time
     await s.finished()
     closed = s.texts()[-1]
     assert closed["type"] == "session.closed" and closed["reason"] == "upstream_timeout"
-    assert s.relay.close_code_sent == 1000
+    assert s.relay.writer.close_code_sent == 1000
 
 
 async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: Any) -> None:
@@ -415,7 +424,7 @@ async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: An
         )
     await s.finished()
     assert s.texts()[-1]["reason"] == "client_rate_limited"
-    assert s.relay.close_code_sent == 1008
+    assert s.relay.writer.close_code_sent == 1008
     # Cut off: its backlog is not read any more, and no close reply is awaited.
     assert s.transport.reading_paused and s.transport.closing and not s.transport.aborted
     assert s.client.close_calls == []

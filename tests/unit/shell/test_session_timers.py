@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.core.lifecycle import EndReason
+from proxy.session.limits import RelayLimits
 from proxy.session.timers import SessionTimers, Side
 from tests.unit.shell.fakes import ManualScheduler
 
@@ -21,11 +23,9 @@ class Listener:
     def peer_gone(self, side: Side, silent: float) -> None:
         self.calls.append((self.scheduler.now, "gone", side))
 
-    def client_idle(self, idle: float) -> None:
-        self.calls.append((self.scheduler.now, "idle", round(idle, 6)))
-
-    def duration_reached(self) -> None:
-        self.calls.append((self.scheduler.now, "duration", None))
+    def time_up(self, reason: EndReason) -> None:
+        name = {EndReason.CLIENT_IDLE: "idle", EndReason.MAX_DURATION: "duration"}
+        self.calls.append((self.scheduler.now, name.get(reason, reason.value), None))
 
     def close_deadline_passed(self) -> None:
         self.calls.append((self.scheduler.now, "deadline", None))
@@ -37,7 +37,9 @@ class Listener:
 def make(**kwargs: float) -> tuple[ManualScheduler, Listener, SessionTimers]:
     scheduler = ManualScheduler(START)
     listener = Listener(scheduler)
-    timers = SessionTimers(scheduler, listener, **kwargs)
+    values = {"close_timeout": 5.0, "drain_timeout": 5.0, "upstream_close_timeout": 5.0}
+    limits = RelayLimits(**{**values, **kwargs})
+    timers = SessionTimers(scheduler, listener, limits)
     timers.start()
     return scheduler, listener, timers
 
@@ -77,7 +79,7 @@ def test_idle_fires_exactly_after_the_timeout_without_client_events() -> None:
     scheduler.advance(29.999)
     assert listener.of("idle") == []
     scheduler.advance(0.001)
-    assert listener.of("idle") == [(30.0, 30.0)]
+    assert listener.of("idle") == [(30.0, None)]
 
 
 def test_idle_is_pushed_back_by_client_events_not_by_frames() -> None:
@@ -90,7 +92,7 @@ def test_idle_is_pushed_back_by_client_events_not_by_frames() -> None:
     scheduler.advance(19.999)
     assert listener.of("idle") == []
     scheduler.advance(0.001)
-    assert listener.of("idle") == [(50.0, 30.0)]
+    assert listener.of("idle") == [(50.0, None)]
 
 
 def test_duration_fires_once_at_the_limit() -> None:
@@ -101,13 +103,21 @@ def test_duration_fires_once_at_the_limit() -> None:
     assert listener.of("duration") == [(300.0, None)]
 
 
+@pytest.mark.parametrize("engine_lost", [False, True])
 @pytest.mark.parametrize("budget", [0.5, 5.0, 30.0])
-def test_close_deadline_fires_budget_seconds_after_it_is_first_armed(budget: float) -> None:
-    scheduler, listener, timers = make()
+def test_close_deadline_fires_budget_seconds_after_it_is_first_armed(
+    budget: float, engine_lost: bool
+) -> None:
+    # close_timeout, or drain_timeout when the engine was lost.
+    other = 1000.0
+    scheduler, listener, timers = make(
+        close_timeout=other if engine_lost else budget,
+        drain_timeout=budget if engine_lost else other,
+    )
     scheduler.advance(7.0)
-    timers.arm_close_deadline(budget)
+    timers.arm_close_deadline(engine_lost=engine_lost)
     scheduler.advance(1.0)
-    timers.arm_close_deadline(1000.0)  # re-arming while closing changes nothing
+    timers.arm_close_deadline(engine_lost=not engine_lost)  # re-arming changes nothing
     scheduler.advance(budget - 1.0 - 0.001 if budget > 1.0 else 0.0)
     if budget > 1.0:
         assert listener.of("deadline") == []
@@ -119,7 +129,7 @@ def test_cancel_stops_every_timer() -> None:
     scheduler, listener, timers = make(
         heartbeat_interval=1.0, client_idle_timeout=2.0, max_session_duration=3.0
     )
-    timers.arm_close_deadline(4.0)
+    timers.arm_close_deadline()
     timers.cancel()
     scheduler.advance(100.0)
     assert listener.calls == []
