@@ -152,9 +152,6 @@ class Sidecar:
             notifier=self.notifier,
             environ=self.environ,
         )
-        #: Whether and where each replica admits: the pool reports into it, the
-        #: edge places sessions with it, /readyz and the console read it.
-        self.router: EngineAdmission = self.pool.admission
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(
             self.registry, version=_version(), core_build=CORE_BUILD, replicas=len(self.pool)
@@ -165,7 +162,6 @@ class Sidecar:
             settings.max_sessions,
             settings.admission_timeout,
             max_sessions_per_ip=settings.max_sessions_per_ip,
-            engines=self.router,
         )
         capabilities = EngineCapabilities.resolve(settings.engine.version, engine_version)
         self.sessions = SessionRegistry(
@@ -197,6 +193,13 @@ class Sidecar:
         self._restart_reason = "exited"
 
     # -- engine state → proxy ------------------------------------------------------------
+
+    @property
+    def router(self) -> EngineAdmission:
+        """Whether and where each replica admits: the pool builds and owns it
+        (``pool.admission``), the edge places sessions with it (``state.router``),
+        /readyz and the console read it."""
+        return self.pool.admission
 
     @property
     def supervisor(self) -> Supervisor:

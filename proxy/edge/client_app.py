@@ -55,7 +55,7 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    refusal = state.admission.refusal()
+    refusal = state.refusal()
     body: dict[str, Any] = {
         "sessions": state.admission.active,
         "max_sessions": state.admission.max_sessions,
@@ -78,7 +78,7 @@ async def _readyz(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "not_ready", "reason": refusal[0], "detail": refusal[1], **body}, status=503
         )
-    if not state.admission._has_slot():
+    if not state.admission.has_slot():
         return web.json_response(
             {
                 "status": "not_ready",
@@ -114,7 +114,7 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
     auth = check_auth(request, state)
     if isinstance(auth, web.Response):
         return auth
-    refusal = state.admission.refusal()
+    refusal = state.refusal()
     if refusal is not None:
         metrics.sessions_rejected.labels(refusal[0]).inc()
         log_refused(address, 503, refusal[0])

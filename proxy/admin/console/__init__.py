@@ -159,8 +159,7 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
     events[DIRECTIONS[1]] += u2c_events
     sizes[DIRECTIONS[0]] += c2u_bytes
     sizes[DIRECTIONS[1]] += u2c_bytes
-    admission = state.admission
-    refusal = admission.refusal()
+    refusal = state.refusal()
     return {
         "version": API_VERSION,
         "time": time.time(),
@@ -173,7 +172,7 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         "engine_capabilities": registry.capabilities.current.view(),
         "sessions": {
             "live": len(registry.relays),
-            "limit": admission.max_sessions,
+            "limit": state.admission.max_sessions,
             "started": _value(m.sessions_started),
             "rejected": _by_label(m.sessions_rejected, "reason", REJECT_REASONS),
         },
