@@ -465,3 +465,29 @@ def test_the_private_rule_sees_a_reach(source: str, expected: list[str], tmp_pat
     target = tmp_path / "x.py"
     target.write_text(source, encoding="utf-8")
     assert [text for _, text in private_reaches(target)] == expected
+
+
+# -- unique module file names ------------------------------------------------------------
+
+
+def duplicate_file_names(files: list[Path]) -> dict[str, list[str]]:
+    """Module file names (``__init__``/``__main__`` aside) that more than one file has."""
+    by_name: dict[str, list[str]] = {}
+    for path in files:
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_module_file_names_are_unique() -> None:
+    # A file name alone ("relay.py", "admission.py") says which module is meant,
+    # in a traceback, a log line or a search.
+    duplicates = duplicate_file_names(PRODUCT_FILES)
+    assert not duplicates, f"module file names used more than once: {duplicates}"
+
+
+def test_the_file_name_rule_sees_a_duplicate() -> None:
+    # The rule itself, broken on purpose: a second relay.py in another package.
+    second = ROOT / "engine_launcher" / "relay.py"
+    duplicates = duplicate_file_names([*PRODUCT_FILES, second])
+    assert duplicates == {"relay.py": ["proxy/session/relay.py", "engine_launcher/relay.py"]}
