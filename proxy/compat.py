@@ -194,7 +194,7 @@ def on_writing_resumed(protocol: Any, callback: Callable[[], None]) -> None:
     """Call ``callback`` each time ``protocol``'s transport drains below its low-water mark.
 
     aiohttp's protocol only wakes a coroutine parked in ``_drain_helper``; the
-    engine link needs a callback (the relay resumes reading the client from
+    upstream link needs a callback (the relay resumes reading the client from
     it). The protocol instance's ``resume_writing`` is wrapped, so aiohttp's
     own bookkeeping still runs first.
     """
@@ -220,7 +220,7 @@ def upstream_backlog(upstream: client_ws.ClientWebSocketResponse) -> Sized:
 def websocket_mask(mask: bytes, data: bytearray) -> None:
     """XOR ``data`` in place with the 4-byte ``mask`` (aiohttp's C routine when built).
 
-    The picows engine link masks its own frames with it (they are written in
+    The picows upstream link masks its own frames with it (they are written in
     one batch per loop tick, not one send per frame).
     """
     _websocket_helpers.websocket_mask(mask, data)

@@ -174,10 +174,10 @@ class SessionTrace:
                 self._end_response(event)
         elif kind is EventKind.SESSION_CREATED:
             session = (event.body or {}).get("session")
-            engine_id = session.get("id") if isinstance(session, dict) else None
-            if isinstance(engine_id, str) and engine_id:
-                self._conversation = engine_id
-                self._span.set_attribute("gen_ai.conversation.id", engine_id)
+            upstream_session_id = session.get("id") if isinstance(session, dict) else None
+            if isinstance(upstream_session_id, str) and upstream_session_id:
+                self._conversation = upstream_session_id
+                self._span.set_attribute("gen_ai.conversation.id", upstream_session_id)
         elif kind is EventKind.OVERLAP_DECISION:
             if event.action == "barge_in":
                 self._cancelled_by = "barge_in"
