@@ -1,10 +1,11 @@
 """Every aiohttp internal the product touches, named once and checked at startup.
 
-The relay needs what aiohttp's public API cannot say or do (docs/design.md,
-Relay shell), so it reaches into aiohttp here and nowhere else, each reach a
-:class:`Hook` in ``HOOKS``. :func:`missing_hooks` checks them against the
-installed aiohttp without a socket; ``serve`` calls :func:`require_hooks`
-before it binds anything and exits 2 naming the version and the missing hook.
+The relay and the edge's guard need what aiohttp's public API cannot say or
+do (docs/design.md, Relay shell), so the product reaches into aiohttp here and
+nowhere else, each reach a :class:`Hook` in ``HOOKS``. :func:`missing_hooks`
+checks them against the installed aiohttp without a socket; ``serve`` calls
+:func:`require_hooks` before it binds anything and exits 2 naming the version
+and the missing hook.
 """
 
 from __future__ import annotations
