@@ -1,30 +1,11 @@
 """Whether, and where, each engine replica admits: the one owner of that state.
 
-Every question "may a session go to this engine now?" is answered here
-(docs/design.md, Admission and lifecycle; Engine pool), from what the pool
-reports (engine_launcher/pool.py) and what the edge learns at a
-session's open:
-
-- each replica's supervisor state, detail and target (``update``, from the
-  supervisor's callback via the pool), and since when it has been ready and
-  why it last failed (for the console);
-- whether it is being drained (``set_draining``, from the pool's drain);
-- until when its engine is taken as full after it answered ``error``
-  {resource_exhausted} (``mark_full``, from the edge);
-- how many sessions it holds (``take``/``release``, from the edge's placement);
-- whether the engines as a whole admit, and why not (``ready``,
-  ``not_ready_reason``: the last change that left no replica serving).
-
-Readers: the edge places sessions (``choose``, ``refusal``, ``retry_after``)
-and answers ``/readyz`` (``views``); the console shows ``replica`` entries;
-with :meth:`publish_to`, the engine-state and per-replica gauges are set from
-here on every change. The rules of the choice itself are the pure functions
-of engine_launcher/placement.py.
-
-Nothing here blocks or does I/O; placement's clock is passed in (``now``,
-monotonic seconds), so every rule is tested socket-free
-(tests/unit/test_pool_placement.py). Bound: one entry per replica,
-``engine.replicas`` ≤ ``MAX_REPLICAS`` (64).
+Every question "may a session go to this engine now?" is answered here, from
+what the pool reports (``update``, ``set_draining``) and what the edge learns
+at a session's open (``mark_full``, ``take``/``release``); the edge, ``/readyz``,
+the console and (:meth:`publish_to`) the gauges read it. Who writes and reads
+what: docs/design.md, Admission and lifecycle; Engine pool. The choice's rules
+are engine_launcher/placement.py. No I/O; the clock is passed in (``now``).
 """
 
 from __future__ import annotations

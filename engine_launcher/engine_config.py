@@ -1,20 +1,11 @@
 """The ``[engine]`` section: which engine to run and how to supervise it.
 
-:class:`EngineConfig` is a frozen value object. It validates itself in
-``__post_init__`` and raises :class:`EngineConfigError` (a ``ValueError``) that
-names the offending field; the loader (``proxy.settings.load``) turns
-that into its own ``ConfigError`` naming ``engine.<field>`` and the value's
-source (file, env, flag). The engines layer reads this section alone; it
-never needs the sidecar's ``Settings`` (docs/design.md, Settings).
-
-Each field is declared once, with ``engine_launcher.setting_schema.setting``:
-its default and a ``SettingDoc`` (meaning, unit, bounds, whether a reload
-may change it). The TOML keys, env vars, flags, ``--help``,
-``--print-config``, the example config and docs/configuration.md are
-derived from these declarations and from the top-level ``Settings``
-declared the same way.
-
-Units: durations are float seconds, counts are ints.
+:class:`EngineConfig` is a frozen value object, each field declared once with
+``engine_launcher.setting_schema.setting``. It validates itself in
+``__post_init__`` and raises :class:`EngineConfigError` naming the field, which
+the proxy's loader turns into a ``ConfigError`` (docs/design.md, Code rules (4)).
+The launcher reads this section alone, never the sidecar's ``Settings``
+(docs/design.md, Settings).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The engine launcher's exception tree.
+"""The engine launcher's exception root, :class:`LauncherError`, and its subclasses.
 
-The engines layer sits below sessions and the edge (it never imports them), so
-it has its own root::
-
-    LauncherError
-    ├── EngineStartError         the engine did not become ready
-    └── RestartBudgetExhausted   too many restarts in the restart window
-
-Invalid :class:`~engine_launcher.engine_config.EngineConfig` values are not a
-``LauncherError``: ``__post_init__`` raises
-``engine_launcher.engine_config.EngineConfigError``, a plain ``ValueError`` subclass
-with a ``field`` attribute; the proxy's loader converts it into its own
-``ConfigError`` naming ``engine.<field>`` and the value's source.
+The launcher never imports the proxy, so it has a root of its own; the tree,
+and how an invalid ``EngineConfig`` value becomes the proxy's ``ConfigError``:
+docs/design.md, Code rules (4).
 """
 
 from __future__ import annotations

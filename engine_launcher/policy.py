@@ -1,19 +1,11 @@
 """Pure supervision logic: engine states, their transitions, backoff, restart budget,
 and what an answer to ``GET /health`` says about an endpoint.
 
-Rule 1: every state change goes through ``EngineStateMachine.apply``, which
-looks the (state, observation) pair up in ``TRANSITIONS``; a missing pair is an
-illegal transition and raises ``InvalidTransition`` naming both.
-Rule 2: nothing here reads a clock or a random source: ``now`` and ``rng`` are
-arguments, so tests drive time explicitly.
-
-    STARTING ──ready──▶ READY ──health_failed──▶ UNHEALTHY ──health_ok──▶ READY
-       │                  │                         │
-       │ exited/timeout   │ exited                  │ failures ≥ limit / exited
-       ▼                  ▼                         ▼
-    RESTARTING ◀──────────┴─────────────────────────┘
-       │ backoff elapsed → STARTING;  budget exhausted → FAILED
-    any ──stop──▶ STOPPING ──stopped──▶ STOPPED
+Every state change goes through ``EngineStateMachine.apply``, which looks the
+(state, observation) pair up in ``TRANSITIONS``; a missing pair raises
+``InvalidTransition`` naming both. Nothing here reads a clock or a random
+source: ``now`` and ``rng`` are arguments. The state diagram and the rules:
+docs/design.md, Engine supervision.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """An engine per GPU behind one sidecar: N supervised replicas (docs/design.md, Engine pool).
 
-Full-duplex models run one engine per GPU, and hosts have 2 to 8 of them. The
-pool runs one :class:`~engine_launcher.supervisor.Supervisor` per replica,
-unchanged: each replica has its own child, port, ``CUDA_VISIBLE_DEVICES``,
-health checks, backoff and restart budget, so one replica's crash, stall or
-restart is invisible to the others. Every replica's state change and drain
-is reported into the pool's :class:`~engine_launcher.admission.EngineAdmission`
-(``pool.admission``), the one owner of "is this engine admitting", which the
-edge asks where to place a session; the proxy also hears each change through
-``on_state(index, state, cause, detail)`` for what is its own (announcing
-readiness, failing a replica's sessions, restart counters).
-
-How many replicas (:func:`plan_replicas`):
-
-- ``external``: one per URL of ``engine.upstreams`` (or the one ``upstream``);
-- ``engine.gpus = "0,2"``: one per listed GPU, pinned with ``CUDA_VISIBLE_DEVICES``;
-- ``engine.gpus = "auto"``: one per visible GPU (``CUDA_VISIBLE_DEVICES`` when
-  set, else ``nvidia-smi -L``); with none visible, one replica and a log line;
-- otherwise ``engine.replicas`` (default 1) with the inherited environment.
-
-Ports: with a fixed ``engine.port`` (or vllm-omni's 8091) replica ``k`` gets
-``port + k``; otherwise each replica's supervisor picks a free port per run.
-
-A replica that spends its restart budget stays FAILED and the others keep
-serving; :meth:`EnginePool.run` raises (the process exits 1) only once every
-replica has failed, which with one replica is exactly the old behaviour.
-
-Drain (``omni-sidecar drain --engine K``): the replica stops admitting, its
-sessions may finish for up to ``drain_timeout`` seconds (then ``on_drain_timeout``
-asks the proxy to close what is left), and it is restarted by a fresh
-supervisor. Every wait here races the pool's stop, and every task is awaited
-by the task that made it (no fire-and-forget).
+One unchanged :class:`~engine_launcher.supervisor.Supervisor` per replica, each
+with its own child, port, ``CUDA_VISIBLE_DEVICES``, health checks, backoff and
+restart budget. Every state change and drain is reported into the pool's
+:class:`~engine_launcher.admission.EngineAdmission` (``pool.admission``), then
+to the proxy through ``on_state(index, state, cause, detail)``.
+:func:`plan_replicas` decides how many replicas and where; :meth:`EnginePool.run`
+raises only once every replica has failed. Drains: :meth:`EnginePool.request_drain`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Starting, probing and stopping the engine child process.
 
-The child always runs in its own process group (``start_new_session``) so that
-a stop reaches every process it spawned (vLLM-Omni forks one process per
-stage). On Linux it also gets a parent-death signal, so that it never outlives
-a sidecar that was killed with SIGKILL.
-
-Readiness (docs/design.md, Engine launcher): the HTTP port accepts TCP, then
-``GET /health`` answers 200. vLLM-Omni binds its port only after every stage
-is loaded, which can take 8–20 minutes.
-
-An ``external`` engine has no child; :class:`UpstreamProbe` checks it the same
-way on the upstream URL's host and port, and hands over to a WebSocket
-handshake on the upstream URL when ``/health`` answers 400, 404, 405, 426 or
-not HTTP (a WebSocket-only server: the ``websockets`` library, picows). The
-handshake carries ``autostart=0`` and is closed before any session opens.
-``engine.probe`` picks ``health``, ``websocket`` or ``tcp`` outright, for a
-child engine as well.
-
-Engine output reaches our log line by line with an ``engine:`` prefix (logger
-``engine_launcher.child``): stdout at INFO, stderr at WARNING, and at ERROR a
-Python traceback and every line that names the ERROR or CRITICAL level, so
-that the reason an engine died (a ``ModuleNotFoundError``, a CUDA error) is
-never buried among INFO lines.
+The child runs in its own process group with a parent-death signal; readiness
+is a TCP connect, then ``GET /health`` answering 200 (docs/design.md, Engine
+launcher). :class:`UpstreamProbe` probes an ``external`` engine and hands over
+to a WebSocket handshake when the server has no health route (docs/design.md,
+Engine supervision). The child's output is logged line by line, each line at
+the level that keeps a failure visible (docs/design.md, Logs).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The declaration helper and what is derived from one declaration: type, names.
 
-A setting is declared once, as a dataclass field made with :func:`setting`
-(its default, and a :class:`SettingDoc`: meaning, unit, bounds, whether a
-SIGHUP reload may change it). This module turns such a field into a
-:class:`SettingSpec`: the key, the loader's :class:`ValueType` derived from
-the annotation, the choices of a ``Literal``, the env var and the flag. The
-declarations themselves live in ``proxy.settings.proxy_settings`` (the
-sidecar's) and ``engine_launcher.engine_config`` (the ``[engine]`` table); the
-loader, ``--help``, ``--print-config``, the example config and
-docs/configuration.md all read the specs, never the fields.
-
-Every key has the same name in each source (docs/design.md, Settings): TOML
-key ``max_sessions`` = env ``OMNI_SIDECAR_MAX_SESSIONS`` = flag
-``--max-sessions``; ``engine.port`` = ``OMNI_SIDECAR_ENGINE_PORT`` =
-``--engine-port``.
+A setting is one dataclass field made with :func:`setting` (its default and a
+:class:`SettingDoc`); this module turns the field into a :class:`SettingSpec`
+(key, :class:`ValueType` from the annotation, a ``Literal``'s choices, env var,
+flag), which everything after the declaration reads. The declarations are in
+``proxy.settings.proxy_settings`` and ``engine_launcher.engine_config``.
+docs/design.md, Settings.
 """
 
 from __future__ import annotations

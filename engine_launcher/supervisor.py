@@ -1,47 +1,13 @@
 """The supervisor shell: runs the engine child through the pure state machine.
 
-It starts the child, waits for readiness (logging progress every 15 s and
-telling systemd with ``STATUS=`` and ``EXTEND_TIMEOUT_USEC=``), probes health
-while ready, and on exit or repeated failed probes restarts it with
-exponential backoff. More than ``max_restarts`` within ``restart_window``
-ends in FAILED: ``run`` raises ``RestartBudgetExhausted`` and the process
-exits non-zero so that systemd restarts the unit.
-
-Everything that waits or spawns is injected, so that tests drive the shell
-without sockets, children or real sleeping: a :class:`Clock` (``now`` and
-``sleep``), a process factory (``spawn``) returning an :class:`EngineChild`,
-and a probe factory returning a :class:`Probe`. The defaults are the real
-ones: :class:`MonotonicClock`, :class:`~engine_launcher.process.EngineProcess`
-and :func:`default_probe`.
-
-Detection (docs/design.md, Engine supervision):
-
-- The child's exit is awaited, never polled: ``wait()`` runs for the whole
-  life of a child and every sleep and probe races it, so the EXITED state
-  change (and with it admission's 503) is delivered on the event-loop turn
-  the exit is reaped, even in the middle of a probe.
-- Health probes start every ``health_interval`` seconds (measured from the
-  previous probe's start) and each may take at most ``probe_timeout =
-  min(health_interval, 5 s)``. After ``health_failures`` consecutive failed
-  probes the engine is declared unhealthy; below that it stays admitted
-  (state UNHEALTHY still serves; ``omni_sidecar_engine_up`` already reads 0).
-  A good probe resets the count. **Worst case** from the moment an engine
-  stops answering (e.g. SIGSTOP just after a good probe) to the declared
-  failure: ``health_failures × health_interval + probe_timeout``; with the
-  defaults (3, 2 s, 2 s) that is **8 s**. The stop that follows sends SIGTERM
-  and SIGCONT to the process group and SIGKILL after ``stop_grace``.
-- ``external`` engines have no child: the endpoint is probed the same way
-  (:class:`~engine_launcher.process.UpstreamProbe`, or ``health_url`` when
-  set) and is not served until a probe succeeds, nor after
-  ``health_failures`` consecutive failures, until one succeeds again.
-- ``engine.probe`` picks the probe (:func:`default_probe`): ``auto`` (the
-  above), ``health``, ``websocket`` (a handshake with ``autostart=0``, closed
-  before any session opens) or ``tcp``. The READY detail (``/readyz``
-  ``engines[].detail``) names the probe that said so.
-
-The proxy learns about every state change through ``on_state``; it never
-imports this package's internals beyond that callback, ``serving`` and
-``target``.
+It starts the child, waits for readiness, probes health while ready and
+restarts the child with backoff; a spent restart budget ends in FAILED and
+``run`` raises ``RestartBudgetExhausted``. Everything that waits or spawns is
+injected (a :class:`Clock`, ``spawn`` returning an :class:`EngineChild`, a
+probe factory returning a :class:`Probe`; by default :class:`MonotonicClock`,
+:class:`~engine_launcher.process.EngineProcess` and :func:`default_probe`), so
+tests drive it without sockets, children or sleeping. How failures are
+detected, and how fast: docs/design.md, Engine supervision.
 """
 
 from __future__ import annotations

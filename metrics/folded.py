@@ -23,7 +23,7 @@ from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["FoldedHistogram"]
+__all__ = ["FoldedHistogram", "prometheus_created_samples"]
 
 
 def _le(bound: float) -> str:
@@ -85,6 +85,16 @@ class FoldedHistogram(Collector):
         family.add_metric([], buckets, self.sum)
         # As prometheus_client's own metrics do: no _created sample once
         # disable_created_metrics() was called (the sidecar calls it).
-        if getattr(prometheus_metrics, "_use_created", True):
+        if prometheus_created_samples():
             family.add_sample(self.name + "_created", {}, self.created)
         yield family
+
+
+def prometheus_created_samples() -> bool:
+    """Whether prometheus_client's metrics give ``_created`` samples now.
+
+    ``disable_created_metrics()`` turns them off, and prometheus_client has no
+    public reader for that switch: this is the metrics package's one reach into
+    its internals (allowed by name in tests/test_architecture.py).
+    """
+    return bool(getattr(prometheus_metrics, "_use_created", True))

@@ -1,17 +1,9 @@
 """docs/metrics.md, rendered from the metric declarations themselves.
 
-The families are read from a fresh :class:`SidecarMetrics` registry, not
-from a second list: its name as exposed (counters with ``_total``, info
-families with ``_info``), type, help text, and the label values every series
-is initialised with, which are the label enums of
-:mod:`metrics.definitions`. Two kinds of label are filled in from
-those enums directly, because a fresh registry cannot show all their values:
-the info families' (one sample each) and the open ``key`` label (the API key
-names of the operator's file, plus ``unnamed``). The ``engine`` label is
-shown as the range of replica indices.
-
-``python -m metrics --markdown > docs/metrics.md`` writes the file;
-a test checks that the committed one is current.
+Read from a fresh :class:`SidecarMetrics` registry, not from a second list;
+what a fresh registry cannot show is filled in from the label enums
+(docs/design.md, Metrics). ``python -m metrics --markdown > docs/metrics.md``
+writes the file; a test checks that the committed one is current.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Every aiohttp internal the product touches, named once and checked at startup.
 
-aiohttp's public API has no way to ask a transport how much it holds, to wait
-until a paused transport drains, to see how many parsed frames wait in a
-WebSocket reader, or to find the socket a site bound. The relay needs each of
-those (docs/design.md, Relay shell), so it reaches into aiohttp here and
-nowhere else. :func:`missing_hooks` checks every hook against the installed
-aiohttp without opening a socket; ``omni-sidecar serve`` calls
-:func:`require_hooks` before it binds anything and exits with status 2 and one
-line naming the aiohttp version and the missing hook, instead of a feature
-that silently turns itself off.
-
-The supported range is declared in ``pyproject.toml`` (``aiohttp>=...,<...``)
-and defended by ``tests/test_aiohttp_floor.py``, which runs one proxied
-session on the declared floor version.
+The relay and the edge's guard need what aiohttp's public API cannot say or
+do (docs/design.md, Relay shell), so the product reaches into aiohttp here and
+nowhere else, each reach a :class:`Hook` in ``HOOKS``. :func:`missing_hooks`
+checks them against the installed aiohttp without a socket; ``serve`` calls
+:func:`require_hooks` before it binds anything and exits 2 naming the version
+and the missing hook.
 """
 
 from __future__ import annotations
@@ -194,7 +187,7 @@ def on_writing_resumed(protocol: Any, callback: Callable[[], None]) -> None:
     """Call ``callback`` each time ``protocol``'s transport drains below its low-water mark.
 
     aiohttp's protocol only wakes a coroutine parked in ``_drain_helper``; the
-    engine link needs a callback (the relay resumes reading the client from
+    upstream link needs a callback (the relay resumes reading the client from
     it). The protocol instance's ``resume_writing`` is wrapped, so aiohttp's
     own bookkeeping still runs first.
     """
@@ -220,7 +213,7 @@ def upstream_backlog(upstream: client_ws.ClientWebSocketResponse) -> Sized:
 def websocket_mask(mask: bytes, data: bytearray) -> None:
     """XOR ``data`` in place with the 4-byte ``mask`` (aiohttp's C routine when built).
 
-    The picows engine link masks its own frames with it (they are written in
+    The picows upstream link masks its own frames with it (they are written in
     one batch per loop tick, not one send per frame).
     """
     _websocket_helpers.websocket_mask(mask, data)

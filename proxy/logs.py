@@ -1,17 +1,9 @@
 """Log output: ``--log-format text|json`` and ``--log-level``, settable again on reload.
 
-Text lines are ``<time> <LEVEL> <logger>: <message>`` plus ``key=value`` for
-each ``extra`` field a caller attached (``log.info(..., extra={"session":
-sid})`` or a ``LoggerAdapter``'s extras). JSON lines are one object each, with
-``ts`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``, ``message``,
-every such extra field as a key of its own (``session``, ``client``,
-``event``, ...) and ``exc_info`` as text when there is one, so a log pipeline
-can filter on a session id without parsing the message. Engine child lines
-keep the ``engine:`` prefix in their message; this module does not touch
-messages.
-
-:func:`configure` replaces the handler it installed before, so SIGHUP can
-switch level or format without duplicating lines.
+Text lines or one JSON object per line, each ``extra`` field a caller attached
+(``session``, ``client``, ...) shown as ``key=value`` or as a key of its own;
+messages are never rewritten. :func:`configure` replaces the handler it
+installed before, so a SIGHUP never duplicates lines. docs/design.md, Logs.
 """
 
 from __future__ import annotations

@@ -1,41 +1,11 @@
 """``omni-sidecar serve``: listeners, engine supervision, signals and drain.
 
-Start-up: bind both listeners first (``/healthz`` answers at once, ``/readyz``
-says 503 until the engine is ready), then start the engine; ``READY=1`` goes
-to systemd once the listener is bound and the engine answered its health
-check.
-
-Before anything listens, ``validate_runtime`` (proxy/startup.py, with
-tracing's start and the gc tuning) builds every object a session will need
-from the settings, so a value the core rejects fails the start (exit 2)
-instead of a client's upgrade.
-
-Shutdown (SIGTERM or SIGINT; handlers only set an event): readiness 503 and
-``STOPPING=1``; no new sessions; live sessions may finish for up to
-``drain_timeout``; the rest get ``session.closed`` {reason shutdown} and close
-1001; listeners close; the engine gets SIGTERM on its process group and
-SIGKILL after ``stop_grace``. A second SIGINT or SIGTERM skips the drain.
-
-Reload (SIGHUP; the handler only sets an event, the main task reloads): the
-config file and environment are loaded again with the original flags (flags
-still win) and validated like at start. Settings declared live (limits, API
-keys and keys file, origins, rate limits, timers, log level and format) apply
-at once to new sessions and handshakes; running sessions keep the limits they
-started with and are not dropped. Changes to the others (listen,
-admin_listen, upstream, max_client_message_bytes,
-max_total_pending_output_bytes, engine.*) are named in the reload's one log
-line and ignored until a restart. An invalid file keeps the old config, and
-one log line says why. ``omni_sidecar_config_reloads_total{result}`` counts
-``applied`` and ``rejected`` reloads.
-
-Exit statuses, one per cause, each with a one-line message on stderr and no
-traceback:
-
-* 0: stopped on request (SIGTERM, SIGINT).
-* 1: the engine failed for good (restart budget spent, or never ready).
-* 2: configuration error (bad value, unknown key, a value the core rejects).
-* 3: a preflight check failed before the engine was started.
-* 4: the listen or admin address is in use, not permitted or not available.
+The :class:`Sidecar` binds both listeners, then starts the engine pool; it
+validates everything a session needs before anything listens, turns each
+signal into one event (SIGTERM/SIGINT: drain and stop; SIGHUP: reload) and
+ends with the exit status that names the cause. The order of start-up and
+shutdown: docs/design.md, Start-up and shutdown; reload: docs/design.md,
+Reload; the exit statuses: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -152,9 +122,6 @@ class Sidecar:
             notifier=self.notifier,
             environ=self.environ,
         )
-        #: Whether and where each replica admits: the pool reports into it, the
-        #: edge places sessions with it, /readyz and the console read it.
-        self.router: EngineAdmission = self.pool.admission
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(
             self.registry, version=_version(), core_build=CORE_BUILD, replicas=len(self.pool)
@@ -165,7 +132,6 @@ class Sidecar:
             settings.max_sessions,
             settings.admission_timeout,
             max_sessions_per_ip=settings.max_sessions_per_ip,
-            engines=self.router,
         )
         capabilities = EngineCapabilities.resolve(settings.engine.version, engine_version)
         self.sessions = SessionRegistry(
@@ -197,6 +163,13 @@ class Sidecar:
         self._restart_reason = "exited"
 
     # -- engine state → proxy ------------------------------------------------------------
+
+    @property
+    def router(self) -> EngineAdmission:
+        """Whether and where each replica admits: the pool builds and owns it
+        (``pool.admission``), the edge places sessions with it (``state.router``),
+        /readyz and the console read it."""
+        return self.pool.admission
 
     @property
     def supervisor(self) -> Supervisor:

@@ -1,18 +1,11 @@
 """I/O shell around one :class:`DuplexSession`: three tasks in one TaskGroup.
 
-- reader: ``ws.receive()`` → ``session.receive_*``;
-- producer: paces audio chunks of the active response (and the optional
-  ``response.listen`` timer);
-- sender: takes the session's next frame and awaits each ``send_str``.
-
-The frames wait in the session's own output queue (``delivery.OutputQueue``).
-On 0.30 it is deliberately UNBOUNDED: the released engine
-(docs/engine-protocol.md, Late audio after a cancel) queues every event
-without limit and sends strictly FIFO, so a slow client makes the server's
-memory grow and late audio reaches the client ahead of the cancel terminal.
-On 0.31 and later it is bounded and a client that reads too slowly loses its
-session (``output_backpressure``); a reader that stops reading therefore
-makes the engine close the session, not wait.
+The reader feeds ``ws.receive()`` to ``session.receive_*``; the producer paces
+audio chunks of the active response (and the optional ``response.listen``
+timer); the sender takes the session's next frame and awaits each
+``send_str``. The frames wait in the session's own output queue
+(``delivery.OutputQueue``): unbounded on 0.30, as the released engine's, bounded
+from 0.31 (docs/design.md, Simulator).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Per-session output queue of a simulated engine (no I/O, no clock).
 
-Two behaviours, chosen by ``--engine-version`` (docs/design.md, Simulator):
-
-- 0.30 (the released engine): every event is numbered as it is produced and
-  queued without bound, strictly FIFO. A slow client makes the queue (the
-  engine's memory) grow, and nothing queued is ever taken back.
-- 0.31 and later: events are queued unnumbered and numbered (``event_id``,
-  ``server_event_seq``) only when taken for sending, so removing queued audio
-  leaves no sequence gap. The queue is bounded in bytes (base64 audio counted
-  as its characters, plus the rest of the JSON) and in events, with a small
-  reserve that only ``error`` and ``response.done`` may use, and one slot for
-  the final ``session.closed`` outside both. An event that fits neither raises
-  :class:`OutputOverflow`; the session then fails the response and closes
-  (``session.DuplexSession``). A cancel removes its response's queued audio
-  deltas (:meth:`OutputQueue.remove_audio`); other events keep their order.
-
-The queue only stores entries; stamping and serializing are the session's.
+0.30: numbered as produced and unbounded, strictly FIFO; 0.31 and later:
+numbered when taken, bounded in bytes and events with a reserve and a closure
+slot, queued audio removable on a cancel (docs/design.md, Simulator). An event
+that fits nowhere raises :class:`OutputOverflow` and the session fails; the
+queue only stores entries, stamping and serializing are the session's.
 """
 
 from __future__ import annotations

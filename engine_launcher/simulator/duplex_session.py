@@ -1,17 +1,11 @@
 """Sans-I/O core of one simulated duplex session: the side that takes client input.
 
-Like websockets' ``Protocol``, :class:`DuplexSession` does no I/O and never
-reads a clock: the server shell feeds it client frames (``receive_*``), asks it
-to produce the next audio chunk when the pace says so (``produce_*``), and
-takes what it must send one frame at a time (``next_outgoing``) in order.
-
-The session is built in layers, one job each:
-:class:`~engine_launcher.simulator.session_state.SessionState` (the state, queries,
-emitting and closing, through the
-:class:`~engine_launcher.simulator.outbox.Outbox`),
-:class:`~engine_launcher.simulator.generation.ResponseGeneration` (the response
-lifecycle) and, here, opening a session and dispatching client frames. What
-each client event does is in :mod:`engine_launcher.simulator.handlers`.
+:class:`DuplexSession` does no I/O and reads no clock: the shell feeds it
+client frames (``receive_*``), asks for the next audio chunk when the pace
+says so (``produce_*``) and takes what to send in order (``next_outgoing``).
+It opens sessions and dispatches client frames, on top of ``SessionState``
+and ``ResponseGeneration``; what each client event does is in
+:mod:`engine_launcher.simulator.handlers`. docs/design.md, Simulator.
 """
 
 from __future__ import annotations

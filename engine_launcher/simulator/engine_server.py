@@ -1,15 +1,9 @@
 """aiohttp application and process lifecycle of the engine simulator.
 
-Routes (docs/engine-protocol.md, Routes; HTTP surface): WebSocket ``/v1/realtime`` and
-``/v1/duplex``
-(same handler), ``GET /health``, ``GET /v1/models``, ``GET /metrics``, and the
-simulator's own ``GET /debug/history`` (the engine's conversation history).
-
-Process lifecycle, in order: install signal handlers (they only set an Event);
-``--startup-delay`` (abortable, like a model load); build the voice; bind and
-log one "listening" line; arm the fault timers; wait for SIGTERM/SIGINT; then
-stop accepting, send every live session ``session.closed{reason: shutdown}``
-and close 1001, wait for them up to a deadline, clean up, exit 0.
+Routes: WebSocket ``/v1/realtime`` and ``/v1/duplex`` (one handler), ``GET /health``,
+``/v1/models``, ``/metrics`` and the simulator's own ``/debug/history``
+(docs/engine-protocol.md, Routes). The process's steps from start to exit,
+signals and shutdown included: docs/design.md, Simulator.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Playback ledger and assistant history of a simulated session (no I/O, no clock).
 
-The real engine (vLLM-Omni 0.30) keeps, per response, how much audio it has
-generated and sent and how much the client says it has played and wants
-committed (``playback.ack``). The conversation history the model conditions on
-is derived from that ledger and the session's ``playback_commit_policy``:
-
-- ``commit_all_on_done``: a completed reply enters history whole unless the
-  client acknowledged (or truncated) less;
-- ``ack_only``: a reply enters history only as far as the client acknowledged
-  it as played; until then it waits, and so does the next response
-  (``response_already_active``) while sent audio is unacknowledged;
-- a cancelled reply is always cut at the acknowledged position, whatever the
-  policy (the engine ends a cancelled response as if the policy were
-  ``ack_only``).
-
-Text is cut where the audio was cut: by the reply's audio/text marks (one per
-delta: cumulative characters spoken by the end of that delta's audio),
-interpolated linearly inside a mark, or proportionally when there are none.
-This module is the simulator's own model of that behaviour
-(docs/design.md, Simulator); the wire shapes are built by the callers.
+Per response, the audio generated, sent, played and committed; from that
+ledger and the session's ``playback_commit_policy``, what the model's history
+keeps of each reply, its text cut where its audio was. The simulator's own
+model of vLLM-Omni 0.30's behaviour (docs/design.md, Simulator); the wire
+shapes are built by the callers.
 """
 
 from __future__ import annotations

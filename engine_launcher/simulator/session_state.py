@@ -4,12 +4,10 @@
 input, history, the active response, what the engine remembers of each reply)
 and answers queries about it; :meth:`SessionState.emit` queues events through
 the session's :class:`~engine_launcher.simulator.outbox.Outbox`, which fails the
-session on a 0.31+ output overflow. The response lifecycle
-(:mod:`engine_launcher.simulator.generation`) and the input side
-(:mod:`engine_launcher.simulator.duplex_session`) build on it. No I/O, no clock.
-
-Phases: AWAITING_OPEN (no session yet) → OPEN → CLOSED (``session.closed``
-queued; nothing else is emitted afterwards).
+session on a 0.31+ output overflow. The response lifecycle (``generation``) and
+the input side (``duplex_session``) build on it. No I/O, no clock. Phases:
+AWAITING_OPEN (no session yet) → OPEN → CLOSED (``session.closed`` queued;
+nothing else is emitted afterwards). docs/design.md, Simulator.
 """
 
 from __future__ import annotations

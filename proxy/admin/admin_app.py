@@ -1,24 +1,9 @@
 """The admin listener: metrics, health, the operator console and its JSON.
 
-Routes (admin listener only; the client listener never serves any of them):
-
-- ``GET /metrics``: Prometheus text, or OpenMetrics when asked by ``Accept``;
-- ``GET /healthz``: 200 ``{"status": "ok"}`` while the process serves;
-- ``GET /``: the operator console, one page whose script and style are the
-  same-origin files ``/console/console.js`` and ``/console/console.css``, so
-  the Content-Security-Policy needs no ``'unsafe-inline'`` and the page makes
-  no request to any other origin (it works on an air-gapped host);
-- ``GET /debug/summary``, ``GET /debug/sessions`` (``offset``, ``limit`` up to
-  500, ``q``), ``GET /debug/sessions/{id}``: versioned JSON (docs/console.md);
-- ``POST /engines/{k}/drain``: ``omni-sidecar drain --engine K`` (docs/design.md,
-  Engine pool): replica K admits nothing more, its sessions may finish, then it
-  restarts. 202 when the drain began, 409 when K already drains or failed for
-  good, 404 for no replica K.
-
-``admin_token`` (optional) protects every route: ``Authorization: Bearer
-<token>`` for Prometheus and scripts, or HTTP Basic with the token as the
-password, which a browser asks for by itself. Compared in constant time; the
-token is never logged.
+Its routes exist on the admin listener only (docs/design.md, Routes and
+listeners): ``/metrics``, ``/healthz``, the console page and its same-origin
+files, the ``/debug/*`` JSON (docs/console.md) and ``POST /engines/{k}/drain``
+(docs/design.md, Engine pool). ``admin_token``, when set, guards every one.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Client authentication and origin checks, before the WebSocket upgrade.
 
-Auth is off unless ``api_keys`` or ``api_keys_file`` is set. A client proves a
-key with ``Authorization: Bearer KEY`` or, for browsers that cannot set
-headers, by offering the subprotocol ``openai-insecure-api-key.KEY`` (the
-connection is then accepted with the ``realtime`` subprotocol it also offered).
-Keys are compared in constant time against every configured key, and never
-logged. ``allowed_origins`` is checked only when the client sends ``Origin``.
-
-A key in ``api_keys_file`` may carry a name (``KEY name=NAME``): the name, never
-the key, labels the session's usage (docs/design.md, Usage). Names come from
-the operator's file, so the label values are bounded by it. A named key may
-also carry quotas (``max_sessions=N`` etc., docs/design.md, Quotas).
+A key by ``Authorization: Bearer KEY`` or, for browsers, the subprotocol
+``openai-insecure-api-key.KEY``; compared in constant time, never logged;
+``allowed_origins`` checked only when the client sends ``Origin``
+(docs/security.md, 2. Authentication). ``api_keys_file`` may give a key a name,
+which labels its usage, and quotas: docs/design.md, Usage; Quotas.
 """
 
 from __future__ import annotations

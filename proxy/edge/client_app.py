@@ -1,31 +1,11 @@
-"""The aiohttp applications: the client listener and the admin listener.
+"""The client listener's aiohttp application and its routes.
 
-Client listener (docs/design.md, Routes and listeners): WS ``/v1/realtime``
-and ``/v1/duplex``, ``GET /healthz``, ``GET /readyz``; every other path is
-reverse-proxied to the engine, streamed (proxy/edge/reverse_proxy.py). The admin
-listener is ``proxy/admin/admin_app.py``. This module holds the routes; what
-they share is proxy/edge/state.py, the session slots
-proxy/edge/session_slots.py, how they refuse proxy/edge/refusals.py,
-and a session's opening proxy/edge/session_open.py.
-
-Admission happens before the WebSocket upgrade (docs/design.md, Admission and
-lifecycle), after the handshake itself was found valid (proxy/edge/handshake.py):
-draining or engine not ready → 503, ``max_sessions`` reached → 503 with ``Retry-After``
-(after waiting up to ``admission_timeout`` for a slot), upstream connect
-failure → 502. The upstream WebSocket is opened before the client's upgrade
-completes, so a client never gets a socket that leads nowhere. With an engine
-pool the session is first placed on a replica by the engines' admission state
-(engine_launcher/admission.py; docs/design.md, Engine pool): none admits
-→ 503 ``not_ready``, all full → 503 ``capacity`` with ``Retry-After``.
-
-A full engine accepts the socket and then sends ``error`` {resource_exhausted}
-(docs/design.md, Engine capabilities). When the engine opens the session at
-connect (``?model=`` without ``autostart=0``) that error is its first frame:
-the handshake waits up to ``engine_open_wait`` for it and answers 503
-``engine_capacity`` with ``Retry-After`` before the client's upgrade. Said
-later (the engine opens on the client's first frame) it is passed on to the
-client. Either way the replica admits no new session for
-``engine_full_backoff`` seconds.
+WS ``/v1/realtime`` and ``/v1/duplex``, ``GET /healthz``, ``GET /readyz``; every
+other path is reverse-proxied to the engine (docs/design.md, Routes and
+listeners). The handshake's checks run in the order of docs/design.md,
+Admission and lifecycle, before a session is opened (proxy/edge/session_open.py).
+What the routes share is proxy/edge/state.py, the session slots
+proxy/edge/session_slots.py, how they refuse proxy/edge/refusals.py.
 """
 
 from __future__ import annotations
@@ -55,7 +35,7 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    refusal = state.admission.refusal()
+    refusal = state.refusal()
     body: dict[str, Any] = {
         "sessions": state.admission.active,
         "max_sessions": state.admission.max_sessions,
@@ -78,7 +58,7 @@ async def _readyz(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "not_ready", "reason": refusal[0], "detail": refusal[1], **body}, status=503
         )
-    if not state.admission._has_slot():
+    if not state.admission.has_slot():
         return web.json_response(
             {
                 "status": "not_ready",
@@ -114,7 +94,7 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
     auth = check_auth(request, state)
     if isinstance(auth, web.Response):
         return auth
-    refusal = state.admission.refusal()
+    refusal = state.refusal()
     if refusal is not None:
         metrics.sessions_rejected.labels(refusal[0]).inc()
         log_refused(address, 503, refusal[0])

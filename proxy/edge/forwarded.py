@@ -1,20 +1,10 @@
 """Whose address is this? Trusted proxies, ``X-Forwarded-For`` and the PROXY protocol.
 
-Behind a TLS-terminating proxy every TCP connection comes from the proxy, so
-the per-address session limit and the logs would see one address for all
-clients. ``trusted_proxies`` (a list of CIDR networks, empty by default) names
-the hops whose word about the client's address we take (docs/design.md,
-Settings; docs/security.md):
-
-* the PROXY protocol header (v1 text or v2 binary), sent before HTTP on the
-  client listener, is accepted only from a trusted TCP peer; from any other
-  peer the connection is closed (parsing happens in :mod:`proxy.edge.guard`);
-* ``X-Forwarded-For`` is read right to left, skipping trusted hops: the client
-  is the rightmost address that is not itself a trusted proxy. Entries left of
-  it were written by the client and are not believed.
-
-With no trusted proxies, neither header is read: the address is the TCP peer's.
-Pure functions, no I/O.
+Only from a TCP peer in ``trusted_proxies`` is a PROXY header (v1 or v2; parsed
+in :mod:`proxy.edge.guard`) or ``X-Forwarded-For`` (right to left, the rightmost
+untrusted hop) believed; with no trusted proxies the address is the TCP
+peer's. The rules and why: docs/security.md, 3a (docs/design.md, Admission and
+lifecycle). Pure functions, no I/O.
 """
 
 from __future__ import annotations

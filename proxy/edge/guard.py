@@ -1,52 +1,13 @@
 """The client listener's edge: what a connection may cost before it has a request.
 
 aiohttp bounds each header line and field and the number of headers, but not
-the request head as a whole, nor the time a client may take to send it, nor
-how many connections may sit half-way through a head (docs/security.md). A
-client that sends 960 KB of valid-looking header fields per connection and
-never finishes, or one byte a second, held memory and sockets for as long as
-it liked. This module puts a bound on each, before aiohttp's request handler
-sees a byte:
-
-``max_request_head_bytes`` (bytes, default 32 KiB)
-    Request line plus headers (a PROXY header excluded). Beyond it: a 431
-    response and the connection is closed; the bytes already received are
-    dropped with the connection's parser.
-``request_head_timeout`` (seconds, default 10)
-    From the connection's start, or from the end of the previous response on
-    a keep-alive connection, until the head is complete. Beyond it: a 408
-    response and the connection is closed. An idle keep-alive connection is
-    one waiting for its next head, so this is also its idle limit.
-``max_pending_handshakes`` (connections, default 256)
-    Connections whose current request head is not complete yet, plus those
-    lingering after an error answer (below). A connection that would exceed
-    it is closed at once, before it can send anything.
-Lingering close: ``lingering_time`` (seconds, default 5), ``lingering_timeout``
-(seconds, default 2), ``max_lingering_bytes`` (bytes, default 1 MiB)
-    Every error answer (status >= 400) written before the upgrade that ends
-    the connection -- the edge's own 431 and 408, aiohttp's 400 for a head
-    its parser refuses, the handshake's 400/426, a 413, a 429 or 503 to a
-    client that asked to close -- is followed by a lingering close, as
-    nginx does: the write side is shut (FIN after the answer), and what the
-    client still sends is read and discarded until it closes its side, or
-    ``lingering_timeout`` passes without a byte, or ``lingering_time`` since
-    the answer; then the socket is closed. Past ``max_lingering_bytes``
-    discarded, reading stops: TCP flow control holds the client's sending
-    at no cost to us, and the socket is closed at ``lingering_time``. It is
-    not closed at the byte cap itself: closing with the client's bytes
-    unread makes the kernel reset the connection, and a client still
-    sending then loses the answer it had not read yet (a 413 after 1 MiB of
-    a 100 MiB upload was lost that way on a loaded machine). A lingering connection counts against
-    ``max_pending_handshakes``; with no room left the connection is closed
-    at once instead. Each ends with one
-    ``omni_sidecar_lingering_closes_total{outcome}``.
-PROXY protocol (v1, v2)
-    Read before HTTP, only from a peer in ``trusted_proxies``; from any other
-    peer the connection is closed (:mod:`proxy.edge.forwarded`).
-
-Every refusal is counted in ``omni_sidecar_rejected_connections_total{reason}``
-and logged once, with the client's address. The hooks into aiohttp's request
-handler and server are in :mod:`proxy.compat`, checked at startup.
+the head as a whole, the time a client may take to send it, nor how many
+connections may sit half-way through one. This module bounds each
+(``max_request_head_bytes``, ``request_head_timeout``,
+``max_pending_handshakes``), reads a trusted PROXY header, and closes every
+error answer before the upgrade with a lingering close, before aiohttp's
+request handler sees a byte. docs/design.md, Admission and lifecycle; each
+limit, its default and what it protects: docs/security.md, 3a.
 """
 
 from __future__ import annotations

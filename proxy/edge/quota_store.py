@@ -1,29 +1,10 @@
 """Quotas per named API key, counted in this process or shared through Redis.
 
 The decisions are the core's (proxy/core/quota_rules.py); this shell keeps the
-counts. Without ``quota_redis_url`` the counts are this process's own
-(:class:`~proxy.core.quota_rules.LocalQuotaBook`): N sidecars admit up to N times a
-key's limits. With it, every sidecar naming the same Redis shares them:
-
-- **slots** (``max_sessions``): a sorted set per key name whose members are
-  the open sessions (``<process id>:<session>``) scored by their expiry. Live
-  sessions push their expiry ``quota_slot_ttl`` ahead at every check, so the
-  slots of a sidecar that crashed expire on their own.
-- **minute** (``sessions_per_minute``): a counter per key name and UTC minute,
-  expiring two minutes after it starts.
-- **day** (``audio_seconds_per_day``): a float counter per key name and UTC
-  day, expiring two days after it starts.
-
-Admission is one Lua script (checked and counted atomically, so two sidecars
-never both take the last slot); redis-py runs scripts by EVALSHA and loads them
-on NOSCRIPT. Every call has ``quota_redis_timeout``. A failed call marks Redis
-down: this process then decides with its local counts (which it keeps all the
-time), ``omni_sidecar_quota_backend_down`` is 1 and ``/readyz`` says
-``degraded``; every check pings Redis again and, once it answers, live
-sessions put their slots back and Redis decides again. No session is ended
-because Redis went away.
-
-``redis`` is imported only when ``quota_redis_url`` is set.
+counts: this process's own (:class:`~proxy.core.quota_rules.LocalQuotaBook`),
+or, with ``quota_redis_url``, Redis keys every sidecar shares, admitted by one
+Lua script, with the local counts deciding while Redis does not answer.
+``redis`` is imported only then. docs/design.md, Quotas.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Plain HTTP on the client listener, streamed to the engine and back.
 
-Every path that is not one of ours (and a request on a WebSocket path that
-does not ask for a WebSocket) goes to the engine (docs/design.md, Routes and
-listeners). Two things a proxy must not pass along (docs/security.md):
-
-* hop-by-hop headers (RFC 9110 §7.6.1) and every header the sender named in
-  its ``Connection`` header, in both directions: they describe one hop, and a
-  client could otherwise smuggle e.g. an ``X-Forwarded-For`` removal or an
-  auth header past us;
-* a request body larger than ``max_http_body_bytes`` (bytes, default 16 MiB):
-  refused with 413 up front when ``Content-Length`` says so, and counted while
-  streaming otherwise (chunked): once past the cap, the engine request is
-  aborted and the client gets 413. The engine never gets the whole body.
-
-One access line per request: method, path, status, bytes sent back, duration,
-client address.
+Every path that is not one of ours, and a request on a WebSocket path that
+does not ask for a WebSocket, goes to the engine (docs/design.md, Routes and
+listeners): without hop-by-hop headers or those named in ``Connection``, in
+either direction, and with the body bounded by ``max_http_body_bytes``
+(docs/security.md, 3a). One access line per request.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 What is the edge's own: ``max_sessions`` slots and the ``admission_timeout``
 wait for one, per-address counts (``max_sessions_per_ip``), and the
 sidecar's own shutdown (``draining``). Whether the engines admit is not kept
-here: :class:`Admission` reads it from the engines layer's
-:class:`~engine_launcher.admission.EngineAdmission`, its one owner.
+here: ``ProxyState.router`` (proxy/edge/state.py) is the one reference to the
+engines layer's :class:`~engine_launcher.admission.EngineAdmission`.
 """
 
 from __future__ import annotations
@@ -12,19 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from engine_launcher.admission import EngineAdmission
-
 __all__ = ["Admission"]
 
 
 class Admission:
-    """Session slots and the reasons not to admit.
+    """Session slots, per-address counts and the sidecar's own shutdown.
 
     Args:
         max_sessions: concurrent sessions; 0 = unlimited.
         admission_timeout: seconds to wait for a free slot before refusing.
         max_sessions_per_ip: concurrent sessions per client address; 0 = unlimited.
-        engines: whether the engines admit (None: no engine gate, for tests).
     """
 
     def __init__(
@@ -33,42 +30,28 @@ class Admission:
         admission_timeout: float,
         *,
         max_sessions_per_ip: int = 0,
-        engines: EngineAdmission | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self.admission_timeout = admission_timeout
         self.max_sessions_per_ip = max_sessions_per_ip
-        self.engines = engines
         self.per_ip: dict[str, int] = {}
         self.active = 0
         #: The sidecar is shutting down: nothing new is admitted.
         self.draining = False
         self._freed = asyncio.Condition()
 
-    @property
-    def engine_ready(self) -> bool:
-        """Sessions may start as far as the engines go (and the sidecar is not shutting down)."""
-        return not self.draining and (self.engines is None or self.engines.ready)
-
-    def refusal(self) -> tuple[str, str] | None:
-        """(metric reason, message) when no session may start, ignoring capacity."""
-        if self.draining:
-            return "draining", "the sidecar is shutting down"
-        if self.engines is not None and not self.engines.ready:
-            return "not_ready", self.engines.not_ready_reason
-        return None
-
-    def _has_slot(self) -> bool:
+    def has_slot(self) -> bool:
+        """A session slot is free now (``/readyz`` asks without taking one)."""
         return self.max_sessions == 0 or self.active < self.max_sessions
 
     async def acquire(self) -> bool:
         """Take a slot, waiting up to ``admission_timeout``. False when none came."""
-        if not self._has_slot() and self.admission_timeout > 0:
+        if not self.has_slot() and self.admission_timeout > 0:
             async with self._freed:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.admission_timeout):
-                        await self._freed.wait_for(self._has_slot)
-        if not self._has_slot():
+                        await self._freed.wait_for(self.has_slot)
+        if not self.has_slot():
             return False
         self.active += 1
         return True

@@ -6,8 +6,9 @@ session registry and metrics, where the engine is (:class:`UpstreamTarget`),
 and what the engine is sent for a client's request (:func:`upstream_url`,
 :func:`upstream_headers`). A reload swaps the live part in
 (:meth:`ProxyState.apply_settings`). Engine admission state is not kept here:
-``router`` is the engines layer's
-:class:`~engine_launcher.admission.EngineAdmission`.
+``router`` is the one reference to the engines layer's
+:class:`~engine_launcher.admission.EngineAdmission`, and every reader asks it
+through ``ProxyState`` (:meth:`ProxyState.refusal` for "engine not ready").
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class ProxyState:
     registry: SessionRegistry
     target: Callable[[], UpstreamTarget | None]
     http: aiohttp.ClientSession | None = None
-    #: Whether and where each engine replica admits, its one owner
-    #: (engine_launcher/admission.py); None = one engine, no placement.
+    #: Whether and where each engine replica admits (engine_launcher/admission.py,
+    #: built by the pool): the proxy's one reference to it. None = no engine gate.
     router: EngineAdmission | None = None
     #: ``omni-sidecar drain --engine K``: True when the drain began (proxy/server.py).
     drain_engine: Callable[[int], bool] | None = None
@@ -139,6 +140,25 @@ class ProxyState:
         self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
         self.metrics.lingering_connections.set_function(lambda: self.edge.lingering)
         self.registry.on_engine_full = self.engine_full
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(metric reason, message) when no session may start, slots and placement aside.
+
+        ``draining``: the sidecar is shutting down; ``not_ready``: no engine
+        replica serves (``router.ready``, with the reason of the change that
+        left none). None: sessions may start as far as these go.
+        """
+        if self.admission.draining:
+            return "draining", "the sidecar is shutting down"
+        router = self.router
+        if router is not None and not router.ready:
+            return "not_ready", router.not_ready_reason
+        return None
+
+    @property
+    def engine_ready(self) -> bool:
+        """Sessions may start as far as the engines go (and the sidecar is not shutting down)."""
+        return self.refusal() is None
 
     def engine_full(self, engine: int | None) -> None:
         """The engine (replica ``engine``) said it has no room: admit nothing there a while."""

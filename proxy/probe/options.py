@@ -1,13 +1,8 @@
 """The probe's inputs, outputs and errors: what it is asked to do and what it measured.
 
 :class:`ProbeOptions` is what :func:`proxy.probe.run_probe` does,
-:class:`ProbeResult` what it measured, and the exceptions are how it fails::
-
-    ProxyError
-    └── ProbeError                                  (bad input file, protocol trouble)
-        ├── ProbeConnectError(ProbeError, ConnectionError)   url, status
-        └── ProbeTimeout(ProbeError, TimeoutError)           timeout, stage, result
-
+:class:`ProbeResult` what it measured, and :class:`ProbeError` and its two
+subclasses how it fails (the tree: docs/design.md, Code rules (4)).
 Declarations only: nothing here does I/O.
 """
 

@@ -3,7 +3,7 @@
 The proxy writes text, ping, pong and close frames to clients itself (see
 :mod:`proxy.session.writer`). Frames from a server are never masked
 (RFC 6455 §5.1) and never fragmented here: every message is one final frame.
-The engine link writes its text frames itself too, masked (a client's frames
+The upstream link writes its text frames itself too, masked (a client's frames
 always are): :func:`masked_frame_header`.
 """
 

@@ -1,32 +1,11 @@
 """OpenTelemetry tracing: a span per session, a child span per response.
 
-Imported only when ``tracing = "otlp"`` (proxy/server.py, :func:`proxy.server.start_tracing`):
+Imported only when ``tracing = "otlp"`` (:func:`proxy.startup.start_tracing`):
 with tracing off neither this module nor any ``opentelemetry`` package is
-loaded. The relay and its observer call a session's :class:`SessionTrace`
-through the :class:`proxy.session.observer.SessionTracer` protocol, for
-response-level events only (never per audio delta); the core knows nothing
-of it (docs/design.md, Tracing).
-
-Spans:
-
-- ``realtime session`` (kind SERVER): from the upgrade to the session's end;
-  a child of the client's W3C ``traceparent``/``tracestate`` when it sent
-  them, and the parent the engine sees in its own handshake's
-  ``traceparent``. Status ERROR for abnormal ends; the sidecar's outcome
-  (``proxy.session.outcome``) and close code are attributes.
-- ``generate_content {model}`` (kind CLIENT), one per response: from the
-  client's ``response.create`` (else the engine's ``response.created``) to its
-  ``response.done``, with the GenAI semantic-convention attributes. A cancel
-  is a ``response.cancelled`` event (``omni_sidecar.cancelled_by``), an
-  output overflow an ``output_backpressure`` event.
-
-The exporter is OTLP over HTTP/protobuf, configured by the standard
-``OTEL_*`` variables (endpoint, headers, timeout, service name, sampler).
-Bounded: the SDK's BatchSpanProcessor keeps at most ``OTEL_BSP_MAX_QUEUE_SIZE``
-spans (2048 by default) and drops new ones when full; per session at most
-:data:`MAX_OPEN_RESPONSE_SPANS` response spans are open (the oldest is ended
-when one more starts) and :data:`MAX_PENDING_CREATES` ``response.create``
-times wait for their ``response.created`` (the oldest is forgotten).
+loaded. The observer calls a session's :class:`SessionTrace` through the
+:class:`proxy.session.observer.SessionTracer` protocol, for response-level
+events only (never per audio delta). The spans, their attributes, the
+exporter and the bounds: docs/design.md, Tracing.
 """
 
 from __future__ import annotations
@@ -174,10 +153,10 @@ class SessionTrace:
                 self._end_response(event)
         elif kind is EventKind.SESSION_CREATED:
             session = (event.body or {}).get("session")
-            engine_id = session.get("id") if isinstance(session, dict) else None
-            if isinstance(engine_id, str) and engine_id:
-                self._conversation = engine_id
-                self._span.set_attribute("gen_ai.conversation.id", engine_id)
+            upstream_session_id = session.get("id") if isinstance(session, dict) else None
+            if isinstance(upstream_session_id, str) and upstream_session_id:
+                self._conversation = upstream_session_id
+                self._span.set_attribute("gen_ai.conversation.id", upstream_session_id)
         elif kind is EventKind.OVERLAP_DECISION:
             if event.action == "barge_in":
                 self._cancelled_by = "barge_in"

@@ -1,17 +1,9 @@
 """Where a session's usage record goes when it ends (docs/design.md, Usage).
 
 The record itself is computed by the I/O-free core (proxy/core/usage.py).
-:class:`UsageBook` adds it to the per-key counters, keeps per-key totals for
-the console (bounded by the key names of the operator's file, plus
-``unnamed``), and hands it to :class:`UsageFile` when ``usage_file`` is set.
-
-:class:`UsageFile` writes JSON lines from a thread of its own, so a slow disk
-never stalls the event loop. Its queue holds at most ``usage_file_max_pending``
-records; a record that finds it full is dropped and counted
-(``omni_sidecar_usage_records_dropped_total``); the access line still carries
-it. The file is rotated at ``usage_file_max_bytes`` to ``.1`` … ``.N``
-(``usage_file_backups``), so the files never exceed
-``(usage_file_backups + 1) × usage_file_max_bytes``.
+:class:`UsageBook` counts it per key name, keeps per-name totals for the
+console, and hands it to :class:`UsageFile` when ``usage_file`` is set: JSON
+lines written by a thread of its own, behind a bounded queue, rotated.
 """
 
 from __future__ import annotations

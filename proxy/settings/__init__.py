@@ -1,18 +1,12 @@
 """Settings: one declaration per setting, loaded from file, environment and flags.
 
 The other layers import from here, not from the modules, each of which has
-one job (docs/design.md, Settings):
-
-* ``schema``: the declaration helper (``setting``, ``SettingDoc``) and what
-  is derived from one declaration (``SettingSpec``: value type, env var, flag);
-* ``proxy``: the sidecar's ``Settings``, declared field by field, and its
-  validators;
-* ``engine``: the ``[engine]`` section (``EngineConfig``), which the engines
-  layer reads without the rest;
-* ``values``: one value parsed from text, normalised and bound-checked;
-* ``load``: defaults < file < environment < flags, into ``LoadedSettings``;
-* ``render``: the flags and ``--help``, ``--print-config``, the example config
-  and docs/configuration.md (``python -m proxy.settings``).
+one job: ``proxy_settings`` (the sidecar's ``Settings``), ``values`` (one
+value), ``load`` (defaults < file < environment < flags) and ``render``
+(flags, ``--print-config``, the example config, docs/configuration.md). The
+``[engine]`` table and the declaration helper are the launcher's
+(``engine_launcher.engine_config``, ``engine_launcher.setting_schema``).
+docs/design.md, Settings.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Loading: defaults < TOML file < env < flags, validated into ``Settings``.
 
 :func:`load` is pure: the caller passes the flag values, the environment and
-the file path, so tests need no monkeypatching. It returns the frozen
-``Settings`` and, for each key, where its value came from
-(:class:`LoadedSettings`), which ``--print-config`` prints.
-
-Every key has the same name in each source (docs/design.md, Settings). One
-value is parsed and checked by ``proxy.settings.values``; this module
-reads the sources, applies the precedence and "upstream implies engine kind
-external", and names the source of every error.
-
-Env vars that start with ``OMNI_SIDECAR_TESTS_`` belong to the test suite and
-``OMNI_SIDECAR_CONFIG`` names the config file for the CLI; :func:`load`
-ignores both. Any other unknown ``OMNI_SIDECAR_*`` variable is an error, as is
-an unknown key in the file, so a typo never goes unnoticed.
+the file path. It returns the frozen ``Settings`` and where each value came
+from (:class:`LoadedSettings`, which ``--print-config`` prints); one value is
+parsed by ``proxy.settings.values``. Which variables and keys it refuses or
+ignores: docs/design.md, Settings.
 """
 
 from __future__ import annotations

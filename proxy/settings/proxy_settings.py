@@ -1,19 +1,10 @@
 """The sidecar's settings: one declaration per setting, and its validators.
 
-Each setting is declared once, as a field of :class:`Settings` (or of
-``EngineConfig`` for the ``[engine]`` table) made with
-``engine_launcher.setting_schema.setting``: name, type (the annotation),
-default, bounds, unit, meaning and whether a SIGHUP reload may change it.
-Everything else is derived from those declarations (:data:`SETTINGS`): the
-loader (``settings/load.py``), the env and flag names, ``serve --help``,
-``--print-config``, the example config and docs/configuration.md
-(``settings/render.py``). Adding a setting is one edit: a new field.
-
-A default that is also the I/O-free core's default (the buffer limits, the
-tombstones, the playback ledger's) is the core's named constant, so it is
-written once. Durations are float seconds, sizes int bytes, counts ints.
-
-Apart from the declarations this module holds only what they name (value
+Each setting is a field of :class:`Settings` made with
+``engine_launcher.setting_schema.setting``; everything else (:data:`SETTINGS`,
+the loader, env and flag names, ``--help``, ``--print-config``, the example
+config, docs/configuration.md) is derived from it, so adding a setting is one
+edit (docs/design.md, Settings). Besides the declarations: what they name (value
 checks, secret masks) and the cross-field rules of ``Settings.__post_init__``.
 """
 

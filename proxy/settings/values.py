@@ -1,15 +1,8 @@
 """One value of one setting: typed values normalised, text parsed, bounds checked.
 
-Both ``Settings()`` (whose ``__post_init__`` validates a directly built
-object) and the loader (file, env, flags) use these, which is why they sit
-apart from both: the loader needs ``Settings``, and ``Settings`` needs these.
-
-Text values (env and flags) are parsed by the field's type: booleans accept
-``1/0/true/false/yes/no/on/off``; integers may contain underscores; lists are
-comma-separated (``OMNI_SIDECAR_API_KEYS=k1,k2``); ``engine.env`` is
-``K=V,K2=V2``; argv fields (``engine.extra_args``, ``engine.command``,
-``engine.simulator_args``) are split like a shell (``shlex``). An empty value
-unsets an optional key.
+Used by ``Settings()`` itself and by the loader, hence apart from both
+(docs/design.md, Settings). How text from the environment and flags is parsed
+is the user's reference: docs/configuration.md.
 """
 
 from __future__ import annotations

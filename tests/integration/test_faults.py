@@ -241,7 +241,7 @@ async def test_engine_sigkill_fails_20_sessions_then_restarts(sidecar) -> None:
 
     # The supervisor restarts the engine and sessions work again.
     await wait_until(
-        lambda: supervisor.pid not in (None, old_pid) and proxy.sidecar.admission.engine_ready,
+        lambda: supervisor.pid not in (None, old_pid) and proxy.sidecar.state.engine_ready,
         timeout=3 * DEADLINE,
         what="engine restarted",
     )
@@ -281,7 +281,7 @@ async def test_engine_stall_fails_health_then_sessions_and_restarts(sidecar) -> 
     async with sessions(proxy.url, 5) as watched:
         await asyncio.gather(*(w.start_response() for w in watched))
         await asyncio.gather(*(w.until_audio() for w in watched))
-        assert supervisor.pid == old_pid and proxy.sidecar.admission.engine_ready, (
+        assert supervisor.pid == old_pid and proxy.sidecar.state.engine_ready, (
             "the engine stalled before the sessions were set up; raise stall_after"
         )
         readers = [asyncio.ensure_future(w.read_to_close()) for w in watched]
@@ -299,7 +299,7 @@ async def test_engine_stall_fails_health_then_sessions_and_restarts(sidecar) -> 
         w.check_order()
         assert_engine_unavailable_tail(w)
     await wait_until(
-        lambda: supervisor.pid not in (None, old_pid) and proxy.sidecar.admission.engine_ready,
+        lambda: supervisor.pid not in (None, old_pid) and proxy.sidecar.state.engine_ready,
         timeout=3 * DEADLINE,
         what="engine restarted",
     )

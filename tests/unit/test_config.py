@@ -12,14 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine_launcher.launcher_errors import EngineStartError, LauncherError, RestartBudgetExhausted
-from proxy.errors import (
-    ConfigError,
-    InvalidState,
-    ProtocolViolation,
-    ProxyError,
-    SessionClosed,
-    UpstreamUnavailable,
-)
+from proxy.errors import ConfigError, ProxyError
 from proxy.settings import (
     KIB,
     LIVE_KEYS,
@@ -790,26 +783,11 @@ class TestEngineConfig:
 class TestErrorTypes:
     def test_tree(self) -> None:
         assert issubclass(ConfigError, ProxyError) and issubclass(ConfigError, ValueError)
-        assert issubclass(InvalidState, RuntimeError)
-        assert issubclass(UpstreamUnavailable, ConnectionError)
         assert issubclass(EngineStartError, LauncherError)
         assert issubclass(RestartBudgetExhausted, LauncherError)
         assert not issubclass(LauncherError, ProxyError)
 
     def test_data(self) -> None:
-        violation = ProtocolViolation("client", "message too big", close_code=1009)
-        assert (violation.side, violation.reason, violation.close_code) == (
-            "client",
-            "message too big",
-            1009,
-        )
-        assert ProtocolViolation("upstream", "bad json").close_code == 1008
-        closed = SessionClosed(1001, "shutdown", "proxy")
-        assert (closed.code, closed.reason, closed.initiator) == (1001, "shutdown", "proxy")
-        assert "1001" in str(closed)
-        state = InvalidState("cannot send in state CLOSED", state="CLOSED")
-        assert state.state == "CLOSED"
-        assert str(state) == "cannot send in state CLOSED"
         err = ConfigError("k", "bad", "default").with_source("env X")
         assert (err.key, err.message, err.source) == ("k", "bad", "env X")
         assert EngineStartError("exited", returncode=3).returncode == 3

@@ -1,15 +1,9 @@
 """The operator console: JSON views for ``/debug/*`` and the page's static files.
 
-Everything here builds plain dicts from what the sidecar already keeps (the
-session registry, the metric objects, the engines' admission state); the
-aiohttp handlers in ``proxy/admin/admin_app.py`` only serialise them. The JSON is
-versioned (``version``, bumped on an incompatible change) and documented in
-docs/console.md, so scripts can rely on it as much as the page does.
-
-Sizes are bounded: ``/debug/sessions`` returns at most ``MAX_PAGE_SESSIONS``
-sessions per request (``offset``/``limit`` page through the rest), a session's
-detail carries at most ``proxy.session.observer.LIFECYCLE_EVENTS`` events, and the
-summary is fixed-size (one entry per label value of our own enums).
+Plain dicts built from what the sidecar already keeps, which the handlers of
+``proxy/admin/admin_app.py`` only serialise; every answer is bounded
+(``MAX_PAGE_SESSIONS``, ``LIFECYCLE_EVENTS``). docs/design.md, Routes and
+listeners; the versioned JSON itself is documented in docs/console.md.
 """
 
 from __future__ import annotations
@@ -159,8 +153,7 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
     events[DIRECTIONS[1]] += u2c_events
     sizes[DIRECTIONS[0]] += c2u_bytes
     sizes[DIRECTIONS[1]] += u2c_bytes
-    admission = state.admission
-    refusal = admission.refusal()
+    refusal = state.refusal()
     return {
         "version": API_VERSION,
         "time": time.time(),
@@ -173,7 +166,7 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         "engine_capabilities": registry.capabilities.current.view(),
         "sessions": {
             "live": len(registry.relays),
-            "limit": admission.max_sessions,
+            "limit": state.admission.max_sessions,
             "started": _value(m.sessions_started),
             "rejected": _by_label(m.sessions_rejected, "reason", REJECT_REASONS),
         },

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_launcher.admission import EngineAdmission
 from proxy.edge.session_slots import Admission
+from proxy.server import Sidecar
+from proxy.settings import Settings
 from tests.conftest import MS
 
 
 async def test_max_sessions_slots_are_taken_and_returned() -> None:
-    engines = EngineAdmission(1)
-    admission = Admission(2, 0.0, engines=engines)
-    engines.update(0, "ready", "ws://127.0.0.1:9000")
+    admission = Admission(2, 0.0)
     assert await admission.acquire()
     assert await admission.acquire()
     assert not await admission.acquire(), "the third session over max_sessions = 2"
@@ -53,10 +52,12 @@ def test_per_address_limit_counts_each_address_apart() -> None:
 
 
 def test_refusal_reasons_in_order_draining_then_not_ready() -> None:
-    engines = EngineAdmission(1)
-    admission = Admission(1, 0.0, engines=engines)
-    assert admission.refusal() is not None and admission.refusal()[0] == "not_ready"  # type: ignore[index]
-    engines.update(0, "ready", "ws://127.0.0.1:9000")
-    assert admission.refusal() is None
-    admission.draining = True
-    assert admission.refusal()[0] == "draining"  # type: ignore[index]
+    # The edge's slots (state.admission) and the engines' admission state
+    # (state.router, its one reference) are asked together by ProxyState.
+    state = Sidecar(Settings(), environ={}).state
+    assert state.router is not None
+    assert state.refusal() is not None and state.refusal()[0] == "not_ready"  # type: ignore[index]
+    state.router.update(0, "ready", "ws://127.0.0.1:9000")
+    assert state.refusal() is None
+    state.admission.draining = True
+    assert state.refusal()[0] == "draining"  # type: ignore[index]
