@@ -1,8 +1,8 @@
 """A headless Chromium driven over the Chrome DevTools Protocol, for the console tests.
 
 No Playwright and no browser download: Debian's ``chromium`` is started as a
-child with ``--remote-debugging-port=0``; its port is read from the
-``DevToolsActivePort`` file and one WebSocket (aiohttp's client) carries the
+:class:`tests.children.ChromiumChild` (``--remote-debugging-port=0``; ready
+once its ``DevToolsActivePort`` file names the endpoint) and one WebSocket (aiohttp's client) carries the
 protocol. Each test gets its own tab (a CDP target, attached in flat mode) and
 sees what a person's browser would: console messages, uncaught exceptions,
 every request the page makes, JavaScript dialogs (an ``alert`` from injected
@@ -14,11 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import os
 import shutil
-import signal
-import subprocess
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from tests.children import ChromiumChild
 from tests.conftest import DEADLINE, MS
 
 __all__ = ["Browser", "Page", "chromium_path", "open_page", "start_browser"]
@@ -44,8 +41,6 @@ _FLAGS = (
     "--disable-default-apps",
     "--disable-features=Translate,OptimizationHints,MediaRouter",
     "--window-size=1400,1000",
-    "--remote-debugging-address=127.0.0.1",
-    "--remote-debugging-port=0",
 )
 
 
@@ -58,40 +53,16 @@ def chromium_path() -> str | None:
     return None
 
 
-@dataclass
-class Browser:
-    """A Chromium child process and where its DevTools endpoint is."""
-
-    process: subprocess.Popen[bytes]
-    ws_url: str
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
+#: The Chromium child; its ``ws_url`` is the browser's DevTools endpoint.
+Browser = ChromiumChild
 
 
 def start_browser(executable: str, profile: Path) -> Browser:
-    """Start Chromium with a fresh profile; wait for its DevTools port file."""
-    process = subprocess.Popen(
-        [executable, *_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    """Start Chromium with a fresh profile; ready once its DevTools endpoint is known."""
+    browser = Browser(
+        executable, profile, flags=_FLAGS, ready_timeout=DEADLINE * 2, stop_grace=DEADLINE
     )
-    port_file = profile / "DevToolsActivePort"
-    deadline = time.monotonic() + DEADLINE * 2
-    while True:
-        if port_file.exists():
-            lines = port_file.read_text().split()
-            if len(lines) >= 2:
-                return Browser(process, f"ws://127.0.0.1:{lines[0]}{lines[1]}")
-        if process.poll() is not None or time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            raise RuntimeError(f"chromium did not open its DevTools port (exit {process.poll()})")
-        time.sleep(20 * MS)
+    return browser.start_ready()
 
 
 @dataclass

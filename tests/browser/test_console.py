@@ -46,7 +46,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
     assert executable is not None
     started = start_browser(executable, tmp_path_factory.mktemp("chromium-profile"))
     yield started
-    started.kill()
+    started.stop()
 
 
 @pytest.fixture
