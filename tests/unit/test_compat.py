@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 from aiohttp import base_protocol, client_ws, web_runner, web_ws
-from aiohttp._websocket import helpers as websocket_helpers
 
 from proxy import compat
+from tests.aiohttp_private import websocket_helpers
 
 TEXT_PUSH_HOOK = (
     "web_ws.WebSocketDataQueue built by _post_start, its feed_data called by the parser"
