@@ -19,7 +19,7 @@ from proxy.core.session_core import DropReason, SessionCore, SessionState
 from proxy.session.frames import OP_TEXT, close_payload, frame_header
 from proxy.session.relay import pump
 from proxy.session.writer import AiohttpWriterAdapter, ClientFrameWriter
-from tests.unit.core.helpers import (
+from tests.proxy.core.helpers import (
     audio,
     b_response_cancel,
     make_settings,
@@ -28,7 +28,7 @@ from tests.unit.core.helpers import (
     sized,
     transcript_delta,
 )
-from tests.unit.shell.fakes import FakeProtocol, RecordingHooks, parse_frames
+from tests.proxy.session.fakes import FakeProtocol, RecordingHooks, parse_frames
 
 BOUND = 4096
 

@@ -21,7 +21,7 @@ from proxy.settings import load, parse_listen
 
 yaml = pytest.importorskip("yaml")
 
-KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+KUBERNETES = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 POOL = KUBERNETES / "omni-sidecar-pool.yaml"
 #: The oldest Kubernetes the manifests promise to work on (policy/v1 PDB: 1.21+).
 KUBERNETES_VERSION = "1.30.0"

@@ -21,7 +21,7 @@ from proxy.core.lifecycle import (
     SessionState,
     next_state,
 )
-from tests.unit.core.helpers import SessionPair, session_closed
+from tests.proxy.core.helpers import SessionPair, session_closed
 
 S = SessionState
 E = SessionEvent

@@ -23,7 +23,7 @@ from proxy.core.buffer import (
 )
 from proxy.core.events import UpstreamEvent
 from proxy.core.notices import compact_session_closed, session_closed
-from tests.unit.core.helpers import sized_event
+from tests.proxy.core.helpers import sized_event
 
 ORDINARY_KINDS = ["audio", "transcript", "created", "other"]
 RESERVE_KINDS = ["error", "done"]
@@ -407,7 +407,7 @@ class TestInvalidate:
         assert buf.statistics().invalidated_events == 0
 
     def test_beta_audio_is_removed_too(self) -> None:
-        from tests.unit.core.helpers import audio, event
+        from tests.proxy.core.helpers import audio, event
 
         buf = make()
         buf.offer(event(audio("r1", beta=True)), 0.0)

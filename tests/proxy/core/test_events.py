@@ -24,7 +24,7 @@ from proxy.core.events import (
     classify_upstream,
     frame_size,
 )
-from tests.unit.core import helpers as h
+from tests.proxy.core import helpers as h
 
 #: The classification table, written out independently of the implementation.
 UPSTREAM_TABLE: dict[str, EventKind] = {

@@ -11,7 +11,7 @@ from proxy.settings import load, parse_listen
 
 yaml = pytest.importorskip("yaml")
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "omni-sidecar.yaml"
+MANIFEST = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes" / "omni-sidecar.yaml"
 
 
 @pytest.fixture(scope="module")

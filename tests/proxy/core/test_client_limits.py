@@ -12,7 +12,7 @@ from proxy.core.session_core import (
     Outcome,
     SessionState,
 )
-from tests.unit.core.helpers import (
+from tests.proxy.core.helpers import (
     SessionPair,
     audio,
     make_settings,

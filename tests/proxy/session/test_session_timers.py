@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.session.timers import SessionTimers, Side
-from tests.unit.shell.fakes import ManualScheduler
+from tests.proxy.session.fakes import ManualScheduler
 
 START = 1000.0
 

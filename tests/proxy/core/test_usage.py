@@ -12,8 +12,8 @@ import pytest
 
 from proxy.core.session_core import SessionSettings
 from proxy.core.usage import UNNAMED_KEY, AudioDirection, ResponseOutcome, UsageMeter
-from tests.unit.core import helpers as h
-from tests.unit.core.helpers import SessionPair, dumps, make_settings
+from tests.proxy.core import helpers as h
+from tests.proxy.core.helpers import SessionPair, dumps, make_settings
 
 #: pcm16 at 24 kHz (the output default): 48 000 bytes = 64 000 base64 characters per second.
 CHARS_PER_SECOND_24K = 64_000

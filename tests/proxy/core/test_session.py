@@ -29,8 +29,8 @@ from proxy.core.session_core import (
     OverflowPolicy,
     SessionState,
 )
-from tests.unit.core import helpers as h
-from tests.unit.core.helpers import Delivered, SessionPair, audio_of, make_settings, types
+from tests.proxy.core import helpers as h
+from tests.proxy.core.helpers import Delivered, SessionPair, audio_of, make_settings, types
 
 AUDIO = "response.output_audio.delta"
 TRANSCRIPT = "response.output_audio_transcript.delta"

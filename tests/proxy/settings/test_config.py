@@ -40,7 +40,7 @@ from proxy.settings import (
     parse_listen,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "configs" / "omni-sidecar.example.toml"
 
 

@@ -25,7 +25,7 @@ import pytest
 from engine_launcher.systemd import Notifier, watchdog_interval
 from proxy.settings import EngineConfig, Settings
 
-UNIT = Path(__file__).resolve().parents[3] / "deploy" / "systemd" / "omni-sidecar.service"
+UNIT = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "omni-sidecar.service"
 INSTALLED_EXEC = "/opt/omni-sidecar/venv/bin/omni-sidecar"
 
 

@@ -19,7 +19,7 @@ from engine_launcher.launcher_errors import EngineStartError
 from engine_launcher.process import build_argv
 from proxy.settings import EngineConfig, load
 
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PY = sys.executable
 ENTRY = ["-m", "vllm_omni.entrypoints.cli.main", "serve"]
 

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from proxy.core.buffer import BufferLimits, Entry, Offer, OutputBuffer
 from proxy.core.events import EventKind, UpstreamEvent
 from proxy.core.notices import compact_session_closed, session_closed
-from tests.unit.core.helpers import sized_event
+from tests.proxy.core.helpers import sized_event
 
 LIMITS = BufferLimits(
     max_pending_output_bytes=800,

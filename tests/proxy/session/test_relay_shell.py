@@ -26,7 +26,7 @@ from proxy.core.session_core import OverflowPolicy, SessionCore, SessionSettings
 from proxy.session.limits import RelayLimits
 from proxy.session.relay import ACK_RIDE_WAIT, Relay
 from tests.conftest import DEADLINE, wait_until
-from tests.unit.core.helpers import (
+from tests.proxy.core.helpers import (
     audio,
     b_response_cancel,
     make_settings,
@@ -35,7 +35,7 @@ from tests.unit.core.helpers import (
     session_created,
     transcript_delta,
 )
-from tests.unit.shell.fakes import FakeClient, FakeProtocol, FakeUpstream, ManualScheduler
+from tests.proxy.session.fakes import FakeClient, FakeProtocol, FakeUpstream, ManualScheduler
 
 CLOSE_TIMEOUT = 5.0
 

@@ -28,7 +28,7 @@ from proxy.core.capabilities import (
 )
 from proxy.core.playback import ANSWER_TIMEOUT, AckErrorCode, AckMode, PlaybackSettings
 from proxy.core.session_core import DropReason
-from tests.unit.core.helpers import (
+from tests.proxy.core.helpers import (
     SessionPair,
     b_response_cancel,
     dumps,
@@ -38,7 +38,7 @@ from tests.unit.core.helpers import (
     session_created,
     types,
 )
-from tests.unit.core.test_playback import chunk
+from tests.proxy.core.test_playback import chunk
 
 V032 = EngineCapabilities.of(EngineVersion.V0_32, CapabilitySource.CONFIG)
 

@@ -1,4 +1,4 @@
-"""The operator console in a real headless Chromium (tests/browser/cdp.py).
+"""The operator console in a real headless Chromium (tests/integration/browser/cdp.py).
 
 What a person at the page would see: it loads with no console error and asks
 nothing of any other origin; a session appears in the table within 2 s and
@@ -23,9 +23,9 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.browser.cdp import Browser, Page, chromium_path, open_page, start_browser
 from tests.conftest import DEADLINE, MS, RunningSidecar
 from tests.fakes.scripted_engine import ScriptedEngine
+from tests.integration.browser.cdp import Browser, Page, chromium_path, open_page, start_browser
 from tests.integration.test_metrics import RawClient
 
 pytestmark = pytest.mark.skipif(

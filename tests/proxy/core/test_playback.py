@@ -10,7 +10,7 @@ import pytest
 
 from proxy.core.playback import AckMode, PlaybackSettings, audio_seconds
 from proxy.core.session_core import SessionState
-from tests.unit.core.helpers import (
+from tests.proxy.core.helpers import (
     SessionPair,
     b_response_cancel,
     dumps,
