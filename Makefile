@@ -11,7 +11,7 @@
 #                  (scripts/cpu_hog.py): what a loaded CI machine does to timing
 #   make native  - compile the I/O-free core (proxy/core) with mypyc: ~13 % less
 #                  sidecar CPU per event; `make pure` goes back to the Python core
-# Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/unit"`.
+# Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/proxy"`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -2,8 +2,11 @@
 
 Everything runs on 127.0.0.1. Processes are pinned with ``taskset``: the
 proxy under test gets its own core (``PROXY_CPU``) and everything else (engine,
-load client, this orchestrator) shares ``LOAD_CPU``. Every child is started in
-its own process group and stopped by pid (SIGTERM, then SIGKILL).
+load client, this orchestrator) shares ``LOAD_CPU``. Every long-lived child is
+a :class:`tests.children.ChildProcess` (the tests' harness): started in its own
+process group, ready on a condition under a deadline (a failure quotes its
+log), stopped with SIGTERM, then SIGKILL to its group only. :func:`start` and
+:func:`started` add the pinning and the niceness.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
+
+from tests.children import ChildProcess
 
 __all__ = [
     "BENCH_DIR",
@@ -44,7 +48,7 @@ __all__ = [
     "renice_autogroup",
     "run_json",
     "start",
-    "wait_port",
+    "started",
 ]
 
 BENCH_DIR: Final = Path(__file__).resolve().parent
@@ -112,77 +116,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(
-    port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
-) -> None:
-    """Wait until 127.0.0.1:port accepts a TCP connection."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            try:
-                s.connect(("127.0.0.1", port))
-                return
-            except OSError:
-                time.sleep(0.05)
-    raise TimeoutError(f"port {port} did not open within {timeout} s")
-
-
-@dataclass
-class Proc:
-    """A child process started by :func:`start`."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    extra_pids: list[int] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def pids(self) -> list[int]:
-        """The process and its direct children (nginx: master + worker)."""
-        out = [self.pid]
-        with contextlib.suppress(OSError):
-            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-            out.extend(int(c) for c in children)
-        return out
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout)
-
-    # The names of tests.children.ChildProcess, so that a Stack holds either kind.
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes]:
-        return self.popen
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def running(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self) -> str:
-        return self.tail()
+class Proc(ChildProcess):
+    """A benchmark child started by :func:`start`: the tests' harness, pinned and niced."""
 
     def tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
+        """The last ``lines`` lines of its log."""
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+_Child = TypeVar("_Child", bound=ChildProcess)
 
 
 _LOG_DIR: Path | None = None
@@ -209,22 +151,42 @@ def log_path_for(name: str) -> Path:
     return log_dir() / f"{name}-{int(time.time() * 1000)}.log"
 
 
-def start(name: str, argv: Sequence[str], *, cpu: int, env: dict[str, str] | None = None) -> Proc:
-    """Start ``argv`` pinned to ``cpu`` in its own process group; output to a log."""
-    log_path = log_path_for(name)
-    full = [*cpu_prefix(cpu), *argv]
-    merged = child_env(env)
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
-            full,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=merged,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    renice_autogroup(popen.pid)
-    return Proc(name, popen, log_path)
+def start(
+    name: str,
+    argv: Sequence[str],
+    *,
+    cpu: int,
+    env: dict[str, str] | None = None,
+    ready_port: int | None = None,
+    ready_timeout: float = 20.0,
+    stop_grace: float = 5.0,
+) -> Proc:
+    """Start ``argv`` pinned to ``cpu`` in its own process group, output to a log.
+
+    Returns once ``ready_port`` accepts TCP (None: once spawned, e.g. a load
+    client); a child that exits first or misses ``ready_timeout`` fails with
+    its log tail and is stopped.
+    """
+    child = Proc(
+        name, argv, ready_port=ready_port, env=child_env(env), log_path=log_path_for(name),
+        cwd=ROOT, prefix=cpu_prefix(cpu), stop_grace=stop_grace, ready_timeout=ready_timeout,
+    )  # fmt: skip
+    return started(child)
+
+
+def started(child: _Child) -> _Child:
+    """Start ``child`` (its argv already pinned), give its autogroup ``NICE``, wait till ready.
+
+    Stopped again when it does not get ready.
+    """
+    child.start()
+    renice_autogroup(child.pid)
+    try:
+        child.wait_ready()
+    except BaseException:
+        child.stop()
+        raise
+    return child
 
 
 def run_json(argv: Sequence[str], *, cpu: int, timeout: float) -> dict[str, Any]:

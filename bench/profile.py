@@ -130,7 +130,7 @@ def profile(ns: argparse.Namespace) -> None:
             timeout=ns.profile_seconds + 60,
             capture_output=True,
         )
-        client.popen.wait(timeout=ns.profile_seconds + 90)
+        client.wait_exit(timeout=ns.profile_seconds + 90)
         result_line = client.log_path.read_text().strip().splitlines()[-1]
     result = __import__("json").loads(result_line)
     summary = summarize(out.read_text())

@@ -38,6 +38,7 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
+from tests.aiohttp_private import transport_of
 from tests.children import SidecarChild
 
 __all__ = ["main"]
@@ -184,9 +185,9 @@ class Session:
                     await asyncio.sleep(stall_for)  # a slow client: stop reading for a while
                 if vanish_after is not None and audio == vanish_after:
                     self.stats.vanished += 1
-                    connection = self.ws._response.connection
-                    if connection is not None and connection.transport is not None:
-                        connection.transport.abort()
+                    transport = transport_of(self.ws)
+                    if transport is not None:
+                        transport.abort()
                     return False
             elif kind == "response.done":
                 status = str(response.get("status", "?"))

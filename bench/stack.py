@@ -16,40 +16,39 @@ Each proxy is pinned to ``PROXY_CPU`` when it is measured. Only one proxy is
 measured at a time, but all of them stay up for the scenario (idle ones cost
 nothing).
 
-The sidecar and the simulator engine are :mod:`tests.children` harnesses, the
-same ones the tests start; the other processes are :func:`bench.common.start`'s.
+Every process is a :mod:`tests.children` harness, the one the tests start
+their children with (the sidecar, the simulator and nginx are its subclasses;
+the bench engine and the bare relays come from :func:`bench.common.start`),
+pinned and niced by :func:`bench.common.started`.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final
 
 from bench.common import (
     LOAD_CPU,
     PROXY_CPU,
     ROOT,
-    Proc,
     child_env,
     cpu_prefix,
     free_port,
     log_path_for,
     python,
-    renice_autogroup,
     start,
-    wait_port,
+    started,
 )
-from tests.children import ChildProcess, SidecarChild, SimulatorChild
+from tests.children import ChildProcess, NginxChild, SidecarChild, SimulatorChild
 
 __all__ = ["CONFIGS", "Stack", "ensure_nginx", "start_sidecar", "start_simulator"]
-
-_Child = TypeVar("_Child", bound=ChildProcess)
 
 CONFIGS: Final = ("direct", "nginx", "bare", "bare-picows", "sidecar")
 
@@ -114,7 +113,7 @@ class Stack:
     nginx_buffer: str = "4k"
     #: Another checkout whose sidecar runs as config "baseline" (an earlier commit).
     baseline_tree: Path | None = None
-    procs: dict[str, Proc | ChildProcess] = field(default_factory=dict)
+    procs: dict[str, ChildProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
     def __enter__(self) -> Stack:  # noqa: PYI034 - final in practice
@@ -133,8 +132,7 @@ class Stack:
         self.ports["direct"] = engine_port
         if self.engine == "bench":
             argv = [python(), "-m", "bench.engine", "--port", str(engine_port)]
-            self.procs["engine"] = bench_engine = start("engine", argv, cpu=LOAD_CPU)
-            wait_port(engine_port, proc=bench_engine.popen)
+            self.procs["engine"] = start("engine", argv, cpu=LOAD_CPU, ready_port=engine_port)
         else:
             self.procs["engine"] = start_simulator(engine_port, *self.simulator_args)
         upstream = f"ws://127.0.0.1:{engine_port}"
@@ -149,12 +147,15 @@ class Stack:
                     tmp=tmp, port=port, upstream=engine_port, buffer=self.nginx_buffer
                 )
             )
-            self.procs["nginx"] = start(
-                "nginx",
-                [ensure_nginx(), "-p", str(tmp), "-c", str(conf), "-g", "daemon off; user root;"],
-                cpu=PROXY_CPU,
-            )
-            wait_port(port, proc=self.procs["nginx"].proc)
+            # SIGTERM (fast shutdown), not the graceful SIGQUIT: a client may still be connected.
+            self.procs["nginx"] = started(
+                NginxChild(
+                    tmp, conf, ready_port=port, directives="daemon off; user root;",
+                    executable=ensure_nginx(), env=child_env(), log_path=log_path_for("nginx"),
+                    cwd=ROOT, prefix=cpu_prefix(PROXY_CPU), stop_signal=signal.SIGTERM,
+                    stop_grace=5.0,
+                )
+            )  # fmt: skip
             self.ports["nginx"] = port
         if "bare" in self.configs:
             port = free_port()
@@ -162,8 +163,8 @@ class Stack:
                 "bare",
                 [python(), "-m", "bench.bare_relay", "--port", str(port), "--upstream", upstream],
                 cpu=PROXY_CPU,
+                ready_port=port,
             )
-            wait_port(port, proc=self.procs["bare"].proc)
             self.ports["bare"] = port
         if "bare-picows" in self.configs:
             port = free_port()
@@ -181,8 +182,8 @@ class Stack:
                     "picows",
                 ],
                 cpu=PROXY_CPU,
+                ready_port=port,
             )
-            wait_port(port, proc=self.procs["bare-picows"].proc)
             self.ports["bare-picows"] = port
         if "sidecar" in self.configs:
             sidecar = start_sidecar("sidecar", upstream, *self.sidecar_args)
@@ -249,7 +250,7 @@ def start_sidecar(name: str, upstream: str, *args: str, tree: Path | None = None
         prefix=cpu_prefix(PROXY_CPU), ready_path=None, ready_timeout=30.0, stop_grace=5.0,
         name=name,
     )  # fmt: skip
-    return _started(child)
+    return started(child)
 
 
 def tree_command(tree: Path) -> list[str]:
@@ -276,18 +277,7 @@ def start_simulator(port: int, *args: str) -> SimulatorChild:
         *args, port=port, env=child_env(), log_path=log_path_for("engine"), cwd=ROOT,
         prefix=cpu_prefix(LOAD_CPU), python=python(), stop_grace=5.0, name="engine",
     )  # fmt: skip
-    return _started(child)
-
-
-def _started(child: _Child) -> _Child:
-    child.start()
-    renice_autogroup(child.pid)
-    try:
-        child.wait_ready()
-    except BaseException:
-        child.stop()
-        raise
-    return child
+    return started(child)
 
 
 def root() -> Path:

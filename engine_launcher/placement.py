@@ -1,7 +1,7 @@
 """Which engine replica a new session goes to (docs/design.md, Engine pool).
 
 Pure and I/O-free: the rules only, with time passed in, so every rule is
-tested socket-free (tests/unit/test_pool_placement.py). The state they are
+tested socket-free (tests/engine_launcher/test_pool_placement.py). The state they are
 applied to (each replica's supervisor state, drain, engine-full backoff and
 session count) has one owner, :class:`~engine_launcher.admission.EngineAdmission`.
 Bound: one entry per replica, ``engine.replicas`` ≤ ``MAX_REPLICAS`` (64).

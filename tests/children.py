@@ -1,32 +1,47 @@
-"""Child processes the tests and the benchmarks start: the sidecar and the simulator.
+"""Child processes the tests and the benchmarks start, all through one harness.
 
-``SidecarChild`` runs ``omni-sidecar serve``; ``SimulatorChild`` runs
-``python -m engine_launcher.simulator``. Both are real processes on loopback
-ports (free ones unless given), and both follow the same rules:
+``ChildProcess`` runs one command as a child; its subclasses know how to run
+the ones the project needs:
 
-* readiness is a condition polled under a deadline (``/readyz`` or
-  ``/health`` answering 200, or the port accepting TCP); a child that exits
-  or does not get there fails at once with what was waited on, the exit
-  status and the tail of its log;
-* stopping sends SIGTERM to the child it started, then SIGKILL to its
-  process group after a grace, and reaps it. A sidecar stops its own engine
-  on SIGTERM; when it had to be killed, the engine children it had at that
-  moment (found by parent pid just before the kill, each the leader of its
-  own process group) are killed too, so nothing is left behind. Nothing
-  else is ever signalled.
+* ``SidecarChild``: ``omni-sidecar serve``; ``SimulatorChild``: ``python -m
+  engine_launcher.simulator`` (loopback ports, free ones unless given);
+* ``NginxChild``: nginx in the foreground with a prefix and config of the
+  caller's (tests of the shipped nginx examples; the benchmarks' nginx path);
+* ``PrometheusChild``: a Prometheus server scraping what its config names;
+* ``RedisChild``: a ``redis-server`` without persistence (shared quotas);
+* ``ChromiumChild``: a headless Chromium with its DevTools endpoint open.
 
-Both work as sync and as async context managers (entering starts and waits
+All of them follow the same rules:
+
+* readiness is a condition polled under a deadline (an HTTP path answering,
+  a port accepting TCP, or a predicate such as "redis answers PING" or "the
+  DevTools port file is written"); a child that exits or does not get there
+  fails at once with what was waited on, the exit status and the tail of its
+  log (and of any other log file it writes, such as nginx's error log);
+* stopping sends the child it started its stop signal (SIGTERM, or nginx's
+  graceful SIGQUIT), then SIGKILL to its process group after a grace, and
+  reaps it. A child started in its own process group (the default) leaves
+  nothing of that group behind: once the child has exited, and before it is
+  reaped (so the group id cannot have been reused), whatever it left in its
+  group (nginx's workers, Chromium's helpers) is killed too. A sidecar stops
+  its own engine on SIGTERM; when it had to be killed, the engine children it
+  had at that moment (found by parent pid just before the kill, each the
+  leader of its own process group) are killed too. Nothing else is ever
+  signalled.
+
+All work as sync and as async context managers (entering starts and waits
 for readiness unless told not to; leaving stops), or by hand with
-``start()``, ``wait_ready()`` / ``await ready()`` and ``stop()`` /
-``await astop()``.
+``start()``, ``wait_ready()`` / ``await ready()`` (or ``start_ready()``) and
+``stop()`` / ``await astop()``.
 
 This module lives in ``tests/`` and the benchmarks import it (``python -m
 bench`` runs from the repository root, where ``tests`` is a package): the
 benchmarks measure the same processes the tests check, so they share the
-tests' way of starting them. It imports only the standard library and
-aiohttp (never pytest or ``tests.conftest``), so a benchmark run needs no
-test extras. Timeouts are parameters: the tests pass their ``DEADLINE``-based
-values, the benchmarks their own.
+tests' way of starting them (``bench.common.start`` adds CPU pinning and
+niceness on top). It imports only the standard library and aiohttp (never
+pytest or ``tests.conftest``), so a benchmark run needs no test extras.
+Timeouts are parameters: the tests pass their ``DEADLINE``-based values, the
+benchmarks their own.
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
@@ -52,12 +67,17 @@ import aiohttp
 __all__ = [
     "ChildNotReady",
     "ChildProcess",
+    "ChromiumChild",
+    "NginxChild",
+    "PrometheusChild",
+    "RedisChild",
     "SidecarChild",
     "SimulatorChild",
     "child_pids",
     "clean_env",
     "cli_argv",
     "free_port",
+    "group_members",
 ]
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[1]
@@ -65,6 +85,8 @@ REPO_ROOT: Final = Path(__file__).resolve().parents[1]
 POLL_SECONDS: Final = 0.02
 #: How much of a child's log a failure message quotes.
 LOG_TAIL_CHARS: Final = 3000
+#: How long a stop waits for a SIGKILLed process group to be gone (it takes milliseconds).
+GROUP_GONE_SECONDS: Final = 5.0
 
 _CLI_SCRIPT: Final = Path(sys.executable).with_name("omni-sidecar")
 
@@ -103,9 +125,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def child_pids(pid: int) -> list[int]:
-    """Live (non-zombie) child pids of ``pid``, read from ``/proc``."""
-    out = []
+def _live_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields after its command name) of every live (non-zombie) process."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -113,11 +134,27 @@ def child_pids(pid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        # "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
+        # "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 2 and fields[1] == str(pid) and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
+        if len(fields) >= 3 and fields[0] != "Z":
+            yield int(entry.name), fields
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live (non-zombie) child pids of ``pid``, read from ``/proc``."""
+    return [child for child, fields in _live_stats() if fields[1] == str(pid)]
+
+
+def group_members(pgid: int, *, besides: int | None = None) -> list[int]:
+    """Live (non-zombie) pids in process group ``pgid`` other than ``besides``."""
+    return [pid for pid, fields in _live_stats() if fields[2] == str(pgid) and pid != besides]
+
+
+def _wait_group_gone(pgid: int, *, besides: int) -> None:
+    """After a SIGKILL to the group: wait (briefly; death is asynchronous) until it is empty."""
+    deadline = time.monotonic() + GROUP_GONE_SECONDS
+    while group_members(pgid, besides=besides) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS / 4)
 
 
 class ChildProcess:
@@ -126,14 +163,21 @@ class ChildProcess:
     Args:
         name: what failure messages call it.
         argv: the command (``prefix`` is put in front, e.g. ``taskset -c 3``).
+        ready_port: the loopback port of the readiness condition (below).
+        ready_path: the HTTP path on ``ready_port`` that answers ``ready_status``
+            once it is ready; None: ready when ``ready_port`` accepts a TCP connection.
+        ready_status: the status that means ready; None: any HTTP answer.
+        ready: a predicate instead (quick, blocking; the async wait runs it in a
+            thread), described by ``ready_what``. With neither ``ready`` nor
+            ``ready_port`` the child is ready once spawned (a load client).
         env: its whole environment (None: this process's).
         log_path: where stdout and stderr go; None: a temporary file, removed on stop.
+        side_logs: other log files the child writes (nginx's error log); failure
+            messages quote their tails too.
         new_session: start it in its own session and process group (so that
             SIGKILL reaches what it forked, and a terminal's signals do not).
-        stop_grace: seconds between SIGTERM and SIGKILL on stop.
-        ready_path: the HTTP path that answers ``ready_status`` once it is
-            ready; None: ready when ``ready_port`` accepts a TCP connection.
-        ready_status: the status that means ready; None: any HTTP answer.
+        stop_signal: what asks it to stop (SIGTERM; nginx's graceful SIGQUIT).
+        stop_grace: seconds between the stop signal and SIGKILL on stop.
     """
 
     def __init__(
@@ -141,29 +185,38 @@ class ChildProcess:
         name: str,
         argv: Sequence[str],
         *,
-        ready_port: int,
-        ready_path: str | None,
+        ready_port: int | None = None,
+        ready_path: str | None = None,
+        ready: Callable[[], bool] | None = None,
+        ready_what: str | None = None,
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
+        side_logs: Sequence[Path] = (),
         cwd: Path | None = None,
         prefix: Sequence[str] = (),
         new_session: bool = True,
+        stop_signal: signal.Signals = signal.SIGTERM,
         stop_grace: float = 10.0,
         ready_timeout: float = 20.0,
         ready_status: int | None = 200,
     ) -> None:
+        assert ready is None or ready_what, "a readiness predicate needs ready_what"
         self.name = name
         self.argv = [*prefix, *argv]
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self.new_session = new_session
+        self.stop_signal = stop_signal
         self.stop_grace = stop_grace
         self.ready_timeout = ready_timeout
         self.ready_port = ready_port
         self.ready_path = ready_path
         self.ready_status = ready_status
+        self.ready_check = ready
+        self._ready_what = ready_what
         self._own_log = log_path is None
         self.log_path = log_path if log_path is not None else _temporary_log(name)
+        self.side_logs = list(side_logs)
         self._proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
 
@@ -183,6 +236,26 @@ class ChildProcess:
                 start_new_session=self.new_session,
             )
         self.started_at = time.monotonic()
+        return self
+
+    def start_ready(self, timeout: float | None = None) -> Self:
+        """:meth:`start`, then :meth:`wait_ready`; stopped again if it does not get ready."""
+        self.start()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def astart_ready(self, timeout: float | None = None) -> Self:
+        """:meth:`start_ready` without blocking the loop."""
+        self.start()
+        try:
+            await self.ready(timeout)
+        except BaseException:
+            await self.astop()
+            raise
         return self
 
     @property
@@ -213,7 +286,15 @@ class ChildProcess:
             return ""
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        return self.log()[-chars:]
+        """The end of its log, then (headed by their paths) of its side logs."""
+        tail = self.log()[-chars:]
+        for path in self.side_logs:
+            try:
+                side = path.read_text(errors="replace")[-chars:]
+            except OSError:
+                side = "(not written)"
+            tail += f"\n-- {path} ends:\n{side}"
+        return tail
 
     def _not_ready(self, what: str, timeout: float) -> ChildNotReady:
         code = self.proc.poll()
@@ -224,6 +305,11 @@ class ChildProcess:
 
     @property
     def ready_what(self) -> str:
+        if self.ready_check is not None:
+            assert self._ready_what is not None
+            return self._ready_what
+        if self.ready_port is None:
+            return "the process to start"
         if self.ready_path is None:
             return f"127.0.0.1:{self.ready_port} to accept TCP"
         answer = "any answer" if self.ready_status is None else str(self.ready_status)
@@ -259,6 +345,10 @@ class ChildProcess:
             await asyncio.sleep(POLL_SECONDS)
 
     def _ready_now(self) -> bool:
+        if self.ready_check is not None:
+            return self.ready_check()
+        if self.ready_port is None:
+            return True
         if self.ready_path is None:
             return _accepts(self.ready_port)
         url = f"http://127.0.0.1:{self.ready_port}{self.ready_path}"
@@ -274,6 +364,10 @@ class ChildProcess:
         return self.ready_status is None or status == self.ready_status
 
     async def _ready_now_async(self) -> bool:
+        if self.ready_check is not None:
+            return await asyncio.to_thread(self.ready_check)
+        if self.ready_port is None:
+            return True
         if self.ready_path is None:
             try:
                 _, writer = await asyncio.wait_for(
@@ -305,16 +399,20 @@ class ChildProcess:
         return code
 
     def stop(self, grace: float | None = None) -> int | None:
-        """SIGTERM, then after ``grace`` SIGKILL; reap. Its exit status (None if never started)."""
+        """Stop signal, then after ``grace`` SIGKILL; reap. Its exit status (None if never started)."""
         if self._proc is None:
             return None
         try:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-                try:
-                    self._proc.wait(timeout=self.stop_grace if grace is None else grace)
-                except subprocess.TimeoutExpired:
-                    self._kill()
+            if self._proc.returncode is None:
+                if not self._exited_unreaped():
+                    self._signal(self.stop_signal)
+                    deadline = time.monotonic() + (self.stop_grace if grace is None else grace)
+                    while not self._exited_unreaped():
+                        if time.monotonic() >= deadline:
+                            self._kill()
+                            break
+                        time.sleep(POLL_SECONDS)
+                self._reap()
             return self._proc.returncode
         finally:
             self._closed()
@@ -324,21 +422,52 @@ class ChildProcess:
         if self._proc is None:
             return None
         try:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-                try:
-                    await self.exited(self.stop_grace if grace is None else grace)
-                except TimeoutError:
-                    self._kill()
+            if self._proc.returncode is None:
+                if not self._exited_unreaped():
+                    self._signal(self.stop_signal)
+                    loop = asyncio.get_running_loop()
+                    deadline = loop.time() + (self.stop_grace if grace is None else grace)
+                    while not self._exited_unreaped():
+                        if loop.time() >= deadline:
+                            self._kill()
+                            break
+                        await asyncio.sleep(POLL_SECONDS)
+                self._reap()
             return self._proc.returncode
         finally:
             self._closed()
 
     def kill(self) -> None:
         """SIGKILL at once (a test that wants no drain); reap."""
-        if self._proc is not None and self._proc.poll() is None:
+        if self._proc is not None and self._proc.returncode is None:
             self._kill()
         self._closed()
+
+    def _exited_unreaped(self) -> bool:
+        """It has exited; not reaped, so its pid (and process group id) stays reserved."""
+        if self.proc.returncode is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped behind Popen's back: nothing of it is left to us
+            return True
+        return info is not None
+
+    def _signal(self, signum: int) -> None:
+        """Signal the child itself (alive or a zombie not yet reaped: still ours)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signum)
+
+    def _reap(self) -> None:
+        """Reap it; first kill what it left in its own process group (held by the zombie)."""
+        proc = self.proc
+        if proc.returncode is not None:
+            return
+        if self.new_session and group_members(proc.pid, besides=proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            _wait_group_gone(proc.pid, besides=proc.pid)
+        proc.wait()
 
     def _kill(self) -> None:
         proc = self.proc
@@ -350,6 +479,8 @@ class ChildProcess:
                 os.killpg(proc.pid, signal.SIGKILL)
             else:
                 proc.kill()
+        if self.new_session:
+            _wait_group_gone(proc.pid, besides=proc.pid)
         proc.wait()
         for pid in leftovers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -364,13 +495,7 @@ class ChildProcess:
     # -- context managers ------------------------------------------------------------------
 
     def __enter__(self) -> Self:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return self.start_ready()
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -378,13 +503,7 @@ class ChildProcess:
         self.stop()
 
     async def __aenter__(self) -> Self:
-        self.start()
-        try:
-            await self.ready()
-        except BaseException:
-            await self.astop()
-            raise
-        return self
+        return await self.astart_ready()
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -488,6 +607,170 @@ class SimulatorChild(_RealtimeServer):
             log_path=log_path, cwd=cwd, prefix=prefix, new_session=new_session,
             stop_grace=stop_grace, ready_timeout=ready_timeout, ready_status=ready_status,
         )  # fmt: skip
+
+
+class NginxChild(ChildProcess):
+    """``nginx -p DIRECTORY -c CONFIG -e DIRECTORY/error.log`` in the foreground, as a child.
+
+    The config (or ``directives``, nginx's ``-g``) must say ``daemon off;``, and
+    keep its pid file and temp paths under ``directory``. Ready when
+    ``ready_port`` accepts TCP, or, with ``ready_path``, when it answers
+    ``ready_status`` there (a site proxied through it is up). Stopped with
+    SIGQUIT by default (graceful: the master lets its workers finish), then
+    SIGKILL to its group; its workers go with it. Failures quote its error log.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        config: Path,
+        *,
+        ready_port: int,
+        ready_path: str | None = None,
+        ready_status: int | None = 200,
+        directives: str | None = None,
+        executable: str = "nginx",
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+        cwd: Path | None = None,
+        prefix: Sequence[str] = (),
+        stop_signal: signal.Signals = signal.SIGQUIT,
+        stop_grace: float = 10.0,
+        ready_timeout: float = 20.0,
+        name: str = "nginx",
+    ) -> None:
+        self.directory = directory
+        self.port = ready_port
+        self.error_log = directory / "error.log"
+        argv = [executable, "-p", str(directory), "-c", str(config), "-e", str(self.error_log)]
+        if directives is not None:
+            argv += ["-g", directives]
+        super().__init__(
+            name, argv, ready_port=ready_port, ready_path=ready_path, ready_status=ready_status,
+            env=env, log_path=log_path, side_logs=[self.error_log], cwd=cwd, prefix=prefix,
+            stop_signal=stop_signal, stop_grace=stop_grace, ready_timeout=ready_timeout,
+        )  # fmt: skip
+
+
+class PrometheusChild(ChildProcess):
+    """A Prometheus server on ``127.0.0.1:port`` scraping what ``config`` names.
+
+    Its TSDB lives in ``storage``; ``args`` are more flags (retention, log
+    level). Ready when ``/-/ready`` answers 200.
+    """
+
+    def __init__(
+        self,
+        config: Path,
+        storage: Path,
+        *args: str,
+        port: int | None = None,
+        executable: str = "prometheus",
+        log_path: Path | None = None,
+        stop_grace: float = 10.0,
+        ready_timeout: float = 30.0,
+        name: str = "prometheus",
+    ) -> None:
+        self.port = free_port() if port is None else port
+        argv = [
+            executable, f"--config.file={config}", f"--storage.tsdb.path={storage}",
+            f"--web.listen-address=127.0.0.1:{self.port}", *args,
+        ]  # fmt: skip
+        super().__init__(
+            name, argv, ready_port=self.port, ready_path="/-/ready", log_path=log_path,
+            stop_grace=stop_grace, ready_timeout=ready_timeout,
+        )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class RedisChild(ChildProcess):
+    """``redis-server`` on ``127.0.0.1:port`` without persistence, its files in ``directory``.
+
+    Ready when it answers ``PING`` with ``+PONG`` (it loaded and listens).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        executable: str = "redis-server",
+        log_path: Path | None = None,
+        stop_grace: float = 10.0,
+        ready_timeout: float = 20.0,
+        name: str = "redis-server",
+    ) -> None:
+        self.port = free_port() if port is None else port
+        argv = [
+            executable, "--save", "", "--appendonly", "no", "--port", str(self.port),
+            "--bind", "127.0.0.1", "--dir", str(directory),
+        ]  # fmt: skip
+        super().__init__(
+            name, argv, ready=self._pong, ready_what=f"PING on 127.0.0.1:{self.port} +PONG",
+            log_path=log_path, stop_grace=stop_grace, ready_timeout=ready_timeout,
+        )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _pong(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+class ChromiumChild(ChildProcess):
+    """A headless Chromium with a fresh ``profile`` and its DevTools endpoint on loopback.
+
+    ``--remote-debugging-port=0`` lets it pick the port; ready once it wrote
+    the port and path to ``profile/DevToolsActivePort`` (:attr:`ws_url`).
+    ``flags`` are the rest of its command line (headless mode, features off).
+    """
+
+    def __init__(
+        self,
+        executable: str,
+        profile: Path,
+        *,
+        flags: Sequence[str] = ("--headless",),
+        log_path: Path | None = None,
+        stop_grace: float = 10.0,
+        ready_timeout: float = 20.0,
+        name: str = "chromium",
+    ) -> None:
+        self.port_file = profile / "DevToolsActivePort"
+        argv = [
+            executable, *flags, "--remote-debugging-address=127.0.0.1",
+            "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank",
+        ]  # fmt: skip
+        super().__init__(
+            name, argv, ready=lambda: self._endpoint() is not None,
+            ready_what=f"{self.port_file} to name the DevTools endpoint", log_path=log_path,
+            stop_grace=stop_grace, ready_timeout=ready_timeout,
+        )  # fmt: skip
+
+    @property
+    def ws_url(self) -> str:
+        """The browser's DevTools WebSocket (known once ready)."""
+        endpoint = self._endpoint()
+        assert endpoint is not None, f"{self.name} not ready"
+        return endpoint
+
+    def _endpoint(self) -> str | None:
+        try:
+            lines = self.port_file.read_text().split()
+        except OSError:
+            return None
+        if len(lines) < 2:
+            return None
+        return f"ws://127.0.0.1:{lines[0]}{lines[1]}"
 
 
 def _accepts(port: int) -> bool:

@@ -7,16 +7,24 @@ read from the Makefile, so the suite and ``make lint`` cannot drift apart.
 ``.ci/run`` and the tests never stop or signal a process they did not start
 (issue 13, item 10): no kill-by-name command and no service stop anywhere in
 them. A test that needs a service runs its own on a free port.
+
+The tests and the benchmarks reach into aiohttp's private parts in one module
+only, ``tests/aiohttp_private.py``, which says why each reach is needed (the
+product's own reaches are ``proxy/compat.py``'s, docs/design.md, Code rules
+(12)).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,3 +105,138 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert re.search(r"^make test$", ci, re.MULTILINE), ".ci/run must call `make test`"
     assert "make test" in readme
+
+
+# -- aiohttp's private parts ------------------------------------------------------------------
+
+#: The one module of tests/ and bench/ that may reach into aiohttp privates.
+AIOHTTP_DOOR = ROOT / "tests" / "aiohttp_private.py"
+#: Reaches that the check below takes for aiohttp's but are not: (file name, expression)
+#: of a project object whose private shares a name with one of aiohttp's.
+NOT_AIOHTTP = {
+    # The product's DuplexClientBase: its closed event.
+    ("test_protocol_shapes.py", "client._closed"),
+    # The product's admission condition: an asyncio.Condition's waiters.
+    ("test_supervisor.py", "admission._freed._waiters"),
+    # The I/O-free core's playback ledger.
+    ("test_capabilities.py", "p.core.playback._awaited"),
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+@functools.cache
+def _aiohttp_private_names() -> frozenset[str]:
+    """Every private name aiohttp defines: attributes it sets, methods, classes, module names."""
+    names = set()
+    for path in Path(aiohttp.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+    return frozenset(name for name in names if _private(name))
+
+
+def aiohttp_reaches(path: Path, private: frozenset[str]) -> list[str]:
+    """``path:line: what`` for each reach of the file's code into aiohttp privates.
+
+    A reach is an import of a private aiohttp module or name, an attribute
+    ``x._name`` where aiohttp defines ``_name`` (on anything but ``self`` or
+    ``cls``: a class's own privates are its business), or ``getattr``-like
+    calls (``setattr``, ``delattr``, ``hasattr``, ``monkeypatch.setattr``) with
+    such a name as a literal. Which object the expression is cannot be known
+    from the source; :data:`NOT_AIOHTTP` lists the project's own that collide.
+    """
+    found = []
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        what = None
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+                if node.module.split(".")[0] == "aiohttp":
+                    modules += [f"{node.module}.{a.name}" for a in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "aiohttp" and any(_private(part) for part in parts):
+                    what = f"imports {module}"
+        elif isinstance(node, ast.Attribute) and node.attr in private:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                what = ast.unparse(node)
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            function = node.func
+            called = function.attr if isinstance(function, ast.Attribute) else None
+            called = function.id if isinstance(function, ast.Name) else called
+            name = node.args[1]
+            if (
+                called in ("getattr", "setattr", "delattr", "hasattr")
+                and isinstance(name, ast.Constant)
+                and name.value in private
+            ):
+                what = ast.unparse(node)
+        if what is not None and (path.name, what) not in NOT_AIOHTTP:
+            found.append(f"{where}:{node.lineno}: {what}")
+    return found
+
+
+def _tests_and_bench() -> list[Path]:
+    return sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "bench").rglob("*.py"))
+
+
+def test_only_the_helper_reaches_into_aiohttp_privates() -> None:
+    private = _aiohttp_private_names()
+    found = [
+        reach
+        for path in _tests_and_bench()
+        if path != AIOHTTP_DOOR
+        for reach in aiohttp_reaches(path, private)
+    ]
+    assert not found, (
+        "reaches into aiohttp privates outside tests/aiohttp_private.py (add a helper there "
+        "that says why, or to NOT_AIOHTTP if the object is the project's own):\n" + "\n".join(found)
+    )
+
+
+def test_the_helper_is_where_the_reaches_are() -> None:
+    """The door itself reaches (so the check above has something to keep in)."""
+    assert aiohttp_reaches(AIOHTTP_DOOR, _aiohttp_private_names())
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "ws._response.connection.transport.abort()",
+        "port = site._server.sockets[0]",
+        "from aiohttp._websocket import helpers",
+        "import aiohttp._websocket.reader",
+        "from aiohttp.web_protocol import _ErrInfo",
+        "getattr(protocol, '_drain_helper')",
+        "monkeypatch.setattr(client, '_writer', writer)",
+    ],
+)
+def test_the_aiohttp_check_sees_a_reach(source: str, tmp_path: Path) -> None:
+    path = tmp_path / "test_reach.py"
+    path.write_text(source + "\n")
+    assert aiohttp_reaches(path, _aiohttp_private_names()), source
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "self._writer = writer",
+        "from aiohttp import web",
+        "ws.close_code",
+        "getattr(ws, 'close_code')",
+        "helper._no_such_private_in_aiohttp",
+    ],
+)
+def test_the_aiohttp_check_leaves_the_rest(source: str, tmp_path: Path) -> None:
+    path = tmp_path / "test_other.py"
+    path.write_text(source + "\n")
+    assert aiohttp_reaches(path, _aiohttp_private_names()) == [], source

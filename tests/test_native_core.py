@@ -2,9 +2,10 @@
 
 The rest of the suite runs whichever core the checkout holds (a clean one:
 Python). This file builds the compiled core in a copy of the working tree and
-runs the core's and the relay shell's unit tests against it, so both builds
-stay tested; and checks the import guard that refuses a compiled module older
-than its source.
+runs the tests of the core and of the proxy parts that call it (the session's
+shell and the edge: ``tests/proxy/core``, ``session``, ``edge``) against it, so
+both builds stay tested; and checks the import guard that refuses a compiled
+module older than its source.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from proxy.native import StaleNativeCore, core_build
 
 ROOT = Path(__file__).resolve().parent.parent
 _SO = ".cpython-311-x86_64-linux-gnu.so"
+#: What runs against the compiled core: the core's tests and those of its callers' shells.
+NATIVE_TESTS = ("tests/proxy/core", "tests/proxy/session", "tests/proxy/edge")
 
 
 def _touch(path: Path, mtime: float) -> None:
@@ -62,17 +65,9 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
         shutil.copytree(
             ROOT / name, tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__")
         )
-    (tree / "tests" / "unit").mkdir(parents=True)
-    # conftest.py imports the child-process harness (tests/children.py).
-    for name in ("__init__.py", "conftest.py", "children.py"):
-        shutil.copy2(ROOT / "tests" / name, tree / "tests" / name)
-    shutil.copy2(ROOT / "tests" / "unit" / "__init__.py", tree / "tests" / "unit" / "__init__.py")
-    for name in ("core", "shell"):
-        shutil.copytree(
-            ROOT / "tests" / "unit" / name,
-            tree / "tests" / "unit" / name,
-            ignore=shutil.ignore_patterns("__pycache__"),
-        )
+    # The whole test tree: the tests run import conftest.py, the child-process harness
+    # and each other's helpers, wherever those live.
+    shutil.copytree(ROOT / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / "pyproject.toml", tree / "pyproject.toml")
     env = {**os.environ, "PYTHONPATH": str(tree)}
 
@@ -100,6 +95,8 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
         "import proxy.core.session_core as s, proxy.core.buffer as b; print(s.__file__, b.__file__)",
     )
     assert where.stdout.count(".so") == 2, where.stdout + where.stderr
-    tests = run("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit", timeout=400)
+    tests = run(
+        "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *NATIVE_TESTS, timeout=400
+    )  # fmt: skip
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     print(f"\ncompiled core: {tests.stdout.strip().splitlines()[-1]}")

@@ -1,15 +1,10 @@
 """Event classification for both directions of a realtime session.
 
 The relay forwards the original frame text and parses only what a decision
-needs (house rule 3). Most frames are audio: large, frequent and boring. They
-are classified without parsing the base64 payload; everything else is small
-and is parsed with orjson so that its fields can be trusted.
-
-The base64 payload is cut out of the text and the rest, which is small, is
-parsed (see ``_splice_payload``). Anything unusual falls back to a full
-parse, so a hostile frame can make classification slower, never wrong.
-
-Nothing here performs I/O or reads a clock.
+needs (house rule 3). Audio frames are classified without parsing their
+base64 payload (it is cut out and the small rest is parsed, ``_splice_payload``);
+everything else is parsed with orjson. Anything unusual falls back to a full
+parse, so a hostile frame can make classification slower, never wrong. Sans-I/O.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""What a session counts for the metrics and the console, I/O-free.
+"""What a session counts for the metrics and the console, sans-I/O.
 
-``SessionTelemetry`` is owned by the ``SessionCore`` (``core.telemetry``) and
-read by the shell's observer (proxy/session/observer.py) after each
-core call: drops by reason, overflows, cancels, and two timings
-(cancel-to-silence and first audio). The core only adds; the observer takes
-what changed since its last look and turns it into Prometheus series.
-
-``news`` keeps that cheap: the core sets it whenever something here (or an
-engine fact the observer reports, such as ``engine_full``) changed, and the
-observer looks at the rest only when it is set, so an ordinary audio delta
-costs the observer one attribute test.
+``SessionTelemetry`` (``core.telemetry``) counts drops by reason, overflows,
+cancels and two timings (cancel-to-silence, first audio). The core only adds
+and sets ``news``; its drain then takes what changed into a ``Report``
+(proxy/core/drain.py) for the observer, so an ordinary audio delta costs one
+attribute test (docs/design.md, Metrics).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ already connected to the engine, and they let ``POST`` and ``HTTP/1.0``
 through.
 
 Pure functions of the request line and headers: no I/O, testable without a
-socket (``tests/unit/test_handshake.py``).
+socket (``tests/proxy/edge/test_handshake.py``).
 """
 
 from __future__ import annotations

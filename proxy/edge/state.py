@@ -28,7 +28,7 @@ from engine_launcher.admission import EngineAdmission
 from metrics import SidecarMetrics
 from proxy.core.buffer import BufferLimits
 from proxy.core.playback import AckMode, PlaybackSettings
-from proxy.core.session_core import OverflowPolicy, SessionSettings
+from proxy.core.session_settings import OverflowPolicy, SessionSettings
 from proxy.edge.auth import AuthPolicy, load_key_file
 from proxy.edge.guard import EdgeGuard, EdgeLimits
 from proxy.edge.quota_store import QuotaGate

@@ -2,25 +2,21 @@
 
 ``main_config`` wraps one site file (a ``deploy/nginx`` example with its ports
 and paths replaced) in a minimal ``nginx.conf`` whose pid, logs and temp
-directories all live under the test's own prefix; ``nginx`` runs it in the
-foreground in its own process group and stops only that group;
-``wait_answering`` waits for it to answer over plain HTTP.
+directories all live under the test's own prefix; ``nginx`` runs it as a
+:class:`tests.children.NginxChild` (foreground, its own process group, ready
+under the test deadline, its error log quoted when it fails, stopped with
+SIGQUIT and then SIGKILL to that group only).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.children import NginxChild
+from tests.conftest import DEADLINE
 
-from tests.conftest import DEADLINE, http_ok, wait_until
-
-__all__ = ["main_config", "nginx", "wait_answering"]
+__all__ = ["main_config", "nginx"]
 
 
 def main_config(prefix: Path, site: Path) -> Path:
@@ -41,38 +37,13 @@ def main_config(prefix: Path, site: Path) -> Path:
     return main
 
 
-@contextlib.contextmanager
-def nginx(prefix: Path, config: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run nginx with ``config``; on exit SIGQUIT (then SIGKILL) its own group."""
-    process = subprocess.Popen(
-        ["nginx", "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGQUIT)
-            try:
-                process.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=DEADLINE)
+def nginx(prefix: Path, config: Path, *, port: int, ready_path: str | None = None) -> NginxChild:
+    """nginx with ``config``, ready when ``port`` accepts TCP or answers 200 on ``ready_path``.
 
-
-async def wait_answering(process: subprocess.Popen[bytes], prefix: Path, url: str) -> None:
-    """Wait until ``url`` answers 200 through nginx; fail with its error log if it exits first.
-
-    Args:
-        process: The nginx child from ``nginx``.
-        prefix: Its prefix, where ``error.log`` lives.
-        url: A plain-HTTP URL served through nginx.
+    Use it as an async context manager: entering starts it and waits (failing
+    with its error log if it exits or misses the deadline); leaving stops it.
     """
-
-    async def up() -> bool:
-        if process.poll() is not None:
-            pytest.fail("nginx exited:\n" + (prefix / "error.log").read_text())
-        return await http_ok(url)
-
-    await wait_until(up, what="nginx answering")
+    return NginxChild(
+        prefix, config, ready_port=port, ready_path=ready_path,
+        log_path=prefix / "nginx.out", ready_timeout=DEADLINE, stop_grace=DEADLINE,
+    )  # fmt: skip

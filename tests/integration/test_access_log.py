@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests.aiohttp_private import abort
 from tests.conftest import wait_until
 from tests.integration.helpers import connect, request_response
 
@@ -47,7 +48,7 @@ async def test_a_close_frame_that_never_reached_the_client_is_logged_as_such(
     caplog.set_level(logging.INFO, logger="omni_sidecar.access")
     async with connect(proxy.url) as client:
         await request_response(client, open_session=True)
-        client.ws._response.connection.transport.abort()  # the client vanishes
+        abort(client.ws)  # the client vanishes
     await wait_until(
         lambda: any(r.name == "omni_sidecar.access" for r in caplog.records),
         what="the access line",

@@ -1,20 +1,33 @@
 """The child-process harness itself (tests/children.py): readiness, failures, stopping.
 
-Each case starts its own small child (the simulator, or a Python one-liner)
-and checks what the harness promises its callers: a failure names what it
-waited on and quotes the child's log; stop is SIGTERM, then SIGKILL after the
-grace, and the child is reaped.
+Each case starts its own small child (the simulator, nginx, redis-server, or
+a Python one-liner) and checks what the harness promises its callers: a
+failure names what it waited on and quotes the child's log (and nginx's error
+log); stop is the stop signal, then SIGKILL after the grace, the child is
+reaped, nothing of its process group is left behind, and no other process is
+signalled.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import shutil
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.children import ChildNotReady, ChildProcess, SimulatorChild, free_port
+from tests.children import (
+    ChildNotReady,
+    ChildProcess,
+    NginxChild,
+    RedisChild,
+    SimulatorChild,
+    child_pids,
+    free_port,
+)
 from tests.conftest import DEADLINE, wait_until
 
 #: A child that ignores SIGTERM, says so, and idles (SIGKILL is the only way out).
@@ -64,3 +77,117 @@ async def test_async_stop_of_a_stubborn_child_kills_after_the_grace(tmp_path: Pa
     await wait_until(lambda: "ignoring SIGTERM" in child.log(), what="the handler installed")
     assert await child.astop() == -signal.SIGKILL
     assert not child.running()
+
+
+#: A child that starts a grandchild in its own process group, says its pid, and exits
+#: on SIGTERM without stopping it (as a careless server would leave a helper behind).
+_PARENT = (
+    "import signal, subprocess, sys, time\n"
+    "helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print('helper', helper.pid, flush=True)\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "time.sleep(60)\n"
+)
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` is a live process (not a zombie): read from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def _helper_pid(child: ChildProcess) -> int:
+    for line in child.log().splitlines():
+        if line.startswith("helper "):
+            return int(line.split()[1])
+    raise AssertionError(f"no helper line in {child.log()!r}")
+
+
+async def test_stop_leaves_nothing_of_its_group_and_touches_nothing_else(tmp_path: Path) -> None:
+    parent = ChildProcess(
+        "parent", [sys.executable, "-c", _PARENT], ready=lambda: "helper " in parent.log(),
+        ready_what="the helper's pid", log_path=tmp_path / "parent.log", stop_grace=DEADLINE,
+    )  # fmt: skip
+    bystander = ChildProcess(
+        "bystander", [sys.executable, "-c", _PARENT], ready=lambda: "helper " in bystander.log(),
+        ready_what="the helper's pid", log_path=tmp_path / "bystander.log", stop_grace=DEADLINE,
+    )  # fmt: skip
+    async with bystander, parent:
+        helper = _helper_pid(parent)
+        assert _alive(helper)
+        assert await parent.astop() == 0  # it exited on SIGTERM: no SIGKILL was needed
+        assert not _alive(helper), "its helper, in its process group, went with it"
+        # Another child (and its helper) was not signalled.
+        assert bystander.running() and _alive(_helper_pid(bystander))
+    assert not _alive(_helper_pid(bystander))
+
+
+def test_a_readiness_predicate_that_never_holds_fails_with_what_it_waited_for(
+    tmp_path: Path,
+) -> None:
+    child = ChildProcess(
+        "quiet", [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(60)"],
+        ready=lambda: False, ready_what="a condition that never holds",
+        log_path=tmp_path / "quiet.log", ready_timeout=1.0, stop_grace=DEADLINE,
+    )  # fmt: skip
+    with pytest.raises(ChildNotReady) as failed, child:
+        pass
+    text = str(failed.value)
+    assert "quiet not ready after 1.0 s (waited for a condition that never holds)" in text, text
+    assert "up" in text, text
+    assert child.returncode == -signal.SIGTERM
+
+
+needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+
+
+def _nginx_config(prefix: Path, port: int, extra: str = "") -> Path:
+    config = prefix / "nginx.conf"
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    config.write_text(
+        f"{user}daemon off;\nworker_processes 2;\npid {prefix}/nginx.pid;\n"
+        f"error_log {prefix}/error.log info;\nevents {{ worker_connections 64; }}\n"
+        f"http {{ access_log off; client_body_temp_path {prefix}/body; {extra}\n"
+        f"  server {{ listen 127.0.0.1:{port}; location / {{ return 200 'ok'; }} }} }}\n"
+    )
+    return config
+
+
+@needs_nginx
+async def test_nginx_is_ready_when_it_answers_and_stops_with_its_workers(tmp_path: Path) -> None:
+    port = free_port()
+    nginx = NginxChild(
+        tmp_path, _nginx_config(tmp_path, port), ready_port=port, ready_path="/",
+        ready_timeout=DEADLINE, stop_grace=DEADLINE,
+    )  # fmt: skip
+    async with nginx:
+        workers = child_pids(nginx.pid)
+        assert len(workers) == 2, workers
+    assert nginx.returncode == 0  # SIGQUIT: a graceful exit
+    assert not any(_alive(pid) for pid in workers)
+
+
+@needs_nginx
+def test_nginx_that_refuses_its_config_fails_with_its_error_log(tmp_path: Path) -> None:
+    port = free_port()
+    config = _nginx_config(tmp_path, port, extra="no_such_directive on;")
+    nginx = NginxChild(tmp_path, config, ready_port=port, ready_timeout=DEADLINE)
+    with pytest.raises(ChildNotReady) as failed, nginx:
+        pass
+    text = str(failed.value)
+    assert "nginx exited with 1" in text and "to accept TCP" in text, text
+    assert f"-- {tmp_path / 'error.log'} ends:" in text, text
+    assert 'unknown directive "no_such_directive"' in text, text
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+async def test_redis_is_ready_when_it_answers_ping(tmp_path: Path) -> None:
+    async with RedisChild(tmp_path, ready_timeout=DEADLINE, stop_grace=DEADLINE) as redis:
+        reader, writer = await asyncio.open_connection("127.0.0.1", redis.port)
+        writer.write(b"PING\r\n")
+        assert await asyncio.wait_for(reader.readline(), DEADLINE) == b"+PONG\r\n"
+        writer.close()
+    assert redis.returncode == 0

@@ -33,6 +33,7 @@ import orjson
 import pytest
 
 from proxy.settings import EngineConfig
+from tests.aiohttp_private import abort
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, MS, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
@@ -421,8 +422,7 @@ async def test_client_disconnects_while_its_buffer_is_full(simulator, sidecar, c
             )
             pending = proxy.sidecar.sessions.total_pending_bytes
             gone_at = time.monotonic()
-            transport = stuck.client.ws._response.connection.transport  # type: ignore[union-attr]
-            transport.abort()
+            abort(stuck.client.ws)
             await wait_until(
                 lambda: proxy.metric("omni_sidecar_sessions_active") == 1,
                 what="the stuck session is gone",

@@ -29,7 +29,7 @@ import pytest
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import REPO_ROOT
-from tests.integration.nginx_child import main_config, nginx, wait_answering
+from tests.integration.nginx_child import main_config, nginx
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -126,68 +126,68 @@ async def test_least_conn_spreads_refuses_the_7th_and_a_draining_sidecar_is_skip
         for sidecar in (a, b):
             await sidecar.ready()
         listen = free_port()
-        with nginx(tmp_path, lb_config(tmp_path, listen, [a.port, b.port])) as process:
-            await wait_answering(process, tmp_path, f"http://127.0.0.1:{listen}/readyz")
-            async with aiohttp.ClientSession() as http:
-                clients = Clients(http, f"ws://127.0.0.1:{listen}/v1/realtime")
-                on_a: list[aiohttp.ClientWebSocketResponse] = []
-                for _ in range(4):
-                    before = await a.sessions()
-                    ws = await clients.connect()
-                    assert ws is not None, clients.refused
-                    if await a.sessions() > before:
-                        on_a.append(ws)
-                assert (len(on_a), await b.sessions()) == (2, 2)
-                # least_conn: with a emptied, the next two both go to a (round robin
-                # would split them).
-                for ws in on_a:
-                    clients.open.remove(ws)
-                    await ws.close()
-                await wait_until(lambda: _count(a, 0), what="a's sessions closed")
-                for _ in range(2):
-                    assert await clients.connect() is not None, clients.refused
-                assert (await a.sessions(), await b.sessions()) == (2, 2)
-                for _ in range(2):
-                    assert await clients.connect() is not None, clients.refused
-                assert (await a.sessions(), await b.sessions()) == (3, 3)
-                assert await clients.connect() is None
-                assert clients.refused == [(503, "1")]
-                full_ms = list(clients.handshake_ms)
+        config = lb_config(tmp_path, listen, [a.port, b.port])
+        async with (
+            nginx(tmp_path, config, port=listen, ready_path="/readyz"),
+            aiohttp.ClientSession() as http,
+        ):
+            clients = Clients(http, f"ws://127.0.0.1:{listen}/v1/realtime")
+            on_a: list[aiohttp.ClientWebSocketResponse] = []
+            for _ in range(4):
+                before = await a.sessions()
+                ws = await clients.connect()
+                assert ws is not None, clients.refused
+                if await a.sessions() > before:
+                    on_a.append(ws)
+            assert (len(on_a), await b.sessions()) == (2, 2)
+            # least_conn: with a emptied, the next two both go to a (round robin
+            # would split them).
+            for ws in on_a:
+                clients.open.remove(ws)
+                await ws.close()
+            await wait_until(lambda: _count(a, 0), what="a's sessions closed")
+            for _ in range(2):
+                assert await clients.connect() is not None, clients.refused
+            assert (await a.sessions(), await b.sessions()) == (2, 2)
+            for _ in range(2):
+                assert await clients.connect() is not None, clients.refused
+            assert (await a.sessions(), await b.sessions()) == (3, 3)
+            assert await clients.connect() is None
+            assert clients.refused == [(503, "1")]
+            full_ms = list(clients.handshake_ms)
 
-                # Two sessions, one each; then SIGTERM on a: it drains its one session.
-                await clients.close_all()
-                await wait_until(
-                    lambda: _sum_sessions(a, b, 0), what="all sessions closed on both sidecars"
-                )
-                for _ in range(2):
-                    assert await clients.connect() is not None
-                assert (await a.sessions(), await b.sessions()) == (1, 1)
-                terminated = time.monotonic()
-                a.proc.send_signal(signal.SIGTERM)
-                await wait_until(
-                    lambda: _status(a, 503), what="a's /readyz says 503 while it drains"
-                )
-                # Every new session goes to b, none fails, until b is full.
-                clients.handshake_ms.clear()
-                for _ in range(2):
-                    assert await clients.connect() is not None, clients.refused
-                assert clients.refused == [(503, "1")]
-                assert await b.sessions() == 3
-                assert await a.sessions() == 1
-                assert a.proc.poll() is None  # its session is still live
-                after_ms = list(clients.handshake_ms)
-                # Both sidecars say 503 now (a draining, b full): the client gets one.
-                assert await clients.connect() is None
-                assert len(clients.refused) == 2
-                # The drained sidecar exits 0 when its last session ends.
-                await clients.close_all()
-                code = await a.exited(DEADLINE)
-                exit_ms = (time.monotonic() - terminated) * 1000
-                assert code == 0, a.log_tail(2000)
-                # a is gone: nginx's connect is refused and it moves on, no failed handshake.
+            # Two sessions, one each; then SIGTERM on a: it drains its one session.
+            await clients.close_all()
+            await wait_until(
+                lambda: _sum_sessions(a, b, 0), what="all sessions closed on both sidecars"
+            )
+            for _ in range(2):
                 assert await clients.connect() is not None
-                assert await b.sessions() == 1
-                await clients.close_all()
+            assert (await a.sessions(), await b.sessions()) == (1, 1)
+            terminated = time.monotonic()
+            a.proc.send_signal(signal.SIGTERM)
+            await wait_until(lambda: _status(a, 503), what="a's /readyz says 503 while it drains")
+            # Every new session goes to b, none fails, until b is full.
+            clients.handshake_ms.clear()
+            for _ in range(2):
+                assert await clients.connect() is not None, clients.refused
+            assert clients.refused == [(503, "1")]
+            assert await b.sessions() == 3
+            assert await a.sessions() == 1
+            assert a.proc.poll() is None  # its session is still live
+            after_ms = list(clients.handshake_ms)
+            # Both sidecars say 503 now (a draining, b full): the client gets one.
+            assert await clients.connect() is None
+            assert len(clients.refused) == 2
+            # The drained sidecar exits 0 when its last session ends.
+            await clients.close_all()
+            code = await a.exited(DEADLINE)
+            exit_ms = (time.monotonic() - terminated) * 1000
+            assert code == 0, a.log_tail(2000)
+            # a is gone: nginx's connect is refused and it moves on, no failed handshake.
+            assert await clients.connect() is not None
+            assert await b.sessions() == 1
+            await clients.close_all()
     print(
         f"\nnginx LB: {len(full_ms)} handshakes (6 live at once, 3 per sidecar) "
         f"p50 {statistics.median(full_ms):.1f} ms "

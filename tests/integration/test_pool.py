@@ -7,7 +7,7 @@ close codes, ``engine``-labelled metrics. Sessions that check gapless
 ``server_event_seq`` run with ``playback_ack = "off"`` (the engine's answers
 to the sidecar's own acks are hidden from clients by design).
 
-The placement rules themselves, socket-free: tests/unit/test_pool_placement.py.
+The placement rules themselves, socket-free: tests/engine_launcher/test_pool_placement.py.
 """
 
 from __future__ import annotations

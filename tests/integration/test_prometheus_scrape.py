@@ -1,17 +1,16 @@
 """A real Prometheus scrapes the sidecar's admin listener and sees the session counts.
 
 Needs the ``prometheus`` binary (Debian package ``prometheus``); skipped
-without it. Prometheus listens on 127.0.0.1 only, keeps its TSDB in tmp_path,
-and is killed in a finalizer.
+without it. Prometheus is a :class:`tests.children.PrometheusChild`: it
+listens on 127.0.0.1 only, keeps its TSDB in tmp_path, and is stopped in a
+finalizer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ import aiohttp
 import pytest
 
 from metrics import DROP_REASONS
-from tests.conftest import MS, free_port, http_ok, wait_until
+from tests.children import PrometheusChild
+from tests.conftest import MS
 from tests.integration.test_metrics import SIMULATOR_ARGS, cancelled_session, wait_metric
 
 PROMETHEUS = shutil.which("prometheus")
@@ -31,13 +31,8 @@ pytestmark = pytest.mark.skipif(
 SCRAPE_DEADLINE = 30_000 * MS
 
 
-class Prometheus:
+class Prometheus(PrometheusChild):
     """A Prometheus server on loopback and its HTTP query API."""
-
-    def __init__(self, process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-        self.process = process
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
 
     async def query(self, promql: str) -> list[dict[str, Any]]:
         url = f"{self.url}/api/v1/query"
@@ -55,15 +50,6 @@ class Prometheus:
         assert len(result) == 1, result
         return float(result[0]["value"][1])
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
 
 @pytest.fixture
 async def prometheus(
@@ -74,7 +60,6 @@ async def prometheus(
 
     async def start(target: str) -> Prometheus:
         assert PROMETHEUS is not None
-        port = free_port()
         config = tmp_path / "prometheus.yml"
         # JSON is YAML: no YAML library needed.
         config.write_text(
@@ -92,36 +77,18 @@ async def prometheus(
                 }
             )
         )
-        log = tmp_path / "prometheus.log"
-        with log.open("wb") as out:
-            # Popen returns at once; readiness is awaited below.
-            process = subprocess.Popen(  # noqa: ASYNC220
-                [
-                    PROMETHEUS,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--storage.tsdb.retention.time=1h",
-                    "--log.level=warn",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        server = Prometheus(process, port, log)
-        started.append(server)
-
-        async def ready() -> bool:
-            if process.poll() is not None:
-                pytest.fail(f"prometheus exited with {process.returncode}:\n{log.read_text()}")
-            return await http_ok(f"{server.url}/-/ready")
-
-        await wait_until(ready, timeout=SCRAPE_DEADLINE, what="prometheus /-/ready")
+        server = Prometheus(
+            config, tmp_path / "tsdb", "--storage.tsdb.retention.time=1h", "--log.level=warn",
+            executable=PROMETHEUS, log_path=tmp_path / "prometheus.log",
+            ready_timeout=SCRAPE_DEADLINE, stop_grace=10.0,
+        )  # fmt: skip
+        started.append(server.start())
+        await server.ready()
         return server
 
     yield start
     for server in started:
-        server.stop()
+        await server.astop()
 
 
 async def _poll(what: str, probe: Callable[[], Awaitable[bool]], server: Prometheus) -> None:
@@ -129,9 +96,7 @@ async def _poll(what: str, probe: Callable[[], Awaitable[bool]], server: Prometh
     deadline = loop.time() + SCRAPE_DEADLINE
     while not await probe():
         if loop.time() >= deadline:
-            log = ""
-            with contextlib.suppress(OSError):
-                log = server.log.read_text()[-4000:]
+            log = server.log_tail(4000)
             pytest.fail(f"timed out waiting for Prometheus to see {what}; log:\n{log}")
         await asyncio.sleep(200 * MS)
 

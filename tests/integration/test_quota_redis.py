@@ -15,8 +15,8 @@ back in it; a sidecar killed with sessions open frees their slots after
 from __future__ import annotations
 
 import contextlib
+import itertools
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.children import RedisChild
 from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import REPO_ROOT, SILENCE_100MS, connect
-from tests.integration.nginx_child import main_config, nginx, wait_answering
+from tests.integration.nginx_child import main_config, nginx
 from tests.integration.served import Served, ready, serve
 from tests.integration.test_quota import _refused
 
@@ -44,36 +45,23 @@ BETA = "sk-shared-BETA-0e93"
 DOWN = "omni_sidecar_quota_backend_down"
 #: quota_slot_ttl of the sidecars (its minimum): a crashed sidecar's slots live this long.
 SLOT_TTL = 2.0
+#: Each redis-server run gets its own log (the test starts two on one port).
+_RUNS = itertools.count(1)
 
 
 @contextlib.contextmanager
-def redis_server(port: int, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Our own redis-server on loopback (no persistence); killed on exit."""
-    log = (tmp_path / f"redis-{port}.log").open("ab")
-    proc = subprocess.Popen(
-        ["redis-server", "--save", "", "--appendonly", "no", "--port", str(port),
-         "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+def redis_server(port: int, tmp_path: Path) -> Iterator[RedisChild]:
+    """Our own redis-server on loopback (no persistence); stopped on exit.
+
+    Started, not yet ready: ``await child.ready()`` waits until it answers PING.
+    """
+    log = tmp_path / f"redis-{port}-{next(_RUNS)}.log"
+    child = RedisChild(tmp_path, port=port, log_path=log, ready_timeout=DEADLINE)
+    child.start()
     try:
-        yield proc
+        yield child
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=DEADLINE)
-        log.close()
-
-
-async def _redis_up(port: int) -> bool:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
-    try:
-        return bool(await client.ping())
-    except Exception:  # noqa: BLE001 - not up yet
-        return False
-    finally:
-        await client.aclose()
+        child.stop(grace=DEADLINE)
 
 
 def _lb_config(prefix: Path, listen: int, sidecars: list[int]) -> Path:
@@ -144,13 +132,13 @@ async def test_three_sidecars_share_one_keys_quotas_and_survive_redis_going_away
         serve(tmp_path, sim.ws_url, *flags) as b,
         serve(tmp_path, sim.ws_url, *flags) as c,
     ):
-        await wait_until(lambda: _redis_up(redis_port), what="redis answering")
+        await redis_proc.ready()
         for child in (a, b, c):
             await ready(child)
         listen = free_port()
-        with nginx(tmp_path, _lb_config(tmp_path, listen, [a.port, b.port, c.port])) as lb:
+        config = _lb_config(tmp_path, listen, [a.port, b.port, c.port])
+        async with nginx(tmp_path, config, port=listen, ready_path="/readyz"):
             through_lb = f"ws://127.0.0.1:{listen}/v1/realtime"
-            await wait_answering(lb, tmp_path, f"http://127.0.0.1:{listen}/readyz")
 
             # The day audio quota: used up on a, refused on b and c.
             beta = {"headers": {"Authorization": f"Bearer {BETA}"}}
@@ -180,7 +168,6 @@ async def test_three_sidecars_share_one_keys_quotas_and_survive_redis_going_away
 
                 # Redis dies mid-run: no session is lost.
                 redis_proc.kill()
-                redis_proc.wait(timeout=DEADLINE)
                 for client in (one, two):
                     await _responds(client)
                 # b holds no alpha session: its own count admits one now.
@@ -199,7 +186,8 @@ async def test_three_sidecars_share_one_keys_quotas_and_survive_redis_going_away
                 assert await b.metric("omni_sidecar_quota_backend_errors_total") >= 1
 
                 # A new Redis on the same port: used again, with a's live slots back in it.
-                with redis_server(redis_port, tmp_path):
+                with redis_server(redis_port, tmp_path) as new_redis:
+                    await new_redis.ready()
                     for child in (a, b, c):
                         await wait_until(
                             lambda ch=child: _is(ch, 0.0),

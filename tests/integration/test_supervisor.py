@@ -8,7 +8,7 @@ docs/design.md, Admission and lifecycle (engine goes away, admission), Engine la
 supervision.
 
 The same rules in virtual time, without children or sockets:
-tests/unit/launcher/test_supervisor_shell.py.
+tests/engine_launcher/test_supervisor_shell.py.
 
 Every wait has a deadline (multiples of ``MS``, scaled by
 ``OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR``); nothing sleeps and hopes.

@@ -29,6 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from tests.aiohttp_private import bound_port
 from tests.conftest import DEADLINE, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.integration.helpers import AUDIO_DELTA, REPO_ROOT, clean_env, connect, run_cli
@@ -63,9 +64,7 @@ class Collector:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = bound_port(site)
         return self
 
     async def aclose(self) -> None:

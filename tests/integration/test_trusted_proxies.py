@@ -274,10 +274,10 @@ async def test_a_session_through_nginx_with_tls_is_limited_and_logged_by_client_
     tls_port = free_port()
     config = _nginx_config(tmp_path, tls_port, proxy.sidecar.bound["listen"][1], cert, key)
     url = f"wss://127.0.0.1:{tls_port}/v1/realtime"
-    with nginx(tmp_path, config) as process:
+    async with nginx(tmp_path, config, port=tls_port) as process:
 
         async def up() -> bool:
-            if process.poll() is not None:
+            if not process.running():
                 pytest.fail("nginx exited:\n" + (tmp_path / "error.log").read_text())
             try:
                 async with (
