@@ -257,15 +257,16 @@ def _names_session_core(path: Path, root: Path = ROOT) -> bool:
     """The module imports ``SessionCore`` (or the whole session_core module)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "proxy.core.session_core":
-            if any(alias.name in ("SessionCore", "*") for alias in node.names):
+        if isinstance(node, ast.ImportFrom):
+            names = {alias.name for alias in node.names}
+            if node.module == "proxy.core.session_core" and names & {"SessionCore", "*"}:
                 return True
-        elif isinstance(node, ast.ImportFrom) and node.module == "proxy.core":
-            if any(alias.name == "session_core" for alias in node.names):
+            if node.module == "proxy.core" and "session_core" in names:
                 return True
-        elif isinstance(node, ast.Import):
-            if any(alias.name == "proxy.core.session_core" for alias in node.names):
-                return True
+        elif isinstance(node, ast.Import) and any(
+            alias.name == "proxy.core.session_core" for alias in node.names
+        ):
+            return True
     return False
 
 
