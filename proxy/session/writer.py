@@ -118,7 +118,7 @@ class ClientFrameWriter:
             (none was).
         """
         transport = compat.client_transport(self._protocol)
-        if transport is None or transport.is_closing() or self.close_sent:
+        if transport is None or transport.is_closing():
             return False
         if len(entries) == 1:
             # One event (real-time pace): no list to build.
