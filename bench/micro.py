@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import statistics
 import sys
 import time
@@ -200,7 +201,7 @@ async def _round(
         for _ in range(events)
     ]
     client.frames = appends[::-1]
-    reader = relay.reader.run
+    reader = functools.partial(relay.reader.run, relay)
     started = time.perf_counter()
     if count_calls:
         with counter:

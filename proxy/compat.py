@@ -183,14 +183,18 @@ def upstream_protocol(upstream: client_ws.ClientWebSocketResponse) -> Any:
 writing_paused: Final[Callable[[Any], bool]] = operator.attrgetter("writing_paused")
 
 
-def on_writing_resumed(protocol: Any, callback: Callable[[], None]) -> None:
+def on_writing_resumed(protocol: Any, callback: Callable[[], None] | None) -> None:
     """Call ``callback`` each time ``protocol``'s transport drains below its low-water mark.
 
     aiohttp's protocol only wakes a coroutine parked in ``_drain_helper``; the
     upstream link needs a callback (the relay resumes reading the client from
     it). The protocol instance's ``resume_writing`` is wrapped, so aiohttp's
-    own bookkeeping still runs first.
+    own bookkeeping still runs first. None unwraps it again (the link is done:
+    no reference cycle through the protocol).
     """
+    if callback is None:
+        vars(protocol).pop("resume_writing", None)
+        return
     resume = protocol.resume_writing
 
     def resume_writing() -> None:

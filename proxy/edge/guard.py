@@ -241,6 +241,9 @@ class EdgeRequestHandler(compat.HookedRequestHandler):
         self._open_head()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        # The upgrade's shortcut (data_received bound on the instance) is a
+        # reference cycle: drop it so the connection is freed by refcount.
+        vars(self).pop("data_received", None)
         self._close_head()
         linger = self._linger
         if linger is not None:

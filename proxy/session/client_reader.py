@@ -71,7 +71,6 @@ class ClientReader:
 
     Args:
         client: the prepared client WebSocket.
-        frames: where frames go (the relay).
         protocol: aiohttp's protocol under ``client``: reading is paused and
             resumed on its transport (writing is the frame writer's alone).
         upstream: the engine link (its flow control pauses client reads).
@@ -82,13 +81,11 @@ class ClientReader:
     def __init__(
         self,
         client: ClientSocket,
-        frames: ClientFrames,
         protocol: Any,
         upstream: UpstreamLink,
         push: TextPush | None,
     ) -> None:
         self._client = client
-        self._frames = frames
         self._protocol = protocol
         self._upstream = upstream
         self._push = push
@@ -102,10 +99,13 @@ class ClientReader:
         self._paused_for_upstream = False
         upstream.on_drained = self._upstream_drained
 
-    async def run(self) -> None:
-        """Read until the client closes or is lost (cancelled at wind-down)."""
+    async def run(self, frames: ClientFrames) -> None:
+        """Read until the client closes or is lost (cancelled at wind-down).
+
+        Args:
+            frames: where frames go (the relay; held only while this runs).
+        """
         client = self._client
-        frames = self._frames
         upstream = self._upstream
         handler = frames.client_text if self._push is not None else None
         count = 0
@@ -150,6 +150,7 @@ class ClientReader:
                     break
         finally:
             self._set_push(None)
+            upstream.on_drained = None  # no cycle between the link and this reader
             frames.client_ended()
 
     def over_rate(self) -> None:

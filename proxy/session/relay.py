@@ -87,7 +87,7 @@ class Relay:
         )
         self.timers = SessionTimers(self._scheduler, self, limits)
         self.started_at = self.timers.started_at
-        self.reader = ClientReader(client, self, client_protocol, upstream, client_push)
+        self.reader = ClientReader(client, client_protocol, upstream, client_push)
         self._wake = asyncio.Event()
         self._ping_upstream = False
         self._flush_soon = False
@@ -110,7 +110,7 @@ class Relay:
         self.timers.start()
         try:
             async with asyncio.TaskGroup() as tg:
-                self._reader = tg.create_task(self.reader.run(), name=f"{self.key}:client")
+                self._reader = tg.create_task(self.reader.run(self), name=f"{self.key}:client")
                 self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
                 tg.create_task(self._deliver(), name=f"{self.key}:deliver")
         except Exception:

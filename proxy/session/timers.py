@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 from proxy.core.lifecycle import EndReason
 from proxy.session.limits import RelayLimits
@@ -69,6 +69,29 @@ class TimerListener(Protocol):
         """The core's deadline passed (``SessionCore.on_timer``)."""
 
 
+class _NoListener:
+    """The listener after ``cancel``: the session is let go of (no reference
+    cycle through its timers), and a timer that still fires does nothing."""
+
+    def ping_due(self, side: Side) -> None:
+        pass
+
+    def peer_gone(self, side: Side, silent: float) -> None:
+        pass
+
+    def time_up(self, reason: EndReason) -> None:
+        pass
+
+    def close_deadline_passed(self) -> None:
+        pass
+
+    def core_due(self) -> None:
+        pass
+
+
+_GONE: Final = _NoListener()
+
+
 class SessionTimers:
     """The timers of one session. 0 turns a timer off.
 
@@ -103,7 +126,7 @@ class SessionTimers:
 
     def __init__(self, scheduler: Scheduler, listener: TimerListener, limits: RelayLimits) -> None:
         self._scheduler = scheduler
-        self._listener = listener
+        self._listener: TimerListener = listener
         self._heartbeat = limits.heartbeat_interval
         self._idle = limits.client_idle_timeout
         self._max_duration = limits.max_session_duration
@@ -141,7 +164,7 @@ class SessionTimers:
             )
 
     def cancel(self) -> None:
-        """Stop every timer (the session is over)."""
+        """Stop every timer (the session is over) and let go of the listener."""
         for timer in (
             self._duration,
             self._idle_timer,
@@ -155,6 +178,7 @@ class SessionTimers:
         self._duration = self._idle_timer = self._heartbeat_timer = None
         self._close_deadline = self._upstream_close = self._core = None
         self._core_at = None
+        self._listener = _GONE
 
     def arm_core(self, when: float | None) -> None:
         """Wake the session at ``when`` for the core (None: no deadline); the latest call wins."""

@@ -116,6 +116,7 @@ class AiohttpUpstreamLink:
             return await read_messages(source, self, handler)
         finally:
             self._outbox.flush()
+            compat.on_writing_resumed(self._protocol, None)
 
     async def ping(self) -> None:
         if not self._upstream.closed:

@@ -327,6 +327,8 @@ class PicowsUpstreamLink(picows.WSListener):
         except picows.WSProtocolError as exc:
             self._log.info("engine link closed: %s", exc)
             return False
+        finally:
+            self._handler = None  # the session is over: no cycle through it
         return self._close_code in CLEAN_CLOSES
 
     async def send(self, text: str) -> None:

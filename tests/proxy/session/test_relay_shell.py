@@ -212,6 +212,39 @@ async def test_events_wait_in_the_core_while_the_client_does_not_read(
     await wait_until(lambda: len(s.texts()) == 2, what="delivery after the drain")
 
 
+async def test_more_than_one_room_queued_is_all_delivered_once_the_client_drains(
+    session_factory: Any,
+) -> None:
+    # A drain takes one room's worth (client_write_buffer_bytes): the delivery
+    # task goes on, room after room, while more is queued and the client reads.
+    s = await session_factory(write_buffer_bytes=1000)
+    s.protocol.pause()
+    s.upstream.feed(response_created("r1"))
+    for seq in range(1, 11):
+        s.upstream.feed(audio("r1", 400, seq=seq))
+    await wait_until(lambda: len(s.core.buffer) == 11, what="events queued")
+    s.protocol.resume()
+    await wait_until(lambda: len(s.texts()) == 11, what="all eleven events delivered")
+    assert len(s.transport.calls) >= 3, "several rooms, each one transport write"
+
+
+async def test_a_burst_goes_out_in_one_write_at_the_end_of_the_tick(
+    session_factory: Any,
+) -> None:
+    s = await session_factory(manual_soon=True)
+    s.upstream.backlog.append(object())  # the engine has more frames parsed: batching
+    s.upstream.feed(response_created("r1"))
+    s.upstream.feed(audio("r1", seq=1))
+    await wait_until(lambda: s.upstream.inbox.empty(), what="engine frames read")
+    await s.settle()
+    assert s.transport.calls == [], "nothing written while more engine frames wait"
+    assert len(s.soon) == 1, "one end-of-tick write scheduled per burst"
+    for flush in s.soon:
+        flush()
+    assert len(s.transport.calls) == 1, "the burst in one transport write"
+    assert s.types() == ["response.created", "response.output_audio.delta"]
+
+
 async def test_ping_flood_without_reading_gets_one_pong_after_the_drain(
     session_factory: Any,
 ) -> None:
