@@ -10,9 +10,10 @@ decides; ``SessionCore`` acts.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
-from proxy.core.ratelimit import TokenBucket, audio_bytes_per_second
+from proxy.core.input_audio import InputAudio
+from proxy.core.ratelimit import TokenBucket
 from proxy.core.session_settings import SessionSettings
 
 __all__ = ["ClientLimits"]
@@ -34,8 +35,8 @@ class ClientLimits:
         self.frame_bucket = TokenBucket(self.max_frame_rate, self.frame_burst)
         #: Appended input audio, in seconds of audio.
         self.input_bucket = TokenBucket(settings.max_input_audio_rate, settings.input_burst_seconds)
-        #: Raw input audio bytes per second, from the session's input format.
-        self.input_bytes_per_second = audio_bytes_per_second(None, None)
+        #: The input audio format the engine applies (seconds of an append).
+        self.input = InputAudio()
         self._limited_since: float | None = None
         self._last_limited = 0.0
 
@@ -67,25 +68,4 @@ class ClientLimits:
         return (
             "input audio arrives faster than "
             f"{self.max_input_audio_rate:g}x real time; frame dropped"
-        )
-
-    def note_input_format(self, body: dict[str, Any] | None) -> None:
-        """Track the session's input audio format from a client ``session.update``."""
-        session = (body or {}).get("session")
-        if not isinstance(session, dict):
-            return
-        fmt = session.get("input_audio_format")
-        rate = session.get("sample_rate_hz")
-        audio = session.get("audio")
-        if isinstance(audio, dict) and isinstance(audio.get("input"), dict):
-            spec = audio["input"].get("format")
-            if isinstance(spec, dict):
-                fmt = spec.get("type", fmt)
-                rate = spec.get("rate", rate)
-            elif isinstance(spec, str):
-                fmt = spec
-        if fmt is None and rate is None:
-            return
-        self.input_bytes_per_second = audio_bytes_per_second(
-            fmt if isinstance(fmt, str) else None, rate if isinstance(rate, int) else None
         )

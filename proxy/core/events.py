@@ -385,6 +385,7 @@ def classify_client(text: str) -> ClientEvent:
                 ClientKind.AUDIO_APPEND,
                 audio_chars=spliced[1],
                 event_id=_str_or_none(spliced[0].get("event_id")),
+                body=spliced[0],  # without its audio: the frame's format and rate
             )
     body = _parse_object(text)
     if isinstance(body, str):

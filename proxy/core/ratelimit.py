@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BYTES_PER_SAMPLE", "TokenBucket", "audio_bytes_per_second"]
+__all__ = ["BYTES_PER_SAMPLE", "TokenBucket"]
 
 #: Bytes per sample of the audio formats of vLLM-Omni and OpenAI Realtime.
 BYTES_PER_SAMPLE: dict[str, int] = {
@@ -15,14 +15,15 @@ BYTES_PER_SAMPLE: dict[str, int] = {
     "g711_alaw": 1,
     "audio/pcmu": 1,
     "audio/pcma": 1,
+    # The engine's other spellings of G.711 (it lower-cases first).
+    "audio/g711_ulaw": 1,
+    "audio/g711_alaw": 1,
+    "g711-ulaw": 1,
+    "g711-alaw": 1,
+    "ulaw": 1,
+    "mulaw": 1,
+    "alaw": 1,
 }
-
-
-def audio_bytes_per_second(audio_format: str | None, sample_rate_hz: int | None) -> float:
-    """Raw bytes per second of mono input audio; pcm16 at 16 kHz when unknown."""
-    width = BYTES_PER_SAMPLE.get(audio_format or "pcm16", 2)
-    rate = sample_rate_hz if sample_rate_hz and sample_rate_hz > 0 else 16_000
-    return float(width * rate)
 
 
 class TokenBucket:

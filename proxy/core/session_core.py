@@ -30,6 +30,7 @@ from proxy.core.events import (
     classify_upstream,
     error_code,
 )
+from proxy.core.input_audio import InputAudio, Refused
 from proxy.core.ledger import CancellationLedger, Verdict
 from proxy.core.lifecycle import (
     CLOSE_ABNORMAL_ENGINE,
@@ -99,6 +100,31 @@ _PLAYBACK_ACKS: Final = frozenset({"playback.ack", "audio.playback_ack"})
 
 #: The engine's own output bound (0.31+): seen, it tells the version.
 _ENGINE_BACKPRESSURE_CODE: Final = "output_backpressure"
+
+
+def _item_audio_seconds(audio: InputAudio, body: dict[str, Any] | None) -> float:
+    """Seconds of the audio parts of a ``conversation.item.create``, as the engine reads them.
+
+    A part in a format the engine does not decode is skipped (the engine skips
+    it too); a refused rate refuses the item.
+    """
+    item = (body or {}).get("item")
+    content = item.get("content") if isinstance(item, dict) else None
+    if not isinstance(content, list):
+        return 0.0
+    total = 0.0
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_audio", "audio"):
+            continue
+        data = part.get("audio") or part.get("data")
+        if not isinstance(data, str) or not data:
+            continue
+        try:
+            total += audio.seconds(len(data), part)
+        except Refused as refused:
+            if refused.code != "unsupported_audio_format":
+                raise
+    return total
 
 
 def check_session_settings(settings: SessionSettings) -> None:
@@ -209,22 +235,11 @@ class SessionCore(SessionLifecycle):
             return ClientDecision(event, forward=False)
         if event.cancels:
             self._cancel_from_client(event, now)
-        elif event.kind is ClientKind.AUDIO_APPEND:
-            limits = self.limits
-            seconds = event.audio_chars * 0.75 / limits.input_bytes_per_second
-            if not limits.input_bucket.take(seconds, now):
-                self._reject(
-                    "input_backpressure",
-                    limits.input_rate_message(),
-                    now,
-                    client_event_id=event.event_id,
-                    size=event.size,
-                    reason=DropReason.INPUT_BACKPRESSURE,
-                )
+        elif event.kind is ClientKind.AUDIO_APPEND or event.type == "conversation.item.create":
+            if not self._take_input_audio(event, now):
                 return ClientDecision(event, forward=False)
-            self.usage.input_seconds += seconds
         elif event.kind is ClientKind.SESSION_UPDATE:
-            self.limits.note_input_format(event.body)
+            self.limits.input.on_client_update(event.body)
         elif event.kind is ClientKind.RESPONSE_CREATE or (
             event.kind is ClientKind.OTHER and _commit_creates_response(event)
         ):
@@ -254,6 +269,33 @@ class SessionCore(SessionLifecycle):
         if self.playback.acking:
             out.extend(self.playback.acks_due(now))
         return ClientDecision(event, forward=True)
+
+    def _take_input_audio(self, event: ClientEvent, now: float) -> bool:
+        """Charge the frame's input audio as the engine will hear it, within
+        ``max_input_audio_rate``; False: refused (an ``error`` is queued)."""
+        limits = self.limits
+        try:
+            if event.kind is ClientKind.AUDIO_APPEND:
+                seconds = limits.input.seconds(event.audio_chars, event.body)
+            else:
+                seconds = _item_audio_seconds(limits.input, event.body)
+        except Refused as refused:
+            self._reject(
+                refused.code, refused.message, now, client_event_id=event.event_id, size=event.size
+            )
+            return False
+        if not limits.input_bucket.take(seconds, now):
+            self._reject(
+                "input_backpressure",
+                limits.input_rate_message(),
+                now,
+                client_event_id=event.event_id,
+                size=event.size,
+                reason=DropReason.INPUT_BACKPRESSURE,
+            )
+            return False
+        self.usage.input_seconds += seconds
+        return True
 
     def receive_client_binary(self, size: int, now: float) -> bool:
         """A binary client frame: not part of the protocol, answered with an ``error``.
@@ -384,6 +426,7 @@ class SessionCore(SessionLifecycle):
             self._note_session_id(event)
             if event.body is not None:
                 playback.on_session(event.body)
+                self.limits.input.on_engine_session(event.body)
         elif kind is EventKind.RESPONSE_CREATED and rid is not None:
             self.ledger.on_created(rid)
             if self._pending_creates:
@@ -413,6 +456,7 @@ class SessionCore(SessionLifecycle):
             return event
         elif kind is EventKind.OTHER and event.type == "session.updated" and event.body:
             playback.on_session(event.body)
+            self.limits.input.on_engine_session(event.body)
 
         if rid is None and event.body is not None:
             rid = self._response_of_item(event.body)

@@ -10,6 +10,7 @@ count of open sessions carries over. The sidecar's wall clock is pinned
 
 from __future__ import annotations
 
+import base64
 import signal
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,43 @@ async def test_day_audio_quota_ends_a_running_session_then_refuses_until_midnigh
     proxy.sidecar.state.quota._wall = lambda: PINNED + TO_MIDNIGHT
     async with connect(proxy.url, headers=_auth()):
         pass
+
+
+#: One second of 16 kHz pcm16 (32,000 bytes), base64; as mu-law it is 4 s at 8 kHz.
+ONE_SECOND_PCM16 = base64.b64encode(bytes(32_000)).decode()
+
+
+@pytest.mark.parametrize(
+    ("update", "append_fields"),
+    [
+        # The engine refuses this rate: appends stay 16 kHz pcm16, never "0 s".
+        ({"input_audio_format": "pcm16", "sample_rate_hz": 2_000_000_000}, {}),
+        # Per-append mu-law: the engine hears each byte as a sample at 8 kHz (4x pcm16).
+        ({}, {"format": "g711_ulaw"}),
+    ],
+    ids=["lying_session_update", "per_append_format"],
+)
+async def test_audio_cannot_be_made_cheaper_than_the_engine_counts_it(
+    simulator: Any,
+    sidecar: Any,
+    tmp_path: Path,
+    update: dict[str, Any],
+    append_fields: dict[str, Any],
+) -> None:
+    # docs/design.md, Usage: 5 s of audio under a 2 s day quota ends the session.
+    proxy = await _start(
+        simulator, sidecar, _keys(tmp_path, "audio_seconds_per_day=2"), max_input_audio_rate=0
+    )
+    async with connect(proxy.url, headers=_auth()) as client:
+        await client.send(
+            {"type": "session.update", "session": {"modalities": ["audio"], **update}}
+        )
+        chunk = {"type": "input_audio_buffer.append", "audio": ONE_SECOND_PCM16, **append_fields}
+        for _ in range(5 if not append_fields else 1):  # 5 s, or 4 s of mu-law
+            await client.send(chunk)
+        events = await client.recv_until_closed()  # (read as 16 kHz pcm16: 1 s, never closed)
+    assert [e["error"]["code"] for e in events if e["type"] == "error"][-1] == "quota_exceeded"
+    assert client.close_code == 1008
 
 
 def test_a_quota_without_a_name_is_a_config_error(tmp_path: Path) -> None:

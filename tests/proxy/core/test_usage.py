@@ -49,18 +49,22 @@ class TestAudioSeconds:
             4 * 32_000 / CHARS_PER_SECOND_16K, abs=1e-3
         )
 
-    def test_input_follows_session_update_to_24khz(self) -> None:
+    def test_input_follows_the_engines_session_updated_to_24khz(self) -> None:
         pair = SessionPair(settings=_rate(0.0))
-        pair.client(
-            dumps(
-                {
-                    "type": "session.update",
-                    "session": {"input_audio_format": "pcm16", "sample_rate_hz": 24_000},
-                }
-            )
-        )
+        update = {"input_audio_format": "pcm16", "sample_rate_hz": 24_000}
+        pair.client(dumps({"type": "session.update", "session": update}))
+        pair.upstream(dumps({"type": "session.updated", "session": update}))
         pair.client(h.b_audio_append(64_000))
         assert _record(pair)["audio_in_seconds"] == pytest.approx(1.0, abs=1e-3)
+
+    def test_an_update_the_engine_has_not_answered_is_charged_at_the_longer_reading(
+        self,
+    ) -> None:
+        pair = SessionPair(settings=_rate(0.0))
+        update = {"input_audio_format": "pcm16", "sample_rate_hz": 24_000}
+        pair.client(dumps({"type": "session.update", "session": update}))
+        pair.client(h.b_audio_append(64_000))  # 1 s at 24 kHz, 1.5 s at 16 kHz
+        assert _record(pair)["audio_in_seconds"] == pytest.approx(1.5, abs=1e-3)
 
     def test_a_refused_append_is_not_counted(self) -> None:
         # 4x real time with a 10 s burst: the 11th one-second append in no time is refused.
