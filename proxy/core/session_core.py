@@ -623,6 +623,7 @@ class SessionCore(SessionLifecycle):
 
     def written(self, entries: Sequence[Entry], now: float) -> None:
         """The shell wrote these entries (a drain's ``to_client``) to the client."""
+        self._out.to_client = NOTHING  # written: nothing here keeps a large frame alive
         usage = self.usage
         silence = self._silence
         create_time = self._create_time
@@ -655,6 +656,7 @@ class SessionCore(SessionLifecycle):
 
     def not_written(self, entries: Sequence[Entry]) -> None:
         """The shell could not write these entries (the connection is gone)."""
+        self._out.to_client = NOTHING
         for entry in entries:
             self.telemetry.count_drop(DropReason.SESSION_CLOSED, entry.event.size)
 
