@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from metrics.definitions import SidecarMetrics
 from proxy.edge.state import session_settings
+from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.registry import SessionRegistry
 from proxy.session.relay import Relay
@@ -128,11 +129,17 @@ def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
     metrics = SidecarMetrics(CollectorRegistry(), process_metrics=False)
     registry = SessionRegistry(metrics, max_total_pending_output_bytes=1 << 40)
     client = _ScriptedClient()
+    link = _NullLink()
+    side = ClientSide(
+        client,
+        _NullProtocol(),
+        link,  # type: ignore[arg-type]
+        write_buffer_bytes=settings.client_write_buffer_bytes,
+    )
     relay = Relay(
         session_key="micro",
-        client=client,
-        client_protocol=_NullProtocol(),
-        upstream=_NullLink(),
+        side=side,
+        upstream=link,  # type: ignore[arg-type]
         settings=session_settings(settings),
         observer=registry.observer("micro"),
         limits=RelayLimits(
@@ -201,7 +208,7 @@ async def _round(
         for _ in range(events)
     ]
     client.frames = appends[::-1]
-    reader = functools.partial(relay.reader.run, relay)
+    reader = functools.partial(relay.side.reader.run, relay)
     started = time.perf_counter()
     if count_calls:
         with counter:

@@ -35,6 +35,7 @@ __all__ = [
     "OVERFLOW_POLICIES",
     "QUOTA_KINDS",
     "REJECT_REASONS",
+    "RESUME_RESULTS",
     "SESSION_OUTCOMES",
     "STANDARD_PREFIXES",
     "TRUNCATION_SOURCES",
@@ -159,6 +160,11 @@ ACK_ERROR_CODES: Final = (
 #: resource_exhausted: before the client's upgrade (answered 503) or in the
 #: session (passed on to the client).
 ENGINE_FULL_KINDS: Final = ("handshake", "session")
+#: resumes_total's ``result`` (docs/design.md, Resume): a held session resumed on
+#: the new connection; refused (unknown, expired, a forged or replayed token,
+#: another key: one answer for all); what was missed is no longer kept
+#: (``session.resync_required``); not held here, so passed to the engine.
+RESUME_RESULTS: Final = ("resumed", "refused", "resync_required", "passed_upstream")
 #: The usage families' ``key`` label (docs/design.md, Usage): the names of the
 #: API keys in the operator's ``api_keys_file`` (declared with
 #: ``SidecarMetrics.set_usage_keys``, never taken from the wire), plus this value
@@ -492,6 +498,28 @@ class SidecarMetrics:
             ["kind"],
             registry=registry,
         )
+        self.sessions_detached = Gauge(
+            f"{p}_sessions_detached",
+            "Sessions held for a resume: their client dropped, their grace runs "
+            "(docs/design.md, Resume).",
+            registry=registry,
+        )
+        self.resumes = Counter(
+            f"{p}_resumes",
+            "session.resume requests on a new connection, by result.",
+            ["result"],
+            registry=registry,
+        )
+        self.resume_grace_expired = Counter(
+            f"{p}_resume_grace_expired",
+            "Held sessions whose client never came back within client_resume_grace.",
+            registry=registry,
+        )
+        self.resume_replayed_events = Counter(
+            f"{p}_resume_replayed_events",
+            "Events replayed to resumed clients: written before the drop, after their cursor.",
+            registry=registry,
+        )
         self.usage_sessions = Counter(
             f"{p}_usage_sessions",
             "Ended sessions, by API key name (docs/design.md, Usage).",
@@ -601,6 +629,8 @@ class SidecarMetrics:
             self.engine_ack_errors.labels(code)
         for kind in ENGINE_FULL_KINDS:
             self.engine_full.labels(kind)
+        for result in RESUME_RESULTS:
+            self.resumes.labels(result)
         self.set_usage_keys(())
 
     def set_usage_keys(self, names: Iterable[str]) -> None:

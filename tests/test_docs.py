@@ -58,7 +58,7 @@ FORBIDDEN = (
 
 #: Markdown files that bench writes at run time into bench/results/ (NAME and
 #: SCENARIO are placeholders for a scenario's name); citing them is not a dangling link.
-GENERATED = frozenset({"summary.md", "soak.md", "NAME.md", "SCENARIO.md"})
+GENERATED = frozenset({"summary.md", "soak.md", "churn.md", "NAME.md", "SCENARIO.md"})
 
 #: A path-like token ending in .md (not part of a URL).
 MD_PATH = re.compile(r"(?<![\w/.:-])((?:\.{1,2}/)?[\w.-]+(?:/[\w.-]+)*\.md)\b")

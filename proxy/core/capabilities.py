@@ -20,6 +20,7 @@ __all__ = [
     "EngineCapabilities",
     "EngineVersion",
     "opens_at_connect",
+    "opens_with_first_message",
     "parse_version",
     "session_is_duplex",
 ]
@@ -162,6 +163,13 @@ def session_is_duplex(path: str, query: Mapping[str, str]) -> bool:
         return True
     flag = query.get("duplex")
     return flag is None or flag.strip().lower() in ("1", "true", "on")
+
+
+def opens_with_first_message(query: Mapping[str, str]) -> bool:
+    """The client said it opens (or resumes) the session with its first message:
+    ``autostart`` off or ``resume`` on; the engine sends nothing before it."""
+    autostart_off = query.get("autostart", "").strip().lower() in _FALSE
+    return autostart_off or query.get("resume", "").strip().lower() in _TRUE
 
 
 def opens_at_connect(query: Mapping[str, str]) -> bool:

@@ -40,6 +40,8 @@ class Report:
         "overflow_policy",
         "overflows",
         "own_ack_errors",
+        "replayed",
+        "resume_expired",
         "silence",
     )
 
@@ -57,6 +59,8 @@ class Report:
         learned: EngineVersion | None,
         late_after_eviction: int,
         engine_full: bool,
+        replayed: int = 0,
+        resume_expired: bool = False,
     ) -> None:
         #: Dropped (events, bytes) by reason since the last report.
         self.drops = drops
@@ -78,6 +82,9 @@ class Report:
         self.late_after_eviction = late_after_eviction
         #: The engine refused this session as full (said once).
         self.engine_full = engine_full
+        #: Events replayed to a client that resumed, and a held session whose grace ran out.
+        self.replayed = replayed
+        self.resume_expired = resume_expired
 
 
 class Drain:

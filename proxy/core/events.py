@@ -46,6 +46,7 @@ class EventKind(enum.Enum):
     ERROR = "error"
     SESSION_CREATED = "session_created"
     SESSION_CLOSED = "session_closed"
+    SESSION_REPLACED = "session_replaced"  # another socket resumed the engine session
     OUTPUT_AUDIO_CLEARED = "output_audio_cleared"
     OVERLAP_DECISION = "overlap_decision"
     SPEECH_STARTED = "speech_started"
@@ -65,6 +66,8 @@ class ClientKind(enum.Enum):
     AUDIO_APPEND = "audio_append"
     SESSION_CLOSE = "session_close"
     SESSION_UPDATE = "session_update"
+    SESSION_RESUME = "session_resume"
+    EVENT_ACK = "event_ack"
     OTHER = "other"
     INVALID_JSON = "invalid_json"
     BAD_EVENT = "bad_event"
@@ -77,7 +80,10 @@ _UPSTREAM_KINDS: Final[dict[str, EventKind]] = {
     "response.done": EventKind.RESPONSE_DONE,
     "error": EventKind.ERROR,
     "session.created": EventKind.SESSION_CREATED,
+    # A resume the engine answered (passed through): the session as it stands.
+    "session.resumed": EventKind.SESSION_CREATED,
     "session.closed": EventKind.SESSION_CLOSED,
+    "session.replaced": EventKind.SESSION_REPLACED,
     "output_audio_buffer.cleared": EventKind.OUTPUT_AUDIO_CLEARED,
     "overlap.decision": EventKind.OVERLAP_DECISION,
     "input_audio_buffer.speech_started": EventKind.SPEECH_STARTED,
@@ -96,6 +102,8 @@ _CLIENT_KINDS: Final[dict[str, ClientKind]] = {
     "close": ClientKind.SESSION_CLOSE,
     "close_session": ClientKind.SESSION_CLOSE,
     "session.update": ClientKind.SESSION_UPDATE,
+    "session.resume": ClientKind.SESSION_RESUME,
+    "session.event_ack": ClientKind.EVENT_ACK,
 }
 
 _TURN_SIGNAL_CANCELS: Final = frozenset({"barge_in", "response.cancel"})
@@ -137,6 +145,8 @@ class UpstreamEvent:
     audio_meta: dict[str, Any] | None = None
     #: ``kind is EventKind.AUDIO_DELTA``, read several times per event: a field, not a call.
     is_audio: bool = False
+    #: The engine's ``server_event_seq`` (its resume cursor), when the frame has one.
+    seq: int | None = None
 
     # Written out (dataclass keeps it): built per engine event, and mypyc
     # compiles this one natively where it would interpret the generated one.
@@ -152,6 +162,7 @@ class UpstreamEvent:
         body: dict[str, Any] | None = None,
         audio_chars: int = 0,
         audio_meta: dict[str, Any] | None = None,
+        seq: int | None = None,
     ) -> None:
         self.text = text
         self.size = size
@@ -164,6 +175,7 @@ class UpstreamEvent:
         self.audio_chars = audio_chars
         self.audio_meta = audio_meta
         self.is_audio = kind is EventKind.AUDIO_DELTA
+        self.seq = seq
 
 
 @dataclass(slots=True)  # treat as immutable (see UpstreamEvent)
@@ -316,6 +328,7 @@ def classify_upstream(text: str) -> UpstreamEvent:
             doc = spliced[0]
             audio_type = doc.get("type")
             if isinstance(audio_type, str) and audio_type in AUDIO_DELTA_TYPES:
+                seq = doc.get("server_event_seq")
                 return UpstreamEvent(
                     text,
                     size,
@@ -324,6 +337,7 @@ def classify_upstream(text: str) -> UpstreamEvent:
                     response_id=_str_or_none(doc.get("response_id")),
                     audio_chars=spliced[1],
                     audio_meta=doc,
+                    seq=seq if type(seq) is int else None,
                 )
     body = _parse_object(text)
     if isinstance(body, str):
@@ -347,6 +361,7 @@ def classify_upstream(text: str) -> UpstreamEvent:
     if kind is EventKind.AUDIO_DELTA:
         delta = body.get("delta")
         audio_chars = len(delta) if isinstance(delta, str) else 0
+    seq = body.get("server_event_seq")
     return UpstreamEvent(
         text,
         size,
@@ -358,6 +373,7 @@ def classify_upstream(text: str) -> UpstreamEvent:
         body=body,
         audio_chars=audio_chars,
         audio_meta=body if kind is EventKind.AUDIO_DELTA else None,
+        seq=seq if type(seq) is int else None,
     )
 
 

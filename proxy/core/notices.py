@@ -22,6 +22,8 @@ __all__ = [
     "response_failed",
     "session_close",
     "session_closed",
+    "session_resumed",
+    "session_resync_required",
 ]
 
 #: error.type per code, as the engine derives it (unknown → invalid_request_error).
@@ -112,3 +114,36 @@ def response_cancel(response_id: str) -> str:
 def session_close(reason: str) -> str:
     """Upstream ``session.close`` so that a resumable engine frees the slot now."""
     return orjson.dumps({"type": "session.close", "reason": reason}).decode()
+
+
+def session_resumed(
+    event_id: str,
+    session_id: str | None,
+    session: dict[str, Any] | None,
+    *,
+    generation: int,
+    resume_token: str,
+) -> UpstreamEvent:
+    """``session.resumed``: a dropped client is attached again (the replay follows)."""
+    body: dict[str, Any] = {
+        "type": "session.resumed",
+        "event_id": event_id,
+        "session_id": session_id,
+        "attachment_generation": generation,
+        "resume_token": resume_token,
+    }
+    if session is not None:
+        body["session"] = session
+    return _event(body)
+
+
+def session_resync_required(event_id: str, session_id: str | None, reason: str) -> UpstreamEvent:
+    """``session.resync_required``: what the client missed can no longer be replayed."""
+    return _event(
+        {
+            "type": "session.resync_required",
+            "event_id": event_id,
+            "session_id": session_id,
+            "reason": reason,
+        }
+    )

@@ -10,6 +10,8 @@ and a report for the observer. Reporters read ``SessionView``
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,6 +33,7 @@ from proxy.core.events import (
     error_code,
 )
 from proxy.core.input_audio import InputAudio, Refused
+from proxy.core.journal import ReplayJournal
 from proxy.core.ledger import CancellationLedger, Verdict
 from proxy.core.lifecycle import (
     CLOSE_ABNORMAL_ENGINE,
@@ -100,6 +103,14 @@ _PLAYBACK_ACKS: Final = frozenset({"playback.ack", "audio.playback_ack"})
 
 #: The engine's own output bound (0.31+): seen, it tells the version.
 _ENGINE_BACKPRESSURE_CODE: Final = "output_backpressure"
+
+
+#: Separates the engine's resume token from the sidecar's mark on the ones it issues.
+_TOKEN_MARK: Final = "~"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
 def _item_audio_seconds(audio: InputAudio, body: dict[str, Any] | None) -> float:
@@ -203,6 +214,23 @@ class SessionCore(SessionLifecycle):
         self._overflows_reported = 0
         self._late_evicted_reported = 0
         self._out = Drain()
+        # -- resume (docs/design.md, Resume) --
+        #: The engine offers resume for this session and the sidecar holds it on a drop.
+        self.resumable = False
+        #: The engine's own resume token, and a digest of the one a client must present.
+        self._engine_token = ""
+        self._token_digest = b""
+        #: The engine's last ``session`` object (``session.resumed`` repeats it).
+        self._session_object: dict[str, Any] | None = None
+        self.generation = 0
+        #: When the client dropped (None: attached), and when its grace ends.
+        self.detached_at: float | None = None
+        self._grace_at: float | None = None
+        self._journal: ReplayJournal | None = None
+        #: ``session.resumed`` and the replay, written before anything queued.
+        self._replay: deque[Entry] = deque()
+        self._replayed = 0
+        self._resume_expired = False
 
     # -- the client's frames -----------------------------------------------------------------
 
@@ -240,6 +268,10 @@ class SessionCore(SessionLifecycle):
                 return ClientDecision(event, forward=False)
         elif event.kind is ClientKind.SESSION_UPDATE:
             self.limits.input.on_client_update(event.body)
+        elif event.kind is ClientKind.EVENT_ACK and self._journal is not None:
+            acked = (event.body or {}).get("server_event_seq")
+            if type(acked) is int:
+                self._journal.ack(acked)
         elif event.kind is ClientKind.RESPONSE_CREATE or (
             event.kind is ClientKind.OTHER and _commit_creates_response(event)
         ):
@@ -427,6 +459,7 @@ class SessionCore(SessionLifecycle):
             if event.body is not None:
                 playback.on_session(event.body)
                 self.limits.input.on_engine_session(event.body)
+                self._note_resume(event.body)
         elif kind is EventKind.RESPONSE_CREATED and rid is not None:
             self.ledger.on_created(rid)
             if self._pending_creates:
@@ -453,6 +486,12 @@ class SessionCore(SessionLifecycle):
                 self._cancel_all_open(now)
         elif kind is EventKind.SESSION_CLOSED:
             self._close(event, CLOSE_NORMAL, self._closed_outcome(), now)
+            return event
+        elif kind is EventKind.SESSION_REPLACED:
+            # Another socket resumed the engine session: it lives on there, so
+            # this one ends without asking the engine to close it.
+            self.upstream_close_sent = True
+            self._close(event, CLOSE_NORMAL, Outcome.UPSTREAM_CLOSED, now)
             return event
         elif kind is EventKind.OTHER and event.type == "session.updated" and event.body:
             playback.on_session(event.body)
@@ -513,6 +552,36 @@ class SessionCore(SessionLifecycle):
         session = body.get("session")
         if isinstance(session, dict) and isinstance(session.get("id"), str):
             self.session_id = session["id"]
+        elif isinstance(body.get("session_id"), str):
+            self.session_id = body["session_id"]
+
+    def _note_resume(self, body: dict[str, Any]) -> None:
+        """``session.created`` / ``session.resumed``: whether and how this session resumes."""
+        session = body.get("session")
+        if isinstance(session, dict):
+            self._session_object = session
+            capabilities = session.get("capabilities")
+            supported = (
+                isinstance(capabilities, dict)
+                and capabilities.get("supports_session_resume") is True
+            )
+        else:
+            supported = self.resumable  # a resumed session keeps what it was
+        generation = body.get("attachment_generation")
+        if type(generation) is int:
+            self.generation = generation
+        token = body.get("resume_token")
+        if not (supported and isinstance(token, str) and token):
+            return
+        if self.settings.client_resume_grace > 0:
+            self.resumable = True
+            self._engine_token = token.split(_TOKEN_MARK, 1)[0]
+            self._token_digest = _digest(token)
+            if self._journal is None:
+                settings = self.settings
+                self._journal = ReplayJournal(
+                    settings.resume_journal_bytes, settings.resume_journal_ttl
+                )
 
     # -- cancellation ---------------------------------------------------------------------------
 
@@ -563,7 +632,7 @@ class SessionCore(SessionLifecycle):
         """
         out = self._out
         buffer = self.buffer
-        if room > 0 and (buffer.pending_events or buffer.closure_pending):
+        if room > 0 and (buffer.pending_events or buffer.closure_pending or self._replay):
             entries = self._take(now, room)
             out.to_client = entries
             out.close_code = self.close_code if entries and entries[-1].closure else None
@@ -574,9 +643,14 @@ class SessionCore(SessionLifecycle):
             out.to_upstream, self._to_upstream = self._to_upstream, []
         else:
             out.to_upstream = NOTHING
+        deadline = self._ack_at
         paced = self._paced_until
-        ack_at = self._ack_at
-        out.deadline = ack_at if paced is None else paced if ack_at is None else min(paced, ack_at)
+        if paced is not None and (deadline is None or paced < deadline):
+            deadline = paced
+        grace = self._grace_at
+        if grace is not None and (deadline is None or grace < deadline):
+            deadline = grace
+        out.deadline = deadline
         out.pending_bytes = buffer.pending_bytes
         out.pending_events = buffer.pending_events
         out.report = self._report() if self.telemetry.news or self.playback.news else None
@@ -591,6 +665,11 @@ class SessionCore(SessionLifecycle):
         self._paced_until = None
         taken: list[Entry] = []
         size = 0
+        replay = self._replay
+        while replay and (not taken or size + replay[0].event.size <= room):
+            again = replay.popleft()  # written before, or the resumed notice: no budget
+            taken.append(again)
+            size += again.event.size
         while size < room and (buffer.pending_events or buffer.closure_pending):
             if pacing or size:
                 head = buffer.peek()
@@ -627,9 +706,12 @@ class SessionCore(SessionLifecycle):
         usage = self.usage
         silence = self._silence
         create_time = self._create_time
+        journal = self._journal
         for entry in entries:
             event = entry.event
             rid = event.response_id
+            if journal is not None and event.seq is not None:
+                journal.record(event.seq, entry, now)
             if entry.closure:
                 self.state = next_state(self.state, SessionEvent.CLOSURE_DELIVERED)
                 continue
@@ -664,11 +746,20 @@ class SessionCore(SessionLifecycle):
 
     def next_deadline(self) -> float | None:
         """When ``on_timer`` must next be called (None: no deadline)."""
-        paced, ack_at = self._paced_until, self._ack_at
-        return ack_at if paced is None else paced if ack_at is None else min(paced, ack_at)
+        deadline = self._ack_at
+        for at in (self._paced_until, self._grace_at):
+            if at is not None and (deadline is None or at < deadline):
+                deadline = at
+        return deadline
 
     def on_timer(self, now: float) -> None:
-        """Time passed: paced audio may be released, playback acks may be due."""
+        """Time passed: paced audio may be released, acks may be due, a grace may end."""
+        if self._grace_at is not None and now >= self._grace_at:
+            # The dropped client never came back: a normal end (session.close upstream).
+            self._grace_at = self.detached_at = None
+            self._resume_expired = True
+            self.telemetry.news = True
+            self.client_gone()
         if self._paced_until is not None and now >= self._paced_until:
             self._paced_until = None
         if self._ack_at is not None and now >= self._ack_at:
@@ -695,6 +786,73 @@ class SessionCore(SessionLifecycle):
             when += interval * ACK_RIDE_WAIT
         self._ack_at = when
 
+    # -- resume (docs/design.md, Resume) ----------------------------------------------------------
+
+    def client_detached(self, now: float) -> bool:
+        """The client's connection ended without ``session.close``.
+
+        Returns:
+            True when the session is held for ``client_resume_grace`` (it is
+            resumable and not over); False: the shell ends it (``client_gone``).
+        """
+        if (
+            not self.resumable
+            or self.client_close_requested
+            or self.state is SessionState.CLOSED
+            or self.detached_at is not None
+        ):
+            return False
+        self.detached_at = now
+        self._grace_at = now + self.settings.client_resume_grace
+        self._replay.clear()
+        return True
+
+    def resume_token_matches(self, token: str) -> bool:
+        """The token a ``session.resume`` presents is this session's current one."""
+        return bool(self._token_digest) and hmac.compare_digest(_digest(token), self._token_digest)
+
+    def next_resume_token(self, nonce: str) -> str:
+        """The token the next resume of this session will need (the engine's, marked)."""
+        return f"{self._engine_token}{_TOKEN_MARK}{nonce}"
+
+    def reattach(self, cursor: int, now: float, *, token: str) -> bool:
+        """A client resumed this session: ``session.resumed``, then what it missed.
+
+        Args:
+            cursor: the last ``server_event_seq`` the client received.
+            token: the token its next resume will need (``next_resume_token``).
+
+        Returns:
+            False when what was written after ``cursor`` is no longer kept
+            (the client must resync); the session stays as it was.
+        """
+        journal = self._journal
+        replay = journal.after(cursor, now, self._still_audible) if journal is not None else []
+        if replay is None:
+            return False
+        self.detached_at = self._grace_at = None
+        self.generation += 1
+        self._token_digest = _digest(token)
+        resumed = notices.session_resumed(
+            self._new_id(),
+            self.session_id,
+            self._session_object,
+            generation=self.generation,
+            resume_token=token,
+        )
+        self._replay = deque([Entry(resumed, now), *replay])
+        self._replayed += len(replay)
+        self.telemetry.news = True
+        return True
+
+    def _still_audible(self, entry: Entry) -> bool:
+        """Replay keeps every event but audio of a response cancelled since."""
+        event = entry.event
+        rid = event.response_id
+        return not (
+            event.is_audio and rid is not None and self.ledger.cancelled_at(rid) is not None
+        )
+
     # -- reports ----------------------------------------------------------------------------------
 
     def _report(self) -> Report:
@@ -710,6 +868,8 @@ class SessionCore(SessionLifecycle):
         self._late_evicted_reported = evicted
         engine_full = self.engine_full and not self._engine_full_reported
         self._engine_full_reported = self.engine_full
+        replayed, self._replayed = self._replayed, 0
+        expired, self._resume_expired = self._resume_expired, False
         return Report(
             drops=telemetry.take_drops(),
             overflows=overflows,
@@ -722,6 +882,8 @@ class SessionCore(SessionLifecycle):
             learned=playback.take_learned(),
             late_after_eviction=late,
             engine_full=engine_full,
+            replayed=replayed,
+            resume_expired=expired,
         )
 
     def finish(self) -> None:
@@ -755,6 +917,10 @@ class SessionCore(SessionLifecycle):
             active_response=self.ledger.active_response(),
             open_responses=tuple(self.ledger.open_responses()),
         )
+
+    @property
+    def resume_grace_ends_at(self) -> float | None:
+        return self._grace_at
 
     def tombstoned(self) -> list[str]:
         return self.ledger.tombstoned()

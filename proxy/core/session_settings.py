@@ -45,6 +45,13 @@ class SessionSettings:
     #: Client bytes the engine link may hold unsent (0 = off); forwarding more
     #: ends the session (``error`` {input_backpressure}, 1008).
     max_pending_input_bytes: int = 0
+    #: A resumable session whose client drops without ``session.close`` is held
+    #: this long for a ``session.resume`` (0 = off: the session ends at once).
+    client_resume_grace: float = 0.0
+    #: What a held session keeps of the events it wrote, for the replay
+    #: (proxy/core/journal.py): bytes, and seconds after each was written.
+    resume_journal_bytes: int = 2 * 1024 * 1024
+    resume_journal_ttl: float = 60.0
     #: Pacing, acks on the client's behalf, truncation (proxy.core.playback).
     playback: PlaybackSettings = field(default_factory=PlaybackSettings)
 

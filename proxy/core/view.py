@@ -73,6 +73,21 @@ class SessionView(Protocol):
     def closing(self) -> bool:
         """The closure notice is queued: the session is ending."""
 
+    @property
+    def resumable(self) -> bool:
+        """The engine offers resume and the sidecar holds the session when its client drops."""
+
+    @property
+    def detached_at(self) -> float | None:
+        """When the client dropped while the session is held for a resume (None: attached)."""
+
+    @property
+    def resume_grace_ends_at(self) -> float | None:
+        """When a held session ends unless its client resumes (None: not held)."""
+
+    def resume_token_matches(self, token: str) -> bool:
+        """A ``session.resume`` presents this session's current token (constant time)."""
+
     def statistics(self) -> SessionStatistics: ...
 
     def tombstoned(self) -> list[str]:

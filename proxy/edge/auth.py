@@ -9,6 +9,7 @@ which labels its usage, and quotas: docs/design.md, Usage; Quotas.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -147,6 +148,8 @@ class AuthResult:
     message: str = ""
     #: The accepted key's name, or ``unnamed`` (also when auth is off); never the key.
     key_name: str = UNNAMED_KEY
+    #: Which key it was, as a digest ("" with auth off): a resume must present the same.
+    key_id: str = ""
 
 
 _OK: Final = AuthResult(True)
@@ -166,7 +169,8 @@ class AuthPolicy:
         named = api_keys if isinstance(api_keys, Mapping) else dict.fromkeys(api_keys)
         self._keys = tuple(k.encode() for k in named)
         self._results = tuple(
-            AuthResult(True, key_name=name or UNNAMED_KEY) for name in named.values()
+            AuthResult(True, key_name=name or UNNAMED_KEY, key_id=_key_id(key))
+            for key, name in named.items()
         )
         self._origins = frozenset(o.rstrip("/") for o in allowed_origins)
 
@@ -213,6 +217,11 @@ class AuthPolicy:
                 if matched is not None:
                     return matched
         return AuthResult(False, "unauthorized", 401, "missing or invalid API key")
+
+
+def _key_id(key: str) -> str:
+    """A key's identity for comparing two handshakes, never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def offered_subprotocols(header: str | None) -> list[str]:

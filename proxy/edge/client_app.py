@@ -113,7 +113,7 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
                 503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
             )
         try:
-            return await run_session(request, state, auth.key_name)
+            return await run_session(request, state, auth.key_name, auth.key_id)
         finally:
             await state.admission.release()
     finally:

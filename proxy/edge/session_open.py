@@ -26,18 +26,24 @@ from urllib.parse import parse_qsl, urlsplit
 from aiohttp import web
 
 from proxy import compat
-from proxy.core.capabilities import opens_at_connect, session_is_duplex
+from proxy.core.capabilities import (
+    opens_at_connect,
+    opens_with_first_message,
+    session_is_duplex,
+)
 from proxy.core.events import classify_upstream, is_engine_full
 from proxy.edge.guard import client_address
-
-# The short names the session-opening functions below were written with.
 from proxy.edge.refusals import json_error as _json_error
 from proxy.edge.refusals import log_refused as _log_refused
 from proxy.edge.refusals import quota_refused as _quota_refused
 from proxy.edge.refusals import retry_after as _retry_after
+
+# The short names the session-opening functions below were written with.
+from proxy.edge.resume import first_message, parse_resume, resume_held
 from proxy.edge.state import ProxyState, UpstreamTarget
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
+from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.observer import SessionObserver, SessionTracer
 from proxy.session.relay import Relay
@@ -58,7 +64,9 @@ MAX_UPSTREAM_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 _CLIENT_SUBPROTOCOLS: Final = ("realtime", "openai-beta.realtime-v1")
 
 
-async def run_session(request: web.Request, state: ProxyState, key_name: str) -> web.StreamResponse:
+async def run_session(
+    request: web.Request, state: ProxyState, key_name: str, key_id: str = ""
+) -> web.StreamResponse:
     """Place an admitted handshake on a replica (when there is a pool) and run its session.
 
     The caller holds the session slot (proxy/edge/session_slots.py); the
@@ -66,7 +74,7 @@ async def run_session(request: web.Request, state: ProxyState, key_name: str) ->
     """
     router = state.router
     if router is None:
-        return await _run_placed(request, state, None, key_name)
+        return await _run_placed(request, state, None, key_name, key_id)
     now = time.monotonic()
     engine = router.choose(state.registry.pending_by_engine(router.count), now)
     if engine is None:
@@ -77,13 +85,13 @@ async def run_session(request: web.Request, state: ProxyState, key_name: str) ->
     # The slot is held from here, across the upstream connect, until the session ends.
     router.take(engine)
     try:
-        return await _run_placed(request, state, engine, key_name)
+        return await _run_placed(request, state, engine, key_name, key_id)
     finally:
         router.release(engine)
 
 
 async def _run_placed(
-    request: web.Request, state: ProxyState, engine: int | None, key_name: str
+    request: web.Request, state: ProxyState, engine: int | None, key_name: str, key_id: str
 ) -> web.StreamResponse:
     """Trace (when on) and run one placed session; its span ends on every path."""
     key = uuid.uuid4().hex[:12]
@@ -95,10 +103,10 @@ async def _run_placed(
     try:
         tracing = state.tracing
         if tracing is None:
-            return await _open_session(request, state, engine, key, key_name, None)
+            return await _open_session(request, state, engine, key, (key_name, key_id), None)
         tracer = tracing.session(key, request.headers, model=request.query.get("model"))
         try:
-            return await _open_session(request, state, engine, key, key_name, tracer)
+            return await _open_session(request, state, engine, key, (key_name, key_id), tracer)
         finally:
             tracer.refused("handshake_failed")  # no-op when the session span already ended
     finally:
@@ -111,9 +119,10 @@ async def _open_session(
     state: ProxyState,
     engine: int | None,
     key: str,
-    key_name: str,
+    identity: tuple[str, str],
     tracer: SessionTracer | None,
 ) -> web.StreamResponse:
+    key_name, key_id = identity
     settings = state.settings
     metrics = state.metrics
     target = state.target() if engine is None or state.router is None else _replica(state, engine)
@@ -187,26 +196,46 @@ async def _open_session(
         raise
     protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
     address = client_address(request)
+    side = ClientSide(
+        client,
+        protocol,
+        upstream,
+        functools.partial(compat.push_text, client),
+        write_buffer_bytes=settings.client_write_buffer_bytes,
+        address=address,
+    )
+    # From here on every frame to this client, aiohttp's own close frames
+    # included, goes through the connection's frame writer.
+    compat.install_client_writer(client, AiohttpWriterAdapter(side.writer))
+    resumable = state.session_settings.client_resume_grace > 0
+    if resumable and opens_with_first_message(dict(request.query)):
+        # The engine sends nothing before the client's first message, which may
+        # be a session.resume (docs/design.md, Resume).
+        opening = await first_message(client, settings.handshake_timeout)
+        side.reader.first = opening
+        resume = parse_resume(opening)
+        if resume is not None:
+            if await resume_held(state.registry, metrics, side, resume, key_id):
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(settings.close_timeout):
+                        await upstream.close()
+                return client
+            metrics.resumes.labels("passed_upstream").inc()
     observer = state.registry.observer(
         key, client_address=address, engine=engine, key_name=key_name, tracer=tracer
     )
     relay = Relay(
         session_key=key,
-        client=client,
-        client_protocol=protocol,
+        side=side,
         upstream=upstream,
         settings=state.session_settings,
         capabilities=capabilities,
         observer=observer,
         limits=RelayLimits.from_settings(settings),
-        client_push=functools.partial(compat.push_text, client),
     )
-    # From here on every frame to this client, aiohttp's own close frames
-    # included, goes through the relay's frame writer.
-    compat.install_client_writer(client, AiohttpWriterAdapter(relay.writer))
     state.quota.attach(key, relay.view, relay.end_for_quota)
     metrics.sessions_started.inc()
-    state.registry.add(relay)
+    state.registry.add(relay, key_id=key_id)
     if state.registry.closing_all:
         relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
     relay.log.info("session open: %s -> %s", address, url)
@@ -243,7 +272,7 @@ def _log_session_end(relay: Relay, observer: SessionObserver, usage: UsageBook) 
         },
     )
     outcome = view.outcome.value if view.outcome is not None else "error"
-    sent = relay.writer.close_code_sent
+    sent = relay.side.writer.close_code_sent
     drops = {r.value: e for r, (e, _b) in view.drop_totals().items() if e}
     fields = {
         "session": relay.key,
@@ -252,8 +281,8 @@ def _log_session_end(relay: Relay, observer: SessionObserver, usage: UsageBook) 
         "duration_s": round(duration, 3),
         "events_in": observer.events_client_to_upstream,
         "bytes_in": observer.c2u_bytes,
-        "events_out": relay.writer.frames_written,
-        "bytes_out": relay.writer.bytes_written,
+        "events_out": relay.side.writer.frames_written,
+        "bytes_out": relay.side.writer.bytes_written,
         "drops": ",".join(f"{k}:{v}" for k, v in sorted(drops.items())) or "none",
         "outcome": outcome,
         # The code the client actually got; "not_sent" when no close frame reached it.

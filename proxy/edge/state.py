@@ -246,6 +246,9 @@ def session_settings(settings: Settings) -> SessionSettings:
         max_client_frame_rate=settings.max_client_frame_rate,
         client_frame_burst=settings.client_frame_burst,
         max_pending_input_bytes=settings.max_pending_input_bytes,
+        client_resume_grace=settings.client_resume_grace,
+        resume_journal_bytes=settings.resume_journal_bytes,
+        resume_journal_ttl=settings.resume_journal_ttl,
         playback=PlaybackSettings(
             pacing=settings.playback_pacing,
             max_audio_lead=settings.max_audio_lead,

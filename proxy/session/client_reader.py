@@ -95,6 +95,12 @@ class ClientReader:
         self.frames_read = 0
         #: The client was cut off for flooding: its reads are paused for good.
         self.cut_off = False
+        #: ``run`` has ended (the connection is done for this reader).
+        self.finished = False
+        #: The client ended with a close frame (not a dropped connection).
+        self.closed_cleanly = False
+        #: A message read before ``run`` (the edge's look at the first one): handled first.
+        self.first: aiohttp.WSMessage | None = None
         #: Client reading is paused until the engine link drains.
         self._paused_for_upstream = False
         upstream.on_drained = self._upstream_drained
@@ -115,7 +121,8 @@ class ClientReader:
                     # Only once aiohttp's queue is empty, so no frame overtakes
                     # one queued before it; then text frames skip the queue.
                     self._set_push(handler)
-                msg = await client.receive()
+                msg = self.first or await client.receive()
+                self.first = None
                 if self.cut_off:
                     # Cut off while frames were pushed: read none of what aiohttp
                     # queued (its queue stays full, so it keeps the socket paused).
@@ -145,12 +152,14 @@ class ClientReader:
                 else:
                     # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already answered
                     # an oversized frame with 1009, through our writer).
+                    self.closed_cleanly = kind is aiohttp.WSMsgType.CLOSE
                     if kind is aiohttp.WSMsgType.ERROR:
                         frames.client_error(msg.data)
                     break
         finally:
             self._set_push(None)
             upstream.on_drained = None  # no cycle between the link and this reader
+            self.finished = True
             frames.client_ended()
 
     def over_rate(self) -> None:

@@ -339,6 +339,11 @@ class SessionObserver:
         if report.learned is not None:
             self.note("engine_behaviour", f"behaves like vLLM-Omni {report.learned.value}")
             self._registry.capabilities.learn(report.learned)
+        if report.replayed:
+            m.resume_replayed_events.inc(report.replayed)
+        if report.resume_expired:
+            m.resume_grace_expired.inc()
+            self.note("resume_expired", "the client did not come back within the grace")
 
     def _export_playback(self, now: PlaybackTotals) -> None:
         """Playback ledger counters since the last export (plain compares)."""

@@ -12,6 +12,7 @@ and keeps the final view of the last ``RECENT_CLOSED_SESSIONS`` sessions.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from metrics import SidecarMetrics
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.usage import UNNAMED_KEY
 from proxy.core.view import SessionView
+from proxy.session.client_side import ClientSide
 from proxy.session.observer import SessionObserver, SessionTracer
 
 __all__ = ["RECENT_CLOSED_SESSIONS", "CapabilityBook", "SessionRegistry"]
@@ -36,8 +38,11 @@ class Relay(Protocol):
     key: str
     view: SessionView
     started_at: float
+    log: logging.LoggerAdapter[logging.Logger]
 
     def shed(self) -> None: ...
+
+    def attach(self, side: ClientSide, cursor: int, nonce: str) -> bool: ...
 
     def shutdown(self) -> None: ...
 
@@ -108,6 +113,7 @@ class SessionRegistry:
         self.on_engine_full: Callable[[int | None], None] = lambda engine: None
         self.max_total = max_total_pending_output_bytes
         self.relays: dict[str, Relay] = {}
+        self._key_ids: dict[str, str] = {}
         self._observers: dict[str, SessionObserver] = {}
         self._pending_bytes: dict[str, int] = {}
         self._pending_events: dict[str, int] = {}
@@ -123,6 +129,7 @@ class SessionRegistry:
         # Read at scrape time: no gauge update on the per-event path.
         metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
         metrics.output_pending_events.set_function(lambda: self.total_pending_events)
+        metrics.sessions_detached.set_function(self.detached)
 
     async def wait_empty(self) -> None:
         """Wait until no session is live."""
@@ -133,8 +140,10 @@ class SessionRegistry:
         self._empty.clear()
         await self._empty.wait()
 
-    def add(self, relay: Relay) -> None:
+    def add(self, relay: Relay, *, key_id: str = "") -> None:
+        """A live session (``key_id``: its API key's identity, which a resume must present)."""
         self.relays[relay.key] = relay
+        self._key_ids[relay.key] = key_id
         self._pending_bytes[relay.key] = 0
         self._pending_events[relay.key] = 0
         self.metrics.sessions_active.set(len(self.relays))
@@ -143,6 +152,7 @@ class SessionRegistry:
         if relay.key in self.relays:
             self.recent.append(self.detail(relay.key) or {"id": relay.key})
         self.relays.pop(relay.key, None)
+        self._key_ids.pop(relay.key, None)
         self._observers.pop(relay.key, None)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
         self.total_pending_events -= self._pending_events.pop(relay.key, 0)
@@ -169,6 +179,26 @@ class SessionRegistry:
         )
         self._observers[key] = observer
         return observer
+
+    def holds(self, session_id: str) -> bool:
+        """A live resumable session has this engine session id."""
+        return any(
+            r.view.session_id == session_id and r.view.resumable for r in self.relays.values()
+        )
+
+    def resumable(self, session_id: str, token: str, key_id: str) -> Relay | None:
+        """The session a ``session.resume`` may take over: same id, token and key; else None."""
+        for key, relay in self.relays.items():
+            view = relay.view
+            if view.session_id == session_id and view.resumable:
+                token_ok = view.resume_token_matches(token)
+                key_ok = hmac.compare_digest(self._key_ids.get(key, ""), key_id)
+                return relay if token_ok and key_ok else None
+        return None
+
+    def detached(self) -> int:
+        """Sessions held for a resume now."""
+        return sum(1 for relay in self.relays.values() if relay.view.detached_at is not None)
 
     def relays_on(self, engine: int) -> list[Relay]:
         """Live sessions placed on one engine replica (its failure ends only these)."""
@@ -299,6 +329,12 @@ class SessionRegistry:
             "started_at": observer.started_at if observer is not None else None,
             "age_seconds": round(now - relay.started_at, 3),
             "state": stats.state.value,
+            "detached": view.detached_at is not None,
+            "resume_grace_left_seconds": (
+                None
+                if view.resume_grace_ends_at is None
+                else round(max(0.0, view.resume_grace_ends_at - now), 3)
+            ),
             "outcome": view.outcome.value if view.outcome is not None else None,
             "close_code": view.close_code,
             "pending_bytes": buffer.pending_bytes,

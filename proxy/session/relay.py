@@ -2,9 +2,10 @@
 
 Frames and facts go into the core; after each call the relay does what the
 core's drain says (docs/design.md, Relay shell): write to the client, send
-upstream, arm one timer, hand the news to the observer. Three tasks in one
-TaskGroup: the client reader, the upstream link's ``run`` (which pushes engine
-frames in), and delivery (waits for a paused client, then winds both down).
+upstream, arm one timer, hand the news to the observer. One TaskGroup: the
+upstream link's ``run`` (which pushes engine frames in), the client reader,
+and delivery; a held session outlives its client connection until a resume
+attaches another or its grace ends (docs/design.md, Resume).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING
@@ -22,17 +23,16 @@ from proxy.core.events import ClientKind, EventKind
 from proxy.core.lifecycle import CLOSE_NORMAL, EndReason, Outcome, SessionState
 from proxy.core.session_core import SessionCore, SessionSettings
 from proxy.core.view import SessionView
-from proxy.session.client_reader import ClientReader, ClientSocket, TextPush
+from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.tasks import cancel_and_wait, first_set
 from proxy.session.timers import LoopScheduler, Scheduler, SessionTimers, Side
 from proxy.session.upstream_link import UpstreamLink
-from proxy.session.writer import ClientFrameWriter
 
 if TYPE_CHECKING:
     from proxy.session.observer import SessionObserver
 
-__all__ = ["ClientSocket", "Relay"]
+__all__ = ["Relay"]
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +44,18 @@ class Relay:
     """One client session and its upstream connection.
 
     Args:
-        client, client_protocol: the prepared client WebSocket and aiohttp's
-            protocol under it (flow control); ``upstream``: the engine link.
+        side: the client connection; ``upstream``: the engine link.
         settings, capabilities: the session's policy (the relay builds its core).
         observer: metrics, registry and tracing (it reads ``view``).
         limits: the shell's bounds and deadlines; ``scheduler`` and
             ``call_soon``: the running loop's unless given (tests).
-        client_push: aiohttp's hand-over of parsed client text frames
-            (``proxy.compat.push_text``); None reads every frame from its queue.
     """
 
     def __init__(
         self,
         *,
         session_key: str,
-        client: ClientSocket,
-        client_protocol: Any,
+        side: ClientSide,
         upstream: UpstreamLink,
         settings: SessionSettings,
         observer: SessionObserver,
@@ -67,10 +63,10 @@ class Relay:
         capabilities: EngineCapabilities | None = None,
         scheduler: Scheduler | None = None,
         call_soon: Callable[[Callable[[], None]], object] | None = None,
-        client_push: TextPush | None = None,
     ) -> None:
         self.key = session_key
-        self.client = client
+        #: The client connection now (another after a resume).
+        self.side = side
         self.upstream = upstream
         self.core = SessionCore(
             settings, new_event_id=lambda: "event_" + uuid.uuid4().hex, capabilities=capabilities
@@ -82,12 +78,8 @@ class Relay:
         self._scheduler = scheduler if scheduler is not None else LoopScheduler()
         self._clock = self._scheduler.time
         self._call_soon = call_soon or asyncio.get_running_loop().call_soon
-        self.writer = ClientFrameWriter(
-            client_protocol, write_buffer_bytes=limits.write_buffer_bytes
-        )
         self.timers = SessionTimers(self._scheduler, self, limits)
         self.started_at = self.timers.started_at
-        self.reader = ClientReader(client, client_protocol, upstream, client_push)
         self._wake = asyncio.Event()
         self._ping_upstream = False
         self._flush_soon = False
@@ -97,9 +89,12 @@ class Relay:
         #: The last drain took events for the client.
         self._took = False
         self._upstream_session_closed = asyncio.Event()
-        self._upstream_gone, self._client_gone = asyncio.Event(), asyncio.Event()
+        self._upstream_gone, self._attached = asyncio.Event(), asyncio.Event()
+        #: The client dropped and the session is held for a resume.
+        self.detached = False
+        #: Shutdown: a client that drops now is not held.
+        self._shutting_down = False
         self._intake: asyncio.Task[None] | None = None
-        self._reader: asyncio.Task[None] | None = None
         self.log = logging.LoggerAdapter(log, {"session": session_key})
         observer.watch(self.view)
 
@@ -110,13 +105,21 @@ class Relay:
         self.timers.start()
         try:
             async with asyncio.TaskGroup() as tg:
-                self._reader = tg.create_task(self.reader.run(self), name=f"{self.key}:client")
                 self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
-                tg.create_task(self._deliver(), name=f"{self.key}:deliver")
+                while True:
+                    side = self.side
+                    side.start(self, tg, f"{self.key}:client")
+                    await self._deliver(side)
+                    await self._close_client(side)
+                    side.done.set()
+                    if self.side is side and not await self._held():
+                        break
+                await self._close_upstream()
         except Exception:
             self.log.exception("session %s failed", self.key)
             self.core.failed()
         finally:
+            self.side.done.set()
             self.timers.cancel()
             self.core.finish()
             self._observer.after_drain(self.core.drain(self._clock(), 0))
@@ -127,7 +130,12 @@ class Relay:
 
     def shutdown(self) -> None:
         """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
+        self._shutting_down = True
         self._end(EndReason.SHUTDOWN)
+        if self.detached:  # nobody to deliver to: the session ends now
+            self.detached = False
+            self.core.client_gone()
+            self._wake.set()
 
     def end_for_quota(self, message: str) -> None:
         """The key's day audio quota ran out: ``error`` {quota_exceeded}, then 1008."""
@@ -156,7 +164,7 @@ class Relay:
 
     def ping_due(self, side: Side) -> None:
         if side == "client":
-            self.writer.ping()
+            self.side.writer.ping()
         else:
             self._ping_upstream = True
             self._wake.set()
@@ -164,7 +172,7 @@ class Relay:
     def peer_gone(self, side: Side, silent: float) -> None:
         self.log.info("%s silent for %.1f s (no pong): gone", side, silent)
         if side == "client":
-            self.writer.abort()
+            self.side.writer.abort()
         else:
             self.upstream.abort()
 
@@ -175,7 +183,7 @@ class Relay:
 
     def close_deadline_passed(self) -> None:
         self.log.info("client did not take the final events in time; aborting")
-        self.writer.abort()
+        self.side.writer.abort()
         self._wake.set()
 
     def core_due(self) -> None:
@@ -198,9 +206,9 @@ class Relay:
         if event is None:  # over the frame rate: back to aiohttp's queue, or cut off
             observer.client_event(len(text), forwarded=False)
             if self.core.flooded:
-                self.reader.cut()  # read none of its backlog
+                self.side.reader.cut()  # read none of its backlog
             else:
-                self.reader.over_rate()
+                self.side.reader.over_rate()
         else:
             kind = event.kind
             observer.client_event(event.size, forwarded=decision.forward, audio=kind is _APPEND)
@@ -210,20 +218,20 @@ class Relay:
                 observer.tracer.client_event(event)  # before the drain's report of the cancel
         self._send(self._after(now))
         if upstream.write_paused:
-            self.reader.pause_for_upstream()  # not read again until the link drains
+            self.side.reader.pause_for_upstream()  # not read again until the link drains
 
     def client_binary(self, size: int) -> None:
         now = self._clock()
         self.timers.last_client_frame = self.timers.last_client_event = now
         if not self.core.receive_client_binary(size, now) and self.core.flooded:
-            self.reader.cut()
+            self.side.reader.cut()
         self._observer.client_event(size, forwarded=False)
         self._send(self._after(now))
 
     def client_ping(self, payload: bytes) -> None:
         now = self._clock()
         self.timers.last_client_frame = now
-        writer = self.writer
+        writer = self.side.writer
         if writer.pong(payload):
             return
         self._wake.set()  # the pong waits for the transport to drain
@@ -238,10 +246,40 @@ class Relay:
         self.log.info("client error: %s", error)
 
     def client_ended(self) -> None:
-        self._client_gone.set()
-        if self.core.state is not _CLOSED:
-            self.core.client_gone()
-        self._send(self._after(self._clock()))
+        side = self.side
+        if side.ended.is_set() or not side.reader.finished:
+            return  # a superseded connection's reader ended
+        side.ended.set()
+        now = self._clock()
+        core = self.core
+        if core.state is not _CLOSED and not side.replaced:
+            dropped = not side.reader.closed_cleanly and not self._shutting_down
+            if dropped and core.client_detached(now):
+                self.detached = True
+                self.log.info("client dropped; held for a resume")
+            else:
+                core.client_gone()
+        self._send(self._after(now))
+
+    def attach(self, side: ClientSide, cursor: int, nonce: str) -> bool:
+        """A ``session.resume`` on ``side``: replay what it missed and go on there.
+
+        Returns:
+            False when what came after ``cursor`` is no longer kept (nothing changes).
+        """
+        core = self.core
+        now = self._clock()
+        token = core.next_resume_token(nonce)
+        if core.state is _CLOSED or not core.reattach(cursor, now, token=token):
+            return False
+        if not self.detached:  # the old connection still looks alive: superseded
+            self.side.supersede(core.session_id, core.generation - 1)
+        self.detached = False
+        self.side = side
+        self.timers.last_client_frame = self.timers.last_client_event = now
+        self._attached.set()
+        self._wake.set()
+        return True
 
     # -- engine frames (UpstreamHandler): called per frame, no await ---------------------------
 
@@ -294,13 +332,14 @@ class Relay:
         """Write what the core has for the client (none when ``deferred`` to the end of
         the tick), arm its deadline, report its news; return the frames for upstream."""
         core = self.core
-        room = 0 if deferred else self.writer.room()
+        writer = self.side.writer
+        room = 0 if deferred or self.detached else writer.room()
         out = core.drain(now, room)
         entries = out.to_client
         deadline = out.deadline
         self._took = bool(entries)
         if entries:
-            if self.writer.write(entries):
+            if writer.write(entries):
                 core.written(entries, now)
                 self._observer.delivered(entries, now)
                 deadline = core.next_deadline()  # delivered audio may start the ack timer
@@ -314,7 +353,7 @@ class Relay:
             # A bounded time to deliver the last events, also to a client that stopped reading.
             self.timers.arm_close_deadline(engine_lost=core.outcome is Outcome.ENGINE_UNAVAILABLE)
             self._wake.set()
-        elif out.pending_events and not deferred and (self._took or not room):
+        elif out.pending_events and not deferred and not self.detached and (self._took or not room):
             # More than one room's worth, or a client not writable: delivery goes on.
             self._wake.set()
         return NOTHING if self._upstream_ended else out.to_upstream
@@ -326,10 +365,11 @@ class Relay:
 
     # -- delivery ----------------------------------------------------------------------------------
 
-    async def _deliver(self) -> None:
+    async def _deliver(self, side: ClientSide) -> None:
+        """Write to ``side`` while it is the session's connection and writable."""
         core = self.core
-        writer = self.writer
-        while True:
+        writer = side.writer
+        while side is self.side and not self.detached:
             if self._ping_upstream:
                 self._ping_upstream = False
                 await self.upstream.ping()
@@ -351,26 +391,33 @@ class Relay:
                     continue
             self._wake.clear()
             await self._wake.wait()
-        await self._wind_down()
 
-    async def _wind_down(self) -> None:
-        """Close the client with the decided code, then the engine side politely."""
+    async def _close_client(self, side: ClientSide) -> None:
+        """Close ``side`` with the session's code; a dropped or superseded one is left be."""
+        if side.replaced or self.detached:
+            return
         core = self.core
+        outcome = core.outcome
+        message = b"" if outcome is None else outcome.value.encode()
         code = core.close_code if core.close_code is not None else CLOSE_NORMAL
-        writer = self.writer
-        close_timeout = self._limits.close_timeout
-        if self.reader.cut_off:
-            await cancel_and_wait(self._reader)
-            writer.close(code, self._close_message())
-            writer.close_transport()  # after the close frame; no reply awaited
-        elif not self.client.closed and not writer.gone:
-            # Our reader first: with one waiting, aiohttp's close() drops the
-            # connection right after Close (the client would see 1006); without,
-            # it waits up to close_timeout for the reply. Close goes via our writer.
-            await cancel_and_wait(self._reader)
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(close_timeout):
-                    await self.client.close(code=code, message=self._close_message())
+        await side.close(code, message, self._limits.close_timeout)
+
+    async def _held(self) -> bool:
+        """While the session is held for a resume: True once another connection attached."""
+        side = self.side
+        while self.detached and self.core.state is not _CLOSED:
+            if self._ping_upstream:
+                self._ping_upstream = False
+                await self.upstream.ping()
+            self._wake.clear()
+            self._attached.clear()
+            if self.detached and self.core.state is not _CLOSED:
+                await first_set(self._wake, self._attached)
+        return self.side is not side
+
+    async def _close_upstream(self) -> None:
+        """The session is over: ask the engine to close it, then close the link."""
+        core = self.core
         if core.state is not _CLOSED:
             core.client_gone()
         self._send(self._after(self._clock()))
@@ -380,19 +427,12 @@ class Relay:
                     await first_set(self._upstream_session_closed, self._upstream_gone)
         await cancel_and_wait(self._intake)  # the engine had its chance to answer
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(close_timeout):
+            async with asyncio.timeout(self._limits.close_timeout):
                 await self.upstream.close()
-        # Unblock the client reader if the client never answered our close.
-        if not self._client_gone.is_set() and not self.client.closed:
-            writer.abort()
-
-    def _close_message(self) -> bytes:
-        outcome = self.core.outcome
-        return b"" if outcome is None else outcome.value.encode()
 
     async def _close_both(self) -> None:
-        if not self.client.closed:
-            await self.client.close(code=self.core.close_code or CLOSE_NORMAL)
+        if not self.side.client.closed:
+            await self.side.client.close(code=self.core.close_code or CLOSE_NORMAL)
         await self.upstream.close()
 
 

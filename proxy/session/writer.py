@@ -138,6 +138,14 @@ class ClientFrameWriter:
 
     # -- control frames ----------------------------------------------------------------------------
 
+    def send_text(self, text: str) -> None:
+        """One text frame of the shell's own (not an event of the core), written at once."""
+        if not self.close_sent:
+            transport = compat.client_transport(self._protocol)
+            if transport is not None and not transport.is_closing():
+                payload = text.encode("utf-8")
+                transport.write(frame_header(OP_TEXT, len(payload)) + payload)
+
     def ping(self, payload: bytes = b"") -> None:
         """Write a ping at once (keepalive)."""
         self._write_control(OP_PING, payload[:MAX_CONTROL_PAYLOAD])

@@ -554,6 +554,35 @@ class Settings:
         live=True,
         section=_TIMERS,
     )
+    client_resume_grace: float = setting(
+        30 * SECONDS,
+        help="Seconds a resumable session is held after its client drops without "
+        "session.close: the engine keeps streaming into the session's output budget, and "
+        "a session.resume on a new connection (same key, the session's token) gets what it "
+        "missed. 0 = off: a dropped client ends its session at once (docs/design.md, Resume).",
+        unit="seconds",
+        minimum=0,
+        live=True,
+        section=_TIMERS,
+    )
+    resume_journal_bytes: int = setting(
+        2 * MIB,
+        help="What a resumable session keeps of the events it wrote to its client, for a "
+        "replay after a drop; the oldest go first, the client's session.event_ack trims it. "
+        "A resume whose cursor is older than what is kept gets session.resync_required.",
+        unit="bytes",
+        positive=True,
+        live=True,
+        section=_LIMITS,
+    )
+    resume_journal_ttl: float = setting(
+        60 * SECONDS,
+        help="Seconds a written event stays in the resume journal.",
+        unit="seconds",
+        positive=True,
+        live=True,
+        section=_TIMERS,
+    )
     upstream_close_timeout: float = setting(
         5 * SECONDS,
         help="Seconds to wait for session.closed after sending session.close upstream.",

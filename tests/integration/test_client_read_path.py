@@ -36,7 +36,7 @@ async def test_client_text_frames_are_pushed_by_the_parser(
             (relay,) = proxy.sidecar.sessions.relays.values()
             # The reader task starts before the intake task in the relay's TaskGroup
             # and turns the push on in its first step, before anything is relayed.
-            assert relay.reader.pushing, "the push path is on once the session runs"
+            assert relay.side.reader.pushing, "the push path is on once the session runs"
             sent = [
                 orjson.dumps({"type": "input_audio_buffer.append", "audio": "AAAA", "n": i})
                 for i in range(FRAMES)
@@ -47,6 +47,6 @@ async def test_client_text_frames_are_pushed_by_the_parser(
             assert [event["n"] for event in got] == list(range(FRAMES))
             # Every one of them reached the engine, none through aiohttp's queue: each
             # came through the parser's hand-over.
-            assert relay.reader.frames_read == 0
+            assert relay.side.reader.frames_read == 0
     finally:
         await engine.aclose()

@@ -133,21 +133,24 @@ async def test_refused_append_error_names_the_append(engine, sidecar) -> None:
 
 
 async def test_input_audio_rate_follows_the_session_format(engine, sidecar) -> None:
-    """At 24 kHz a second of audio is 48000 bytes: the same frames are only 2/3 s each."""
+    """At 24 kHz a second of audio is 48000 bytes: the same frames are only 2/3 s each.
+
+    The format is the engine's (docs/design.md, Usage): its ``session.updated``
+    applies it, not the client's ``session.update``.
+    """
     proxy = await sidecar(upstream=engine.ws_url, max_input_audio_rate=1.0)
     async with connect(proxy.url) as client:
         conn = await engine.next_connection()
-        await client.send(
-            {
-                "type": "session.update",
-                "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}},
-            }
-        )
+        session = {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}}
+        await client.send({"type": "session.update", "session": session})
+        await conn.receive_event()
+        await conn.send({"type": "session.updated", "session": session})
+        await client.recv_until("session.updated")
         for n in range(14):  # 14 x 2/3 s = 9.3 s: within the burst
             await client.send(append(event_id=f"evt_{n}"))
         await client.send({"type": "x.after"})
-        types = [(await conn.receive_event())["type"] for _ in range(16)]
-        assert types == ["session.update"] + ["input_audio_buffer.append"] * 14 + ["x.after"]
+        types = [(await conn.receive_event())["type"] for _ in range(15)]
+        assert types == ["input_audio_buffer.append"] * 14 + ["x.after"]
 
 
 async def test_input_audio_rate_cannot_be_bypassed_with_duplicate_keys(engine, sidecar) -> None:

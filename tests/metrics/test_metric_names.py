@@ -92,6 +92,11 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     ),
     "omni_sidecar_engine_ack_errors": ("counter", {"code": d.ACK_ERROR_CODES}),
     "omni_sidecar_engine_full": ("counter", {"kind": d.ENGINE_FULL_KINDS}),
+    # docs/design.md, Resume.
+    "omni_sidecar_sessions_detached": ("gauge", {}),
+    "omni_sidecar_resumes": ("counter", {"result": d.RESUME_RESULTS}),
+    "omni_sidecar_resume_grace_expired": ("counter", {}),
+    "omni_sidecar_resume_replayed_events": ("counter", {}),
     # docs/design.md, Usage: a fresh registry knows one key name, "unnamed";
     # the operator's key file adds its names (test_usage_key_label_is_the_files).
     "omni_sidecar_usage_sessions": ("counter", {"key": (d.UNNAMED_KEY,)}),

@@ -25,6 +25,7 @@ from proxy.core.events import UpstreamEvent
 from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.session_core import ACK_RIDE_WAIT, OverflowPolicy, SessionSettings
 from proxy.core.view import SessionView
+from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.relay import Relay
 from tests.conftest import DEADLINE, wait_until
@@ -105,10 +106,16 @@ class Session:
             upstream_close_timeout=5.0,
             **limit_values,
         )
+        side = ClientSide(
+            self.client,
+            self.protocol,
+            self.upstream,  # type: ignore[arg-type]
+            relay_kwargs.pop("client_push", None),
+            write_buffer_bytes=limits.write_buffer_bytes,
+        )
         self.relay = Relay(
             session_key="test",
-            client=self.client,
-            client_protocol=self.protocol,
+            side=side,
             upstream=self.upstream,  # type: ignore[arg-type]
             settings=core_settings or make_settings(),
             observer=self.observer,  # type: ignore[arg-type]
@@ -117,7 +124,7 @@ class Session:
             **relay_kwargs,
         )
         self.core = self.relay.core
-        self.client.writer = self.relay.writer
+        self.client.writer = self.relay.side.writer
         # A lost connection ends the client's reads, as aiohttp's reader does.
         self.transport.on_lost.append(self.client.lose)
         self.task: asyncio.Task[None] | None = None
@@ -288,7 +295,7 @@ async def test_idle_client_gets_session_closed_and_close_1000_at_the_timeout(
     await s.finished()
     closed = s.texts()[-1]
     assert closed["type"] == "session.closed" and closed["reason"] == "client_idle_timeout"
-    assert s.relay.writer.close_code_sent == 1000
+    assert s.relay.side.writer.close_code_sent == 1000
     frames = s.transport.frames()
     assert frames[-1].opcode is Opcode.CLOSE
 
@@ -308,7 +315,7 @@ async def test_close_deadline_aborts_a_client_that_never_reads_the_final_events(
     s.scheduler.advance(0.001)
     assert s.transport.aborted
     await s.finished()
-    assert s.relay.writer.close_code_sent is None, "no close frame reached the client"
+    assert s.relay.side.writer.close_code_sent is None, "no close frame reached the client"
 
 
 async def test_overflow_closes_with_1008_after_the_failure_sequence(
@@ -324,7 +331,7 @@ async def test_overflow_closes_with_1008_after_the_failure_sequence(
     await s.finished()
     types = s.types()
     assert types[-3:] == ["error", "response.done", "session.closed"]
-    assert s.relay.writer.close_code_sent == 1008
+    assert s.relay.side.writer.close_code_sent == 1008
 
 
 async def test_a_response_failed_by_an_engine_frame_is_cancelled_upstream_in_the_same_call(
@@ -352,7 +359,7 @@ async def test_engine_close_after_session_closed_ends_the_session_cleanly(
     s.upstream.feed_close(1000)
     await s.finished()
     assert s.types() == ["response.created", "response.done", "session.closed"]
-    assert s.relay.writer.close_code_sent == 1000
+    assert s.relay.side.writer.close_code_sent == 1000
     assert s.observer.ended
 
 
@@ -398,7 +405,7 @@ async def test_input_the_engine_does_not_take_fails_the_session_with_1008(
     await s.finished()
     error = next(t for t in s.texts() if t["type"] == "error")
     assert error["error"]["code"] == "input_backpressure"
-    assert s.relay.writer.close_code_sent == 1008
+    assert s.relay.side.writer.close_code_sent == 1008
     assert s.upstream.sent == [] or all(
         '"input_audio_buffer.append"' not in t for t in s.upstream.sent
     )
@@ -431,7 +438,7 @@ async def test_session_close_to_a_silent_engine_completes_at_upstream_close_time
     await s.finished()
     closed = s.texts()[-1]
     assert closed["type"] == "session.closed" and closed["reason"] == "upstream_timeout"
-    assert s.relay.writer.close_code_sent == 1000
+    assert s.relay.side.writer.close_code_sent == 1000
 
 
 async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: Any) -> None:
@@ -457,7 +464,7 @@ async def test_a_flooding_client_is_rate_limited_then_closed(session_factory: An
         )
     await s.finished()
     assert s.texts()[-1]["reason"] == "client_rate_limited"
-    assert s.relay.writer.close_code_sent == 1008
+    assert s.relay.side.writer.close_code_sent == 1008
     # Cut off: its backlog is not read any more, and no close reply is awaited.
     assert s.transport.reading_paused and s.transport.closing and not s.transport.aborted
     assert s.client.close_calls == []
@@ -529,7 +536,7 @@ async def test_a_client_close_while_output_is_queued_ends_delivery_without_spinn
     s.protocol.pause()
     s.upstream.feed(response_created("r1"))
     await wait_until(lambda: len(s.core.buffer) == 1, what="output queued")
-    s.relay.writer.close(1000)  # aiohttp answering the client's own close frame
+    s.relay.side.writer.close(1000)  # aiohttp answering the client's own close frame
     s.protocol.resume()
     await s.finished()  # the delivery task stops: nothing can follow a close frame
     assert [f.opcode for f in s.transport.frames()] == [Opcode.CLOSE]

@@ -1,0 +1,116 @@
+"""A client's ``session.resume`` on a new connection (docs/design.md, Resume).
+
+The first message of a connection that does not open its engine session at
+connect may be ``session.resume``. A session this sidecar holds is resumed
+here: the token and the API key are checked, and the relay replays what the
+client missed on the new connection. One it does not hold is passed to the
+engine on the new connection. A forged or replayed token, or another key,
+gets the same answer as a session nobody holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiohttp
+import orjson
+
+from metrics import SidecarMetrics
+from proxy.session.client_side import ClientSide
+from proxy.session.registry import SessionRegistry
+
+__all__ = ["ResumeRequest", "first_message", "parse_resume", "resume_held"]
+
+log = logging.getLogger("omni_sidecar.edge.app")
+
+#: What a refused resume gets, whatever the reason: nothing tells a forged token
+#: from a session nobody holds.
+_REFUSED: Final = orjson.dumps(
+    {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "code": "session_resume_expired",
+            "message": "unknown or expired session",
+        },
+    }
+).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeRequest:
+    session_id: str
+    token: str
+    cursor: int
+
+
+async def first_message(client: Any, timeout: float) -> aiohttp.WSMessage | None:
+    """The connection's first message (None: none within ``timeout``)."""
+    try:
+        msg: aiohttp.WSMessage = await client.receive(timeout=timeout)
+    except TimeoutError:
+        return None
+    return msg
+
+
+def parse_resume(msg: aiohttp.WSMessage | None) -> ResumeRequest | None:
+    """A well-formed ``session.resume``, else None (the message goes on as it is)."""
+    if msg is None or msg.type is not aiohttp.WSMsgType.TEXT or '"session.resume"' not in msg.data:
+        return None
+    try:
+        body = orjson.loads(msg.data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or body.get("type") != "session.resume":
+        return None
+    session_id, token = body.get("session_id"), body.get("resume_token")
+    cursor = body.get("last_received_server_event_seq", 0)
+    if not (isinstance(session_id, str) and isinstance(token, str)) or type(cursor) is not int:
+        return None
+    return ResumeRequest(session_id, token, max(0, cursor))
+
+
+async def resume_held(
+    registry: SessionRegistry,
+    metrics: SidecarMetrics,
+    side: ClientSide,
+    request: ResumeRequest,
+    key_id: str,
+) -> bool:
+    """Resume a session this sidecar holds on ``side``; False when it holds none by that id.
+
+    Returns once the session is done with ``side`` (or refused it).
+    """
+    if not registry.holds(request.session_id):
+        return False
+    relay = registry.resumable(request.session_id, request.token, key_id)
+    if relay is None:
+        metrics.resumes.labels("refused").inc()
+        log.info("session.resume of %s refused", request.session_id)
+        await _refuse(side, _REFUSED)
+        return True
+    if not relay.attach(side, request.cursor, secrets.token_urlsafe(24)):
+        metrics.resumes.labels("resync_required").inc()
+        notice = {
+            "type": "session.resync_required",
+            "session_id": request.session_id,
+            "reason": "journal_gap",
+        }
+        await _refuse(side, orjson.dumps(notice).decode())
+        return True
+    metrics.resumes.labels("resumed").inc()
+    relay.log.info("session resumed from %s (cursor %d)", side.address or "?", request.cursor)
+    await side.done.wait()
+    return True
+
+
+async def _refuse(side: ClientSide, text: str) -> None:
+    side.writer.send_text(text)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(5.0):
+            await side.client.close(code=1000, message=b"resume_refused")

@@ -1,0 +1,95 @@
+"""One client connection of a session: its socket, reader and frame writer.
+
+A session has one at a time (docs/design.md, Relay shell). A resumable session
+whose client drops goes on without one, and a ``session.resume`` attaches a
+new one (docs/design.md, Resume); a connection that a resume supersedes gets
+``session.replaced`` and is closed. The relay drives it; it holds no relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import orjson
+
+from proxy.session.client_reader import ClientFrames, ClientReader, ClientSocket, TextPush
+from proxy.session.tasks import cancel_and_wait
+from proxy.session.upstream_link import UpstreamLink
+from proxy.session.writer import ClientFrameWriter
+
+__all__ = ["ClientSide"]
+
+
+class ClientSide:
+    """A client connection as its session uses it.
+
+    Args:
+        client: the prepared client WebSocket (reads and the close handshake).
+        protocol: aiohttp's protocol under ``client`` (flow control).
+        upstream: the session's engine link (its flow control pauses client reads).
+        push: aiohttp's hand-over of parsed text frames (``proxy.compat.push_text``);
+            None reads every frame from aiohttp's queue.
+        write_buffer_bytes: the write bound (``client_write_buffer_bytes``).
+        address: the client's address, for logs and the access line.
+    """
+
+    def __init__(
+        self,
+        client: ClientSocket,
+        protocol: Any,
+        upstream: UpstreamLink,
+        push: TextPush | None = None,
+        *,
+        write_buffer_bytes: int,
+        address: str = "",
+    ) -> None:
+        self.client = client
+        self.address = address
+        self.writer = ClientFrameWriter(protocol, write_buffer_bytes=write_buffer_bytes)
+        self.reader = ClientReader(client, protocol, upstream, push)
+        #: The client's reads ended (closed, lost, or stopped).
+        self.ended = asyncio.Event()
+        #: The session is done with this connection (its handler may return).
+        self.done = asyncio.Event()
+        #: A resume on another connection superseded this one.
+        self.replaced = False
+        self._reader_task: asyncio.Task[None] | None = None
+
+    def start(self, frames: ClientFrames, tg: asyncio.TaskGroup, name: str) -> None:
+        """Start reading the client into ``frames`` (the relay), in the session's TaskGroup."""
+        self._reader_task = tg.create_task(self.reader.run(frames), name=name)
+
+    async def close(self, code: int, message: bytes, timeout: float) -> None:
+        """Close the connection with ``code`` after what was written (at most ``timeout``)."""
+        writer = self.writer
+        if self.reader.cut_off:
+            await cancel_and_wait(self._reader_task)
+            writer.close(code, message)
+            writer.close_transport()  # after the close frame; no reply awaited
+        elif not self.client.closed and not writer.gone:
+            # Our reader first: with one waiting, aiohttp's close() drops the
+            # connection right after Close (the client would see 1006); without,
+            # it waits up to ``timeout`` for the reply. Close goes via our writer.
+            await cancel_and_wait(self._reader_task)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(timeout):
+                    await self.client.close(code=code, message=message)
+        # Unblock the reader if the client never answered our close.
+        if not self.ended.is_set() and not self.client.closed:
+            writer.abort()
+
+    def supersede(self, session_id: str | None, generation: int) -> None:
+        """Another connection resumed the session: tell this one, and drop it."""
+        self.replaced = True
+        notice = {
+            "type": "session.replaced",
+            "session_id": session_id,
+            "attachment_generation": generation,
+        }
+        writer = self.writer
+        if writer.room():
+            writer.send_text(orjson.dumps(notice).decode())
+        writer.close(1000, b"session_replaced")
+        writer.close_transport()

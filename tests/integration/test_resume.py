@@ -1,0 +1,221 @@
+"""Calls survive a dropped connection: session resume through the sidecar (docs/design.md, Resume).
+
+A client whose connection drops (no close frame) without ``session.close``
+finds its session held for ``client_resume_grace``: the engine keeps
+streaming into the session's bounded output, and a ``session.resume`` on a new
+connection (same API key, the session's current token) gets ``session.resumed``
+and every event after its cursor exactly once, never audio of a response
+cancelled before the drop. A forged or replayed token, or another key, is
+refused with one answer; a client that never comes back frees the engine's
+session and its key's slot when the grace ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+
+from tests.aiohttp_private import abort
+from tests.conftest import wait_until
+from tests.integration.helpers import (
+    SILENCE_100MS,
+    Client,
+    SimulatorChild,
+    connect,
+    module_simulator,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+AUDIO: Final = "response.output_audio.delta"
+GRACE: Final = 20.0
+KEY_A, KEY_B = "sk-resume-A-41d7", "sk-resume-B-9c02"
+
+
+@pytest.fixture(scope="module")
+def streaming_sim() -> Iterator[SimulatorChild]:
+    # 200 ms chunks in real time, 2 s responses; 0.30's late audio after a cancel.
+    args = ("--chunk-ms", "200", "--realtime-factor", "1", "--response-seconds", "2")
+    with module_simulator(*args, "--late-audio-chunks", "3") as sim:
+        yield sim
+
+
+def _url(proxy: Any) -> str:
+    # A client that may resume opens its session with its first message.
+    return proxy.url + "?duplex=1&autostart=0"
+
+
+async def _open(client: Client) -> dict[str, Any]:
+    await client.send({"type": "session.update", "session": {"modalities": ["audio", "text"]}})
+    return await client.recv_until("session.created")
+
+
+async def _ask(client: Client) -> None:
+    await client.send({"type": "input_audio_buffer.append", "audio": SILENCE_100MS})
+    await client.send({"type": "input_audio_buffer.commit"})
+    await client.send({"type": "response.create"})
+
+
+def _cursor(client: Client) -> int:
+    return max((e["server_event_seq"] for e in client.events if "server_event_seq" in e), default=0)
+
+
+def _resume(created: dict[str, Any], cursor: int, token: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "session.resume",
+        "session_id": created["session"]["id"],
+        "resume_token": token if token is not None else created["resume_token"],
+        "last_received_server_event_seq": cursor,
+    }
+
+
+@contextlib.asynccontextmanager
+async def _dropped_mid_response(
+    proxy: Any, **connect_kwargs: Any
+) -> AsyncIterator[tuple[dict[str, Any], int, Client]]:
+    """A session whose client drops (no close frame) after 3 audio deltas of a response."""
+    async with connect(_url(proxy), **connect_kwargs) as client:
+        created = await _open(client)
+        await _ask(client)
+        for _ in range(3):
+            await client.recv_until(AUDIO)
+        cursor = _cursor(client)
+        abort(client.ws)
+        registry = proxy.sidecar.state.registry
+        await wait_until(lambda: registry.detached() == 1, what="the session held")
+        yield created, cursor, client
+
+
+async def test_a_dropped_client_resumes_and_gets_every_event_after_its_cursor_once(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    # Acks on the client's behalf off: the engine's answers to them are hidden
+    # from the client, a server_event_seq gap of their own.
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url, client_resume_grace=GRACE, playback_ack="off"
+    )
+    async with (
+        _dropped_mid_response(proxy) as (created, cursor, _),
+        connect(_url(proxy)) as client,
+    ):
+        await client.send(_resume(created, cursor))
+        resumed = await client.recv()
+        assert resumed["type"] == "session.resumed"
+        assert resumed["session_id"] == created["session"]["id"]
+        assert resumed["resume_token"] != created["resume_token"], "a fresh token"
+        done = await client.recv_until("response.done")
+        assert done["response"]["status"] == "completed", "the response completes"
+        seqs = [e["server_event_seq"] for e in client.events if "server_event_seq" in e]
+        assert seqs == list(range(cursor + 1, cursor + 1 + len(seqs))), (cursor, seqs)
+        await client.send({"type": "session.close"})
+        await client.recv_until_closed()
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
+    assert proxy.metric("omni_sidecar_resume_replayed_events_total") >= 0
+
+
+async def test_audio_of_a_response_cancelled_before_the_drop_is_not_replayed(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    proxy = await sidecar(upstream=streaming_sim.ws_url, client_resume_grace=GRACE)
+    async with connect(_url(proxy)) as client:
+        created = await _open(client)
+        await _ask(client)
+        first = await client.recv_until(AUDIO)
+        cancelled = first["response_id"]
+        await client.send({"type": "response.cancel", "response_id": cancelled})
+        await client.recv_until(lambda e: e["type"] == "response.done")
+        await _ask(client)  # the next response
+        await client.recv_until(AUDIO)
+        cursor = _cursor(client)
+        abort(client.ws)
+    registry = proxy.sidecar.state.registry
+    await wait_until(lambda: registry.detached() == 1, what="the session held")
+    async with connect(_url(proxy)) as client:
+        await client.send(_resume(created, cursor))
+        assert (await client.recv())["type"] == "session.resumed"
+        await client.recv_until(lambda e: e["type"] == "response.done")
+        late = [e for e in client.events if e["type"] == AUDIO and e["response_id"] == cancelled]
+        assert late == [], "no audio of the cancelled response after the resume"
+
+
+@pytest.mark.parametrize("how", ["forged", "replayed", "other_key", "unknown_session"])
+async def test_a_resume_that_is_not_the_sessions_own_is_refused_with_one_answer(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path, how: str
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha\n{KEY_B} name=beta\n")
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url, client_resume_grace=GRACE, api_keys_file=str(keys)
+    )
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    async with _dropped_mid_response(proxy, headers=own) as (created, cursor, _):
+        token = created["resume_token"]
+        headers = own
+        fresh: dict[str, Any] = {}
+        if how == "replayed":  # a legitimate resume first: its token is spent
+            async with connect(_url(proxy), headers=own) as legit:
+                await legit.send(_resume(created, cursor))
+                fresh = await legit.recv()
+                assert fresh["type"] == "session.resumed"
+                abort(legit.ws)
+            registry = proxy.sidecar.state.registry
+            await wait_until(lambda: registry.detached() == 1, what="held again")
+            token = created["resume_token"]
+        elif how == "forged":
+            token = token[:-4] + "AAAA"
+        elif how == "other_key":
+            headers = {"Authorization": f"Bearer {KEY_B}"}
+        request = _resume(created, cursor, token)
+        if how == "unknown_session":
+            request["session_id"] = "duplex-0000"
+        async with connect(_url(proxy), headers=headers) as attacker:
+            await attacker.send(request)
+            refusal = await attacker.recv()
+            events = await attacker.recv_until_closed()
+        assert refusal["type"] == "error"
+        assert refusal["error"]["code"] == "session_resume_expired"
+        assert refusal["error"]["message"] == "unknown or expired session", "one answer for all"
+        assert not [e for e in events if e["type"] in (AUDIO, "session.resumed")]
+        # The session's own client can still resume.
+        async with connect(_url(proxy), headers=own) as client:
+            await client.send(_resume(created, cursor, fresh.get("resume_token")))
+            assert (await client.recv())["type"] == "session.resumed"
+
+
+async def test_a_client_that_never_comes_back_frees_its_slots_when_the_grace_ends(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path
+) -> None:
+    grace = 1.0
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha max_sessions=1\n")
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url, client_resume_grace=grace, api_keys_file=str(keys)
+    )
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    registry = proxy.sidecar.state.registry
+    async with _dropped_mid_response(proxy, headers=own):
+        started = asyncio.get_running_loop().time()
+        await wait_until(lambda: not registry.relays, timeout=grace + 5, what="the session ended")
+        ended = asyncio.get_running_loop().time() - started
+    assert ended <= grace + 5
+    assert proxy.metric("omni_sidecar_resume_grace_expired_total") == 1
+    # The key's one concurrent slot is free again: a new session is admitted.
+    async with connect(_url(proxy), headers=own) as client:
+        assert (await _open(client))["type"] == "session.created"
+
+
+async def test_a_client_that_closes_cleanly_is_not_held(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    proxy = await sidecar(upstream=streaming_sim.ws_url, client_resume_grace=GRACE)
+    registry = proxy.sidecar.state.registry
+    async with connect(_url(proxy)) as client:
+        await _open(client)
+        await client.ws.close()  # a close frame: the client meant to leave
+    await wait_until(lambda: not registry.relays, what="the session ended at once")
+    assert registry.detached() == 0
