@@ -140,8 +140,8 @@ class SocketRunner:
         logger.info(
             "session %s resumed (attachment generation %d)",
             request.session_id,
-            self._attachment.generation,
+            target.session.attachment_generation,
         )
-        if replaced is not None:
-            await target.tell_replaced(replaced)
+        if replaced is not None and outcome.replaced is not None:
+            await target.tell_replaced(replaced, outcome.replaced)
         return True

@@ -24,13 +24,13 @@ from engine_launcher.simulator.outbox import CloseFrame
 from engine_launcher.simulator.replay_journal import Replay, ReplayProblem
 from engine_launcher.simulator.session_resume import (
     SESSION_RESUME_CONFLICT,
+    UNKNOWN_SESSION,
     UNSUPPORTED_SESSION_RESUME,
     Refusal,
     ResumeCredential,
     Resumed,
     ResumeRequest,
     ResyncRequired,
-    unknown_session,
 )
 from engine_launcher.simulator.session_state import Payload, Phase
 from engine_launcher.simulator.wire import (
@@ -261,7 +261,7 @@ class DuplexSession(ResponseGeneration):
         sid = request.session_id
         if self.phase is not Phase.OPEN or self.grace_over(now):
             ResumeCredential.verify_unknown(request.resume_token)
-            return unknown_session(sid)
+            return UNKNOWN_SESSION
         credential = self.credential
         if credential is None:
             message = f"session does not support resume: {sid}"
@@ -271,7 +271,7 @@ class DuplexSession(ResponseGeneration):
                 # It was good until the last resume: two resumes raced, this one lost.
                 message = f"another resume took session {sid} first"
                 return Refusal(SESSION_RESUME_CONFLICT, message)
-            return unknown_session(sid)
+            return UNKNOWN_SESSION
         assert self.journal is not None  # resumable sessions are duplex ones
         replay = self.journal.replay_after(request.cursor, now)
         if replay is ReplayProblem.GAP:

@@ -25,12 +25,12 @@ from engine_launcher.simulator.duplex_session import DuplexSession
 from engine_launcher.simulator.flags import SimulatorConfig
 from engine_launcher.simulator.outbox import CloseFrame
 from engine_launcher.simulator.session_resume import (
+    UNKNOWN_SESSION,
     Refusal,
     ResumeCredential,
     Resumed,
     ResumeRequest,
     ResyncRequired,
-    unknown_session,
 )
 from engine_launcher.simulator.session_state import Phase
 
@@ -48,13 +48,11 @@ class Attachment:
 
     Attributes:
         ws: the prepared server-side socket.
-        host: the session it serves (``None`` once that session is over).
-        generation: the session's ``attachment_generation`` when it attached.
+        host: the session it serves (``None`` once it serves none).
     """
 
     ws: web.WebSocketResponse
     host: SessionHost | None = None
-    generation: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -133,7 +131,7 @@ class SimulatorState:
         host = self.by_id.get(request.session_id)
         if host is None:
             ResumeCredential.verify_unknown(request.resume_token)
-            return None, unknown_session(request.session_id)
+            return None, UNKNOWN_SESSION
         return host, host.session.resume(request, now)
 
     def reap(self, now: float) -> int:
@@ -208,7 +206,6 @@ class SessionHost:
     def attach(self, attachment: Attachment) -> None:
         """The socket that created this session serves it."""
         attachment.host = self
-        attachment.generation = self.session.attachment_generation
         self.attachment = attachment
 
     def socket_ended(self, attachment: Attachment) -> None:
@@ -235,11 +232,12 @@ class SessionHost:
         self.flush()
         return old
 
-    async def tell_replaced(self, old: Attachment) -> None:
-        """``session.replaced`` to a socket a resume took over, then close 1000 (bounded)."""
+    async def tell_replaced(self, old: Attachment, generation: int) -> None:
+        """``session.replaced`` to the socket of ``generation``, which a resume took over,
+        then close 1000 (bounded)."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(CLOSE_TIMEOUT):
-                await old.ws.send_str(self.session.replaced_frame(old.generation))
+                await old.ws.send_str(self.session.replaced_frame(generation))
                 await old.ws.close(code=1000, message=b"session_replaced")
 
     def hand_over(self) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "INVALID_SESSION_RESUME",
     "SESSION_RESUME_CONFLICT",
     "SESSION_RESUME_EXPIRED",
+    "UNKNOWN_SESSION",
     "UNSUPPORTED_SESSION_RESUME",
     "Refusal",
     "ResumeCredential",
@@ -26,7 +27,6 @@ __all__ = [
     "Resumed",
     "ResyncRequired",
     "parse_resume_request",
-    "unknown_session",
 ]
 
 #: ``session.resume`` without a session id, a token or a cursor >= 0.
@@ -123,9 +123,9 @@ class Refusal:
     message: str
 
 
-def unknown_session(session_id: str) -> Refusal:
-    """The one answer for an unknown id, an expired session and a wrong token."""
-    return Refusal(SESSION_RESUME_EXPIRED, f"unknown or expired duplex session: {session_id}")
+#: The one answer for an unknown id, an expired session and a wrong token: it
+#: names no session, so it tells a guesser nothing.
+UNKNOWN_SESSION: Final = Refusal(SESSION_RESUME_EXPIRED, "unknown or expired duplex session")
 
 
 @dataclass(frozen=True, slots=True)
