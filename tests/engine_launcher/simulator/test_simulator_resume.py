@@ -159,18 +159,20 @@ def test_resume_replays_exactly_what_follows_the_cursor_then_live_events() -> No
     for _ in range(3):
         s.produce_chunk(rid)  # still generating while detached
     unseen, _ = _take(s, now=3.0)  # journaled, sent to nobody
+    s.produce_chunk(rid)  # queued, not taken yet when the resume comes
     outcome = s.resume(ResumeRequest(s.session_id, token, cursor), now=4.0)
     assert outcome == Resumed(replaced=None)
-    resumed, *replay = _take(s, now=4.0)[0]
+    resumed, *after = _take(s, now=4.0)[0]
     assert resumed["type"] == "session.resumed" and "server_event_seq" not in resumed
     assert resumed["session_id"] == s.session_id and resumed["attachment_generation"] == 2
     assert resumed["resume_token"] not in (token, "") and resumed["session"]["id"] == s.session_id
     last = _seqs(unseen)[-1]
-    assert _seqs(replay) == list(range(cursor + 1, last + 1))
+    replay, live = after[: last - cursor], after[last - cursor :]
     assert replay == [e for e in sent + unseen if e.get("server_event_seq", 0) > cursor]
+    # The replay, then what was queued, then live events: one run of seqs.
     s.produce_chunk(rid)
-    live, _ = _take(s, now=5.0)
-    assert _seqs(live)[0] == last + 1
+    live += _take(s, now=5.0)[0]
+    assert _seqs(replay + live) == list(range(cursor + 1, last + 1 + len(live)))
     # The token rotated: the old one lost the race, a made-up one names nothing.
     old = s.resume(ResumeRequest(s.session_id, token, 0), now=5.0)
     assert isinstance(old, Refusal) and old.code == "session_resume_conflict"
