@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-sessions",
         type=int,
         metavar="N",
-        help="duplex_session.max_sessions: a session opened beyond N open ones gets "
+        help="duplex_session.max_sessions: a session opened beyond N open ones (those "
+        "detached within their --disconnect-grace included) gets "
         "error{rate_limit_error, resource_exhausted, 'duplex_session_capacity_exhausted: "
         "limit=N'} (0.32: retryable: true) and close 1000 (default: no limit)",
     )
