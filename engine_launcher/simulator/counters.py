@@ -58,3 +58,11 @@ class SimulatorStats:
     errors_sent: int = 0
     outbox_events: int = 0
     outbox_bytes: int = 0
+    #: Sessions whose socket dropped, in their disconnect grace now (a gauge).
+    sessions_detached: int = 0
+    #: Sessions resumed by a new socket.
+    resumes: int = 0
+    #: Detached sessions whose grace ran out.
+    sessions_expired: int = 0
+    #: Sessions whose replay journal overflowed (``journal_overflow``).
+    journal_overflows: int = 0

@@ -1,8 +1,8 @@
 """Per-session output queue of a simulated engine (no I/O, no clock).
 
-0.30: numbered as produced and unbounded, strictly FIFO; 0.31 and later:
-numbered when taken, bounded in bytes and events with a reserve and a closure
-slot, queued audio removable on a cancel (docs/design.md, Simulator). An event
+0.30: unbounded, strictly FIFO; 0.31 and later: bounded in bytes and events
+with a reserve and a closure slot, queued audio removable on a cancel
+(docs/design.md, Simulator). Entries are numbered when taken. An event
 that fits nowhere raises :class:`OutputOverflow` and the session fails; the
 queue only stores entries, stamping and serializing are the session's.
 """
@@ -57,23 +57,23 @@ class OutputOverflow(Exception):
     """An event fits neither the session's output budget nor its reserve."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class OutputEntry:
-    """One queued event.
+    """One queued event, not numbered yet.
 
     Attributes:
-        text: the serialized, already numbered frame (0.30), or ``None``.
-        payload: the unnumbered event (0.31 and later), or ``None``.
+        payload: the event.
         size: bytes it counts against the bounds (and the queue's byte gauge).
         reserved: it was admitted into the reserve.
         audio_of: the response it is an audio delta of, if it is one.
+        journal: it gets a ``server_event_seq`` and is journaled when taken.
     """
 
-    text: str | None
-    payload: Payload | None
+    payload: Payload
     size: int
     reserved: bool = False
     audio_of: str | None = None
+    journal: bool = True
 
 
 class OutputQueue:

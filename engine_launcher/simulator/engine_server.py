@@ -21,10 +21,11 @@ from typing import Final
 from aiohttp import web
 
 from engine_launcher.simulator.audio import AudioBank, load_wav, make_audio_bank
-from engine_launcher.simulator.connection import SessionRunner, SimulatorState
+from engine_launcher.simulator.connection import SocketRunner
 from engine_launcher.simulator.duplex_session import DuplexSession
 from engine_launcher.simulator.flags import SimulatorConfig
 from engine_launcher.simulator.handlers import HANDLERS
+from engine_launcher.simulator.session_host import SessionHost, SimulatorState
 from engine_launcher.simulator.session_update import truthy
 from engine_launcher.simulator.wire import dumps, flat_error, is_false_flag
 
@@ -103,6 +104,25 @@ def render_metrics(state: SimulatorState) -> str:
     s = state.stats
     families: list[tuple[str, str, str, list[tuple[str, int | float]]]] = [
         ("sessions_active", "gauge", "Open WebSocket sessions.", [("", s.sessions_active)]),
+        (
+            "sessions_detached",
+            "gauge",
+            "Sessions whose socket dropped, within their disconnect grace.",
+            [("", state.detached)],
+        ),
+        ("resumes_total", "counter", "Sessions resumed by a new socket.", [("", s.resumes)]),
+        (
+            "sessions_expired_total",
+            "counter",
+            "Detached sessions whose disconnect grace ran out.",
+            [("", s.sessions_expired)],
+        ),
+        (
+            "journal_overflows_total",
+            "counter",
+            "Sessions whose replay journal overflowed (journal_overflow).",
+            [("", s.journal_overflows)],
+        ),
         ("sessions_total", "counter", "WebSocket sessions accepted.", [("", s.sessions_total)]),
         (
             "sessions_opened_total",
@@ -193,14 +213,11 @@ async def handle_debug_history(request: web.Request) -> web.Response:
     ``playback``. ``pending`` lists replies not (or no longer) in history, e.g.
     ``ack_only`` replies awaiting their ack. For tests and the bench to compare
     what the model believes it said with what the user heard; it is not part
-    of the engine's API, and a session that has not opened yet is left out.
+    of the engine's API, and a session that has not opened yet is left out
+    (a detached one is in).
     """
     state = request.app[STATE_KEY]
-    sessions = {
-        runner.session.session_id: runner.session.history_view()
-        for runner in list(state.sessions)
-        if runner.session.session_id
-    }
+    sessions = {sid: host.session.history_view() for sid, host in list(state.by_id.items())}
     return _json({"sessions": sessions})
 
 
@@ -235,7 +252,7 @@ async def handle_realtime(request: web.Request) -> web.StreamResponse:
         and not truthy(query.get("resume"))
     ):
         session.open()
-    await SessionRunner(ws, session, state).run()
+    await SocketRunner(ws, SessionHost(session, state), state).run()
     return ws
 
 
@@ -261,7 +278,7 @@ async def _plain_realtime(request: web.Request, state: SimulatorState) -> web.St
         state.config, state.bank, state.stats, handlers=HANDLERS, model=request.query.get("model")
     )
     session.open()
-    await SessionRunner(ws, session, state).run()
+    await SocketRunner(ws, SessionHost(session, state), state).run()
     return ws
 
 
@@ -302,6 +319,22 @@ def _crash() -> None:
     os._exit(1)
 
 
+class _Reaper:
+    """Expires detached sessions past their grace, every ``--reaper-interval`` (a timer)."""
+
+    def __init__(self, state: SimulatorState) -> None:
+        self._state = state
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(state.config.reaper_interval, self._tick)
+
+    def _tick(self) -> None:
+        self._state.reap(self._loop.time())
+        self._handle = self._loop.call_later(self._state.config.reaper_interval, self._tick)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 def _install_signal_handlers(config: SimulatorConfig, stop: asyncio.Event) -> None:
     """Signal handlers only set ``stop`` (uvicorn style)."""
     loop = asyncio.get_running_loop()
@@ -315,8 +348,8 @@ def _install_signal_handlers(config: SimulatorConfig, stop: asyncio.Event) -> No
 async def _shutdown(runner: web.AppRunner, state: SimulatorState) -> None:
     for site in list(runner.sites):
         await site.stop()  # stop accepting first
-    for session in list(state.sessions):
-        session.request_close("shutdown", 1001)  # 1001 going away, not 1000
+    for host in list(state.hosts):
+        host.request_close("shutdown", 1001)  # 1001 going away, not 1000
     # A stalled server sends nothing, so waiting for sessions to drain is moot.
     if not state.stalled.is_set():
         with contextlib.suppress(TimeoutError):
@@ -365,6 +398,7 @@ async def serve(
     await runner.setup()
     loop = asyncio.get_running_loop()
     timers: list[asyncio.TimerHandle] = []
+    reaper: _Reaper | None = None
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
@@ -374,7 +408,7 @@ async def serve(
             "omni engine simulator listening on http://%s:%d (model=%s, chunk_ms=%d, "
             "realtime_factor=%g, generation_speed=%g, event_names=%s, "
             "playback_commit_policy=%s, supports_audio_truncate=%s, engine_version=%s, "
-            "session_mode=%s)",
+            "session_mode=%s, session_resume=%s, disconnect_grace=%g)",
             config.host,
             port,
             config.model,
@@ -386,6 +420,8 @@ async def serve(
             config.supports_audio_truncate,
             config.engine_version,
             config.session_mode,
+            config.resumable,
+            config.disconnect_grace,
         )
         if on_listening is not None:
             on_listening(port)
@@ -398,11 +434,15 @@ async def serve(
                 state.stalled.set()
 
             timers.append(loop.call_later(config.stall_after, _stall))
+        if config.resumable:
+            reaper = _Reaper(state)
         await stop.wait()
-        logger.info("shutting down: closing %d session(s) with 1001", len(state.sessions))
+        logger.info("shutting down: closing %d session(s) with 1001", len(state.hosts))
     finally:
         for timer in timers:
             timer.cancel()
+        if reaper is not None:
+            reaper.cancel()
         await _shutdown(runner, state)
     logger.info("stopped")
     return 0

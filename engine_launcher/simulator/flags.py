@@ -15,6 +15,7 @@ from typing import Final, Literal
 
 from engine_launcher.simulator.delivery import DEFAULT_OUTPUT_LIMITS, OutputLimits
 from engine_launcher.simulator.playback_history import COMMIT_ALL_ON_DONE, PLAYBACK_COMMIT_POLICIES
+from engine_launcher.simulator.replay_journal import DEFAULT_JOURNAL_LIMITS, JournalLimits
 
 __all__ = [
     "DEFAULT_CHUNK_MS",
@@ -46,6 +47,9 @@ DEFAULT_REALTIME_FACTOR: Final = 1.0
 DEFAULT_RESPONSE_SECONDS: Final = 4.0
 DEFAULT_LATE_AUDIO_CHUNKS: Final = 3
 DEFAULT_GENERATION_SPEED: Final = 1.0
+#: vLLM-Omni's ``duplex_session.disconnect_grace_s`` and ``reaper_interval_s``.
+DEFAULT_DISCONNECT_GRACE: Final = 30.0
+DEFAULT_REAPER_INTERVAL: Final = 5.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +86,11 @@ class SimulatorConfig:
     output_reserve_events: int | None = None
     max_sessions: int | None = None
     session_mode: str = "duplex"
+    session_resume: bool = True
+    disconnect_grace: float = DEFAULT_DISCONNECT_GRACE
+    reaper_interval: float = DEFAULT_REAPER_INTERVAL
+    replay_ttl: float = DEFAULT_JOURNAL_LIMITS.ttl_s
+    replay_max_bytes: int = DEFAULT_JOURNAL_LIMITS.max_bytes
 
     def __post_init__(self) -> None:
         # Validate here so a bad value fails at start-up with a message that
@@ -135,7 +144,20 @@ class SimulatorConfig:
                 raise ValueError(f"{flag} needs --engine-version 0.31 or later")
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
-        for name in ("startup_delay", "crash_after", "health_fail_after", "stall_after"):
+        for name in ("reaper_interval", "replay_ttl"):
+            value = getattr(self, name)
+            if not value > 0 or not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.replay_max_bytes <= 0:
+            raise ValueError(f"--replay-max-bytes must be positive, got {self.replay_max_bytes}")
+        names = (
+            "startup_delay",
+            "crash_after",
+            "health_fail_after",
+            "stall_after",
+            "disconnect_grace",
+        )
+        for name in names:
             value = getattr(self, name)
             if value is not None and (value < 0 or not math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -159,6 +181,19 @@ class SimulatorConfig:
             reserve_bytes=self.output_reserve_bytes or d.reserve_bytes,
             reserve_events=self.output_reserve_events or d.reserve_events,
         )
+
+    @property
+    def journal_limits(self) -> JournalLimits:
+        """Bounds of each session's replay journal (``--replay-max-bytes``, ``--replay-ttl``)."""
+        return JournalLimits(max_bytes=self.replay_max_bytes, ttl_s=self.replay_ttl)
+
+    @property
+    def resumable(self) -> bool:
+        """Sessions advertise ``supports_session_resume``: a dropped socket only detaches.
+
+        The plain realtime handler (``--session-mode realtime``) never resumes.
+        """
+        return self.session_resume and self.session_mode == "duplex"
 
     @property
     def late_audio(self) -> int:
@@ -278,12 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=ENGINE_VERSIONS[0],
         help="behave like this vLLM-Omni release (default %(default)s). "
         "0.30: output queued without bound, --late-audio-chunks of a cancelled response "
-        "still sent, server_event_seq numbered as produced. "
+        "still sent (and journaled for a resume). "
         "0.31: output bounded per session (the four bounds below, always on): overflow "
         "sends error{rate_limit_error, output_backpressure}, a failed response.done "
         "{output_backpressure}, session.closed{output_backpressure} and closes 1000; "
-        "events are numbered when sent, and a cancel removes its queued audio (no late "
-        "audio, no seq gap); a playback.ack's truncate flag is ignored. "
+        "a cancel removes its queued audio before it is numbered (no late audio, no seq "
+        "gap, nothing of it journaled); a playback.ack's truncate flag is ignored. "
         "0.32: as 0.31, plus truncate: true on playback.ack cuts history at committed_ms; "
         "a truncating ack or conversation.item.truncate naming no item that produced "
         "audio is bad_event; ack errors carry no event_id; playback_ack_too_late is not "
@@ -320,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-sessions",
         type=int,
         metavar="N",
-        help="duplex_session.max_sessions: a session opened beyond N open ones gets "
+        help="duplex_session.max_sessions: a session opened beyond N open ones (those "
+        "detached within their --disconnect-grace included) gets "
         "error{rate_limit_error, resource_exhausted, 'duplex_session_capacity_exhausted: "
         "limit=N'} (0.32: retryable: true) and close 1000 (default: no limit)",
     )
@@ -333,6 +369,52 @@ def build_parser() -> argparse.ArgumentParser:
         "server_event_seq, and playback.ack, barge_in, turn.signal, input.cancel, "
         "session.resume, output_audio_buffer.clear (and the other duplex-only events) are "
         "answered with error invalid_event",
+    )
+    resume = parser.add_argument_group(
+        "resume (docs/engine-protocol.md, Resume; the engine's duplex_session settings)"
+    )
+    resume.add_argument(
+        "--no-session-resume",
+        dest="session_resume",
+        action="store_false",
+        help="advertise supports_session_resume false: no resume_token in session.created, "
+        "a dropped socket ends its session at once (as session.close would), and "
+        "session.resume is answered unsupported_session_resume. Default: resume on",
+    )
+    resume.add_argument(
+        "--disconnect-grace",
+        type=_non_negative_float,
+        default=DEFAULT_DISCONNECT_GRACE,
+        metavar="S",
+        help="disconnect_grace_s: a session whose socket dropped without session.close is "
+        "detached: it keeps its slot (--max-sessions), keeps producing into its journal and "
+        "can be resumed for S seconds, then expires (default %(default)s)",
+    )
+    resume.add_argument(
+        "--reaper-interval",
+        type=float,
+        default=DEFAULT_REAPER_INTERVAL,
+        metavar="S",
+        help="reaper_interval_s: how often detached sessions past their grace are expired, "
+        "freeing their slot (default %(default)s)",
+    )
+    resume.add_argument(
+        "--replay-ttl",
+        type=float,
+        default=DEFAULT_JOURNAL_LIMITS.ttl_s,
+        metavar="S",
+        help="resume_replay_ttl_s: seconds a numbered frame stays in the session's replay "
+        "journal unacknowledged; a resume from before a dropped frame gets "
+        "session.resync_required{journal_gap} (default %(default)s)",
+    )
+    resume.add_argument(
+        "--replay-max-bytes",
+        type=int,
+        default=DEFAULT_JOURNAL_LIMITS.max_bytes,
+        metavar="N",
+        help="resume_replay_max_bytes_per_session: bytes of frame JSON the journal holds; "
+        "past it the session sends session.resync_required{journal_overflow} once and then "
+        "numbers and journals nothing more (default %(default)s)",
     )
     playback = parser.add_argument_group("playback ledger and history")
     playback.add_argument(
@@ -423,6 +505,11 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
             output_reserve_events=ns.output_reserve_events,
             max_sessions=ns.max_sessions,
             session_mode=ns.session_mode,
+            session_resume=ns.session_resume,
+            disconnect_grace=ns.disconnect_grace,
+            reaper_interval=ns.reaper_interval,
+            replay_ttl=ns.replay_ttl,
+            replay_max_bytes=ns.replay_max_bytes,
         )
     except ValueError as exc:
         parser.error(str(exc))

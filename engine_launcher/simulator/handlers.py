@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 from engine_launcher.simulator.conversation import Conversation, InputAudioError, InputBuffer
 from engine_launcher.simulator.playback_history import PlaybackCursor
+from engine_launcher.simulator.session_resume import (
+    INVALID_EVENT_ACK,
+    INVALID_SESSION_RESUME,
+    UNSUPPORTED_SESSION_RESUME,
+    Refusal,
+    parse_resume_request,
+)
 from engine_launcher.simulator.session_update import SettingsError, apply_update, truthy
 
 if TYPE_CHECKING:
@@ -50,12 +57,34 @@ def on_session_update(s: DuplexSession, event: Payload) -> None:
 
 
 def on_session_resume(s: DuplexSession, event: Payload) -> None:
-    """Sessions do not outlive their socket here, so nothing can be resumed."""
-    s.error("unknown_session", "no such session to resume", event)
+    """A new socket's first message: parse it and leave it to the shell, which finds the session.
+
+    Later on a connection it is refused (docs/engine-protocol.md, Resume); like
+    every answer of the engine's transport, the errors carry no ``server_event_seq``.
+    """
+    if s.session_id:
+        message = "session.resume must be the first message of a new connection"
+        s.error(UNSUPPORTED_SESSION_RESUME, message, event, journal=False)
+        return
+    request = parse_resume_request(event)
+    if request is None:
+        message = "session.resume needs session_id, resume_token and a seq >= 0"
+        s.refuse_resume(Refusal(INVALID_SESSION_RESUME, message))
+        return
+    s.resume_request = request
 
 
 def on_event_ack(s: DuplexSession, event: Payload) -> None:
-    """``session.event_ack`` only trims the replay journal: no answer."""
+    """``session.event_ack``: drop journaled frames up to the seq; no answer unless invalid."""
+    seq = event.get("server_event_seq")
+    journal = s.journal
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        message = "session.event_ack needs a server_event_seq >= 0"
+    elif journal is None or journal.acknowledge(seq):
+        return
+    else:
+        message = f"server_event_seq {seq} is ahead of the last event sent ({journal.last_seq})"
+    s.error(INVALID_EVENT_ACK, message, event, journal=False)
 
 
 def on_heartbeat(s: DuplexSession, event: Payload) -> None:

@@ -1,11 +1,11 @@
 """The state of one simulated duplex session, and how it emits and closes.
 
 :class:`SessionState` holds what a session is (phase, ids, epoch, settings,
-input, history, the active response, what the engine remembers of each reply)
+input, history, the active response, each reply's ledger, its attachment)
 and answers queries about it; :meth:`SessionState.emit` queues events through
 the session's :class:`~engine_launcher.simulator.outbox.Outbox`, which fails the
-session on a 0.31+ output overflow. The response lifecycle (``generation``) and
-the input side (``duplex_session``) build on it. No I/O, no clock. Phases:
+session on a 0.31+ output overflow. ``generation`` (responses) and
+``duplex_session`` (input, open, resume) build on it. No I/O, no clock. Phases:
 AWAITING_OPEN (no session yet) → OPEN → CLOSED (``session.closed`` queued;
 nothing else is emitted afterwards). docs/design.md, Simulator.
 """
@@ -21,7 +21,9 @@ from engine_launcher.simulator.counters import SessionSlots, SimulatorStats
 from engine_launcher.simulator.flags import SimulatorConfig
 from engine_launcher.simulator.outbox import CloseFrame, Outbox, Outgoing
 from engine_launcher.simulator.playback_history import ACK_ONLY, AssistantRecord, PlaybackCursor
+from engine_launcher.simulator.replay_journal import ReplayJournal
 from engine_launcher.simulator.responses import ResponseEvents, ResponseState
+from engine_launcher.simulator.session_resume import ResumeCredential, ResumeRequest
 from engine_launcher.simulator.session_update import SessionSettings
 from engine_launcher.simulator.wire import IdFactory, error_payload, names_for
 
@@ -83,6 +85,12 @@ class SessionState:
             barge-in or a clear replaces it with an empty one. Under
             ``ack_only`` a response cannot start while it holds unacknowledged
             audio (:attr:`playback_wait`).
+        credential: digest of the current resume token (resumable sessions, once open).
+        attachment_generation: 1 at the open, one more per resume.
+        attached: a socket serves the session (it is not detached).
+        detached_at: shell time of the detach, while detached.
+        resume_request: a ``session.resume`` read as this socket's first
+            message, for the shell to carry out (:meth:`take_resume_request`).
     """
 
     def __init__(
@@ -116,6 +124,11 @@ class SessionState:
         self.last_response_id: str | None = None
         self.records: dict[str, AssistantRecord] = {}
         self.current = PlaybackCursor()
+        self.credential: ResumeCredential | None = None
+        self.attachment_generation = 0
+        self.attached = True
+        self.detached_at: float | None = None
+        self.resume_request: ResumeRequest | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -177,6 +190,11 @@ class SessionState:
         }
 
     @property
+    def journal(self) -> ReplayJournal | None:
+        """The replay journal (``None`` for the plain realtime handler, which numbers nothing)."""
+        return self._outbox.journal
+
+    @property
     def queued_events(self) -> int:
         """Events waiting in the output queue."""
         return self._outbox.events
@@ -186,18 +204,19 @@ class SessionState:
         """Bytes waiting in the output queue."""
         return self._outbox.bytes
 
-    def next_outgoing(self) -> Outgoing | None:
-        """Take the next frame to send (numbered now on 0.31+), or ``None`` when idle.
+    def next_outgoing(self, now: float = 0.0) -> Outgoing | None:
+        """Take the next frame to send (numbered and journaled now), or ``None`` when idle.
 
-        A :class:`~engine_launcher.simulator.outbox.CloseFrame` is always the last item ever returned.
+        A :class:`~engine_launcher.simulator.outbox.CloseFrame` is always the last item ever
+        returned. ``now`` is the shell's clock, for the journal's age bound.
         """
-        return self._outbox.pop()
+        return self._outbox.pop(now)
 
-    def events_to_send(self) -> list[Outgoing]:
+    def events_to_send(self, now: float = 0.0) -> list[Outgoing]:
         """Take every frame to send, in order. A :class:`~engine_launcher.simulator.outbox.CloseFrame`
         is always last."""
         out: list[Outgoing] = []
-        while (item := self.next_outgoing()) is not None:
+        while (item := self.next_outgoing(now)) is not None:
             out.append(item)
         return out
 
@@ -208,12 +227,16 @@ class SessionState:
 
     # ----------------------------------------------------------------- emitting
 
-    def emit(self, payload: Payload) -> None:
-        """Queue ``payload``; on 0.30 it is numbered now, on 0.31+ when taken for sending."""
+    def emit(self, payload: Payload, *, journal: bool = True) -> None:
+        """Queue ``payload``, numbered when taken for sending.
+
+        ``journal=False``: an event the engine's transport sends itself, with no
+        ``server_event_seq`` and not replayed by a resume.
+        """
         if self.phase is Phase.CLOSED:
             # session.closed is always the last event (docs/engine-protocol.md, Server events).
             return
-        if not self._outbox.put(payload):
+        if not self._outbox.put(payload, journal=journal):
             self._fail_output()
 
     def _fail_output(self) -> None:
@@ -243,13 +266,19 @@ class SessionState:
             self.active = None
         self.request_close(OUTPUT_BACKPRESSURE, 1000)
 
-    def error(self, code: str, message: str, event: Payload | None = None) -> None:
+    def error(
+        self, code: str, message: str, event: Payload | None = None, *, journal: bool = True
+    ) -> None:
         """Queue an ``error`` envelope, echoing the client event's ``event_id``.
 
-        Pass ``event=None`` for errors that name no client event.
+        Pass ``event=None`` for errors that name no client event, ``journal=False``
+        for those the engine's transport sends (no ``server_event_seq``).
         """
         client_id = event.get("event_id") if event is not None else None
-        self.emit(error_payload(code, message, client_id if isinstance(client_id, str) else None))
+        self.emit(
+            error_payload(code, message, client_id if isinstance(client_id, str) else None),
+            journal=journal,
+        )
 
     def new_item_id(self) -> str:
         """A fresh user item id, ``item_<32hex>``."""
@@ -283,7 +312,7 @@ class SessionState:
             "capabilities": {
                 "implementation_level": "simulated",
                 "supports_barge_in": True,
-                "supports_session_resume": True,
+                "supports_session_resume": self.config.resumable,
                 "supports_audio_truncate": self.config.supports_audio_truncate,
                 "chunk_period_ms": self.config.chunk_ms,
             },

@@ -174,6 +174,16 @@ class IdFactory:
             return f"{self._counter:032x}"
         return uuid.uuid4().hex
 
+    def token(self) -> str:
+        """A resume token: 32 random bytes, URL-safe base64 (a counter when deterministic).
+
+        ``--deterministic`` tokens are guessable: a test knob only.
+        """
+        if self._deterministic:
+            self._counter += 1
+            return f"token-{self._counter:032x}"
+        return secrets.token_urlsafe(32)
+
     def hex8(self) -> str:
         """Return an 8-hex-digit id."""
         if self._deterministic:

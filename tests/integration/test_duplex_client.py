@@ -12,18 +12,25 @@ transport is wrapped only to record the frames in wire order.
 Pace: 200 ms chunks every 200 ms, so a cancel sent after the first audio
 chunk reaches the sidecar before the next chunk is produced; audio of the
 cancelled response that the client receives after that is late audio.
+
+The last test cuts the client's TCP connection to the simulator mid-response
+(through a relay the test aborts) and lets the client's own ReconnectPolicy
+resume the session with ``session.resume`` (docs/engine-protocol.md, Resume).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import pytest
 
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
-from tests.integration.helpers import SimulatorChild, module_simulator
+from tests.integration.helpers import SimulatorChild, module_simulator, pcm16_b64, sim_metric
 
 if TYPE_CHECKING:
     from tests.integration.vllm_omni_wheel import VllmOmni
@@ -132,3 +139,128 @@ async def test_duplex_client_straight_to_the_simulator_sees_stale_audio(
     stale = [e for e in after if e["type"] == AUDIO_DELTA and e["response_id"] == run.cancelled_id]
     assert len(stale) >= 1
     assert run.statuses == ("completed", "cancelled")
+
+
+class CuttableRelay:
+    """A TCP relay to one port that the test can cut: every socket aborted, no FIN, no close."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.cut()
+        await self._server.wait_closed()
+
+    def cut(self) -> None:
+        for writer in self._writers:
+            writer.transport.abort()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(1 << 16):
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(pipe(reader, up_writer))
+            tg.create_task(pipe(up_reader, writer))
+
+
+async def test_duplex_client_resumes_when_its_connection_is_cut_mid_response(
+    vllm_omni: VllmOmni, duplex_sim: SimulatorChild
+) -> None:
+    """The client's first TCP connection runs through a relay that is cut after the
+    first audio delta; its ReconnectPolicy resumes straight to the simulator."""
+    import websockets
+
+    duplex = vllm_omni.client
+    received: list[tuple[int, dict[str, Any]]] = []  # (connection number, event), in order
+    sent: list[tuple[int, dict[str, Any]]] = []
+    relay_ready: list[CuttableRelay] = []
+
+    class Recorder:
+        def __init__(self, ws: Any, number: int) -> None:
+            self.ws, self.number = ws, number
+
+        async def send(self, data: str) -> None:
+            sent.append((self.number, json.loads(data)))
+            await self.ws.send(data)
+
+        async def recv(self) -> str | bytes:
+            data = await self.ws.recv()
+            if isinstance(data, str):
+                event = json.loads(data)
+                received.append((self.number, event))
+                if self.number == 1 and event["type"] == AUDIO_DELTA:
+                    relay_ready[0].cut()  # mid-response: four more deltas to come
+            return data
+
+        async def close(self) -> None:
+            await self.ws.close()
+
+    connections = 0
+
+    async def connect(target: str) -> Recorder:
+        nonlocal connections
+        connections += 1
+        if connections == 1:  # only the first connection goes through the relay
+            target = target.replace(f":{duplex_sim.port}/", f":{relay_ready[0].port}/")
+        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+
+    tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
+    async with CuttableRelay(duplex_sim.port) as relay:
+        relay_ready.append(relay)
+        client = duplex.DuplexClient(
+            duplex_sim.ws_url.removesuffix("/v1/realtime"),
+            model=MODEL,
+            reconnect=duplex.ReconnectPolicy(max_attempts=5, backoff_s=(0.05, 0.2)),
+            heartbeat_interval_s=None,
+            connect=connect,
+        )
+        async with asyncio.timeout(DEADLINE * 4), client:
+            responses = client.responses()
+            await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+            await client.commit()
+            async with asyncio.timeout(DEADLINE):
+                handle = await anext(responses)
+                audio = b"".join([chunk async for chunk in handle.audio()])
+                await handle.wait()
+        assert client._closed_marker is not None and client._closed_marker.expected
+
+    assert connections == 2
+    first = [e for n, e in received if n == 1]
+    second = [e for n, e in received if n == 2]
+    cursor = max(e["server_event_seq"] for e in first if "server_event_seq" in e)
+    (resume,) = [e for n, e in sent if e["type"] == "session.resume"]
+    assert resume["last_received_server_event_seq"] == cursor
+    assert resume["session_id"] == first[0]["session"]["id"]
+    assert second[0]["type"] == "session.resumed"
+    assert AUDIO_DELTA in [e["type"] for e in second]  # the cut came mid-response
+    # Every server_event_seq after the cut arrives exactly once, in order, none missing.
+    after = [e["server_event_seq"] for e in second if "server_event_seq" in e]
+    assert after == list(range(cursor + 1, cursor + 1 + len(after)))
+    before = [e["server_event_seq"] for e in first if "server_event_seq" in e]
+    assert before == list(range(1, cursor + 1))
+    # The response completed, with all of its audio once.
+    assert handle.done_event.raw["response"]["status"] == "completed"
+    assert [e["type"] for e in second].count("response.done") == 1
+    deltas = [e for _, e in received if e["type"] == AUDIO_DELTA]
+    assert len(deltas) == CHUNKS
+    assert audio == b"".join(base64.b64decode(e["delta"]) for e in deltas)
+    assert second[-1]["type"] == "session.closed"
+    assert await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total") == 1

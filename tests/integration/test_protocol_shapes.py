@@ -993,3 +993,46 @@ def test_history_and_acks_match_the_engines_own_session_bookkeeping(
     the next response would be refused agree step by step."""
     for seed in range(200):
         _differential_run(engine_session, seed)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_events_render_like_the_wheel_classes(vllm_omni: VllmOmni) -> None:
+    """session.resumed/replaced/resync_required/expired of the simulator's core (no socket)."""
+    from engine_launcher.simulator import DuplexSession, SimulatorConfig, SimulatorStats
+    from engine_launcher.simulator.audio import make_audio_bank
+    from engine_launcher.simulator.handlers import HANDLERS
+    from engine_launcher.simulator.session_resume import ResumeRequest, ResyncRequired
+
+    def core(**flags: Any) -> DuplexSession:
+        config = SimulatorConfig(chunk_ms=100, response_seconds=1, **flags)
+        return DuplexSession(
+            config, make_audio_bank(100, 8000), SimulatorStats(), handlers=HANDLERS
+        )
+
+    def frames(s: DuplexSession) -> list[Event]:
+        return [orjson.loads(f) for f in s.events_to_send() if isinstance(f, str)]
+
+    s = core(replay_max_bytes=3000)
+    s.receive_text(orjson.dumps({"type": "session.update", "session": {}}).decode())
+    token = frames(s)[0]["resume_token"]
+    s.detach(now=1.0)
+    s.resume(ResumeRequest(s.session_id, token, 1), now=2.0)
+    events = frames(s) + [orjson.loads(s.replaced_frame(1))]
+    append = {"type": "input_audio_buffer.append", "audio": pcm16_b64(100)}
+    for event in (append, {"type": "input_audio_buffer.commit", "response_create": True}):
+        s.receive_text(orjson.dumps(event).decode())
+    (rid,) = s.responses_to_start()
+    for _ in range(3):
+        s.produce_chunk(rid)  # past 3000 bytes: journal_overflow
+    events += frames(s)
+    s.expire()
+    events += frames(s)
+    refused = core()
+    refused.refuse_resume(ResyncRequired(s.session_id, "journal_gap"))
+    events += frames(refused)
+    kinds = {e["type"] for e in events}
+    assert {"session.resumed", "session.replaced", "session.resync_required",
+            "session.expired"} <= kinds  # fmt: skip
+    assert by_type(vllm_omni, [e for e in events if e["type"].startswith("session.")]) == {}

@@ -71,7 +71,7 @@ async def ask(c: Client) -> None:
 
 
 def _entry(size: int) -> OutputEntry:
-    return OutputEntry(text=None, payload={"type": "x"}, size=size)
+    return OutputEntry(payload={"type": "x"}, size=size)
 
 
 def test_queue_reserve_takes_only_errors_and_response_done_and_keeps_fifo() -> None:
@@ -306,7 +306,16 @@ async def test_a_full_engine_accepts_then_refuses_the_open_and_closes_1000(
         assert error.get("retryable") is (True if version == "0.32" else None)
         assert "server_event_seq" not in events[0]
         assert second.close_code == 1000
-    # The slot comes back once the first session's socket is gone.
+        # A dropped socket would only detach the session (its slot held for the
+        # disconnect grace, test_simulator_resume.py): session.close frees it.
+        await first.send({"type": "session.close"})
+        await first.recv_until_closed()
+
+    # The slot comes back once the first session is over (its socket closes last).
+    async def no_socket() -> bool:
+        return await sim_metric(sim, "vllm_omni_sim_sessions_active") == 0
+
+    await wait_until(no_socket, what="the first session over")
     async with connect(sim.ws_url + "?autostart=0") as third:
         await third.send({"type": "session.update", "session": {}})
         for _ in range(int(DEADLINE / 0.05)):
