@@ -20,6 +20,7 @@ __all__ = [
     "error_event",
     "response_cancel",
     "response_failed",
+    "resume_refused",
     "session_close",
     "session_closed",
     "session_resumed",
@@ -147,3 +148,27 @@ def session_resync_required(event_id: str, session_id: str | None, reason: str) 
             "reason": reason,
         }
     )
+
+
+#: Error codes with which an engine refuses a ``session.resume`` it cannot serve
+#: for this client (unknown, expired, a token it does not know).
+RESUME_REFUSALS: Final = frozenset({"session_resume_expired", "invalid_resume_token"})
+
+
+def resume_refused(event_id: str | None = None) -> UpstreamEvent:
+    """The one answer to a ``session.resume`` that is not the session's own.
+
+    Unknown, expired, a forged or spent token, another key: nothing in it
+    tells them apart, nor whether the session exists.
+    """
+    body: dict[str, Any] = {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "code": "session_resume_expired",
+            "message": "unknown or expired session",
+        },
+    }
+    if event_id is not None:
+        body["event_id"] = event_id
+    return _event(body)

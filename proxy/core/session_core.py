@@ -231,6 +231,8 @@ class SessionCore(SessionLifecycle):
         self._replay: deque[Entry] = deque()
         self._replayed = 0
         self._resume_expired = False
+        #: The client's first message was a session.resume, passed to the engine.
+        self._resuming = False
 
     # -- the client's frames -----------------------------------------------------------------
 
@@ -268,6 +270,8 @@ class SessionCore(SessionLifecycle):
                 return ClientDecision(event, forward=False)
         elif event.kind is ClientKind.SESSION_UPDATE:
             self.limits.input.on_client_update(event.body)
+        elif event.kind is ClientKind.SESSION_RESUME and self.session_id is None:
+            self._resuming = True  # passed to the engine (docs/design.md, Resume)
         elif event.kind is ClientKind.EVENT_ACK and self._journal is not None:
             acked = (event.body or {}).get("server_event_seq")
             if type(acked) is int:
@@ -470,6 +474,12 @@ class SessionCore(SessionLifecycle):
         elif kind is EventKind.ERROR:
             self._forget_rejected_create(event)
             self._note_engine_error(event)
+            if (
+                self._resuming
+                and self.session_id is None
+                and error_code(event) in notices.RESUME_REFUSALS
+            ):
+                event = notices.resume_refused(self._new_id())  # one answer for all
         elif kind is EventKind.RESPONSE_DONE:
             if rid is not None and event.status in ("cancelled", "failed"):
                 self._cancel(rid, now)

@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 
 from metrics import SidecarMetrics
+from proxy.core import notices
 from proxy.session.client_side import ClientSide
 from proxy.session.registry import SessionRegistry
 
@@ -28,18 +29,8 @@ __all__ = ["ResumeRequest", "first_message", "parse_resume", "resume_held"]
 
 log = logging.getLogger("omni_sidecar.edge.app")
 
-#: What a refused resume gets, whatever the reason: nothing tells a forged token
-#: from a session nobody holds.
-_REFUSED: Final = orjson.dumps(
-    {
-        "type": "error",
-        "error": {
-            "type": "invalid_request_error",
-            "code": "session_resume_expired",
-            "message": "unknown or expired session",
-        },
-    }
-).decode()
+#: What a refused resume gets, whatever the reason (the core's one answer).
+_REFUSED: Final = notices.resume_refused().text
 
 
 @dataclass(frozen=True, slots=True)
