@@ -125,6 +125,30 @@ class InputAudio:
         own_rate = _rate(rate or format_rate)
         return chars * 0.75 / _bytes_per_second(self._readings(own_fmt, own_rate))
 
+    def item_seconds(self, body: Mapping[str, Any] | None) -> float:
+        """Seconds of the audio parts of a ``conversation.item.create``, as the engine reads them.
+
+        A part in a format the engine does not decode is skipped (the engine
+        skips it too); a refused rate refuses the item.
+        """
+        item = (body or {}).get("item")
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(content, list):
+            return 0.0
+        total = 0.0
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_audio", "audio"):
+                continue
+            data = part.get("audio") or part.get("data")
+            if not isinstance(data, str) or not data:
+                continue
+            try:
+                total += self.seconds(len(data), part)
+            except Refused as refused:
+                if refused.code != "unsupported_audio_format":
+                    raise
+        return total
+
     def _readings(self, fmt: str | None, rate: int | None) -> list[tuple[str, int | None]]:
         """Every (format, rate) the engine may apply to a frame naming ``fmt``/``rate``."""
         found = [(fmt or self._format, rate if rate is not None else self._rate)]

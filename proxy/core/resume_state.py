@@ -1,0 +1,149 @@
+"""One session's resume state: token, grace and replay (docs/design.md, Resume).
+
+The engine offers resume in ``session.created``; this holds its token (the
+client's copy is marked and only a digest is kept), when a dropped client's
+grace ends, the journal of what was written and the replay a resume gets.
+Sans-I/O: the session core feeds it engine bodies and ``now``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+from proxy.core.buffer import Entry
+from proxy.core.journal import ReplayJournal
+
+__all__ = ["ResumeState"]
+
+#: Separates the engine's resume token from the sidecar's mark on the ones it issues.
+_TOKEN_MARK: Final = "~"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+class ResumeState:
+    """Whether and how a session resumes.
+
+    Args:
+        grace: ``client_resume_grace`` in seconds (0: never held).
+        journal_bytes, journal_ttl: the journal's bounds
+            (``resume_journal_bytes``, ``resume_journal_ttl``).
+    """
+
+    def __init__(self, grace: float, journal_bytes: int, journal_ttl: float) -> None:
+        self._grace = grace
+        self._journal_bounds = (journal_bytes, journal_ttl)
+        #: The engine offers resume for this session and the sidecar holds it on a drop.
+        self.resumable = False
+        #: The engine's own resume token, and a digest of the one a client must present.
+        self._engine_token = ""
+        self._token_digest = b""
+        #: The engine's last ``session`` object (``session.resumed`` repeats it).
+        self.session_object: dict[str, Any] | None = None
+        self.generation = 0
+        #: When the client dropped (None: attached), and when its grace ends.
+        self.detached_at: float | None = None
+        self.grace_at: float | None = None
+        #: What was written, by ``server_event_seq`` (None until the engine offers resume).
+        self.journal: ReplayJournal | None = None
+        #: ``session.resumed`` and the replay, written before anything queued.
+        self.replay: deque[Entry] = deque()
+        #: Events replayed and graces that ran out, not yet reported.
+        self.replayed = 0
+        self.expired = False
+        #: The client's first message was a ``session.resume``, passed to the engine.
+        self.passed_upstream = False
+
+    def on_session(self, body: dict[str, Any]) -> None:
+        """``session.created`` / ``session.resumed`` from the engine."""
+        session = body.get("session")
+        if isinstance(session, dict):
+            self.session_object = session
+            capabilities = session.get("capabilities")
+            supported = (
+                isinstance(capabilities, dict)
+                and capabilities.get("supports_session_resume") is True
+            )
+        else:
+            supported = self.resumable  # a resumed session keeps what it was
+        generation = body.get("attachment_generation")
+        if type(generation) is int:
+            self.generation = generation
+        token = body.get("resume_token")
+        if not (supported and isinstance(token, str) and token) or self._grace <= 0:
+            return
+        self.resumable = True
+        self._engine_token = token.split(_TOKEN_MARK, 1)[0]
+        self._token_digest = _digest(token)
+        if self.journal is None:
+            self.journal = ReplayJournal(*self._journal_bounds)
+
+    def ack(self, body: dict[str, Any] | None) -> None:
+        """``session.event_ack``: the client has everything up to its seq."""
+        acked = (body or {}).get("server_event_seq")
+        if self.journal is not None and type(acked) is int:
+            self.journal.ack(acked)
+
+    def detach(self, now: float) -> None:
+        """The client dropped: held until ``now`` + grace."""
+        self.detached_at = now
+        self.grace_at = now + self._grace
+        self.replay.clear()
+
+    def grace_over(self, now: float) -> bool:
+        """The grace ran out at ``now``: the session is no longer held."""
+        if self.grace_at is None or now < self.grace_at:
+            return False
+        self.grace_at = self.detached_at = None
+        self.expired = True
+        return True
+
+    def token_matches(self, token: str) -> bool:
+        """``token`` is the current one (constant time)."""
+        return bool(self._token_digest) and hmac.compare_digest(_digest(token), self._token_digest)
+
+    def next_token(self, nonce: str) -> str:
+        """The token the next resume will need (the engine's, marked with ``nonce``)."""
+        return f"{self._engine_token}{_TOKEN_MARK}{nonce}"
+
+    def reattach(
+        self,
+        cursor: int,
+        now: float,
+        token: str,
+        keep: Callable[[Entry], bool],
+        resumed: Callable[[int], Entry],
+    ) -> bool:
+        """A client resumed: the replay is ``resumed(generation)``, then what it missed.
+
+        Args:
+            cursor: the last ``server_event_seq`` the client received.
+            token: the token its next resume will need.
+            keep: whether a journal entry is still worth replaying.
+
+        Returns:
+            False when what was written after ``cursor`` is no longer kept
+            (the client must resync); nothing changes then.
+        """
+        journal = self.journal
+        missed = journal.after(cursor, now, keep) if journal is not None else []
+        if missed is None:
+            return False
+        self.detached_at = self.grace_at = None
+        self.generation += 1
+        self._token_digest = _digest(token)
+        self.replay = deque([resumed(self.generation), *missed])
+        self.replayed += len(missed)
+        return True
+
+    def take_report(self) -> tuple[int, bool]:
+        """(events replayed, a grace ran out) since the last report."""
+        replayed, self.replayed = self.replayed, 0
+        expired, self.expired = self.expired, False
+        return replayed, expired

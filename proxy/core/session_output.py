@@ -1,0 +1,358 @@
+"""The output half of a session: drain, what was written, deadlines, reports.
+
+``SessionCore`` (proxy/core/session_core.py) takes the frames in; this half
+says what goes out: one ``drain(now, room)`` per shell turn, ``written`` /
+``not_written`` for what the writer did, ``next_deadline`` / ``on_timer``, and
+the read-only view reporters see (proxy/core/view.py). Sans-I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from proxy.core.buffer import Entry
+from proxy.core.capabilities import EngineCapabilities
+from proxy.core.drain import NOTHING, Drain, Report
+from proxy.core.events import EventKind
+from proxy.core.lifecycle import SessionEvent, SessionLifecycle, SessionState, next_state
+from proxy.core.playback import PlaybackLedger
+from proxy.core.response_requests import ResponseRequests
+from proxy.core.resume_state import ResumeState
+from proxy.core.session_settings import SessionSettings
+from proxy.core.telemetry import DropReason
+from proxy.core.usage import UsageMeter, UsageRecord
+from proxy.core.view import PlaybackTotals, SessionStatistics
+
+__all__ = ["ACK_RIDE_WAIT", "SessionOutput"]
+
+#: While the client streams, a due playback ack waits this many ack intervals
+#: for a client frame to ride along with before the timer sends it alone.
+ACK_RIDE_WAIT: Final = 1.0
+
+
+class SessionOutput(SessionLifecycle):
+    """What a session writes and when; the base of ``SessionCore``.
+
+    Args:
+        settings: limits and policy.
+        new_event_id: returns a fresh ``event_id`` for events the proxy writes.
+        capabilities: what this session's engine does (proxy.core.capabilities).
+    """
+
+    def __init__(
+        self,
+        settings: SessionSettings,
+        new_event_id: Callable[[], str],
+        capabilities: EngineCapabilities | None,
+    ) -> None:
+        super().__init__(settings, new_event_id)
+        # The telemetry's open cancel-to-silence windows, held here too: read
+        # per delivered audio event, so one attribute away.
+        self._silence = self.telemetry.silence_windows
+        #: Responses asked for and not created yet (proxy/core/response_requests.py).
+        self.requests = ResponseRequests()
+        self._asked_at = self.requests.asked_at
+        self.playback = PlaybackLedger(settings.playback, capabilities)
+        #: What this session used (proxy/core/usage.py), for its usage record.
+        self.usage = UsageMeter()
+        #: The engine refused to open this session: it is full (``error``
+        #: {resource_exhausted} before ``session.created``). Passed through to
+        #: the client; the shell keeps new sessions off that engine a while.
+        self.engine_full = False
+        self._engine_full_reported = False
+        #: While pacing holds the next audio delta back: when it may go.
+        self._paced_until: float | None = None
+        #: When playback acks are next due (None: no ack timer needed).
+        self._ack_at: float | None = None
+        #: When a client frame last went upstream (due acks ride along with the next).
+        self._forwarded_at = -math.inf
+        self._overflows_reported = 0
+        self._late_evicted_reported = 0
+        self._out = Drain()
+        #: Token, grace and replay (proxy/core/resume_state.py).
+        self.resume = ResumeState(
+            settings.client_resume_grace, settings.resume_journal_bytes, settings.resume_journal_ttl
+        )
+
+    # -- output -----------------------------------------------------------------------------------
+
+    def drain(self, now: float, room: int) -> Drain:
+        """Everything the shell has to do now; the same object every call, read at once.
+
+        Args:
+            room: bytes the client transport may take now; events are taken
+                while they fit (one event larger than the room goes alone);
+                0 takes none (the client is not writable).
+        """
+        out = self._out
+        buffer = self.buffer
+        if room > 0 and (buffer.pending_events or buffer.closure_pending or self.resume.replay):
+            entries = self._take(now, room)
+            out.to_client = entries
+            out.close_code = self.close_code if entries and entries[-1].closure else None
+        else:
+            out.to_client = NOTHING
+            out.close_code = None
+        if self._to_upstream:
+            out.to_upstream, self._to_upstream = self._to_upstream, []
+        else:
+            out.to_upstream = NOTHING
+        deadline = self._ack_at
+        paced = self._paced_until
+        if paced is not None and (deadline is None or paced < deadline):
+            deadline = paced
+        grace = self.resume.grace_at
+        if grace is not None and (deadline is None or grace < deadline):
+            deadline = grace
+        out.deadline = deadline
+        out.pending_bytes = buffer.pending_bytes
+        out.pending_events = buffer.pending_events
+        out.report = self._report() if self.telemetry.news or self.playback.news else None
+        return out
+
+    def _take(self, now: float, room: int) -> list[Entry]:
+        """Take events to write now, re-checking each at the last moment, within ``room``."""
+        buffer = self.buffer
+        playback = self.playback
+        # A closing session delivers what is left at once (its close deadline runs).
+        pacing = playback.settings.pacing and self.state is SessionState.OPEN
+        self._paced_until = None
+        taken: list[Entry] = []
+        size = 0
+        replay = self.resume.replay
+        while replay and (not taken or size + replay[0].event.size <= room):
+            again = replay.popleft()  # written before, or the resumed notice: no budget
+            taken.append(again)
+            size += again.event.size
+        while size < room and (buffer.pending_events or buffer.closure_pending):
+            if pacing or size:
+                head = buffer.peek()
+                if head is None:
+                    break
+                if size and size + head.event.size > room:
+                    break  # a full room: only a first event may exceed it, alone
+                if pacing and head.event.is_audio and not head.closure:
+                    when = playback.release_at(head.event, now, buffer.pending_bytes)
+                    if when is not None:
+                        self._paced_until = when
+                        break
+            entry = buffer.pop()
+            if entry is None:
+                break
+            event = entry.event
+            if event.is_audio:
+                # cancelled_at, not verdict(): the intake already judged this
+                # event, and verdict() counts late audio (it would count twice).
+                rid = event.response_id
+                if rid is not None and self.ledger.cancelled_at(rid) is not None:
+                    self.telemetry.count_drop(DropReason.CANCELLED_AUDIO, event.size)
+                    continue
+                playback.released(event, now)
+            taken.append(entry)
+            size += event.size
+            if entry.closure:
+                break
+        return taken
+
+    def written(self, entries: Sequence[Entry], now: float) -> None:
+        """The shell wrote these entries (a drain's ``to_client``) to the client."""
+        self._out.to_client = NOTHING  # written: nothing here keeps a large frame alive
+        usage = self.usage
+        silence = self._silence
+        asked_at = self._asked_at
+        journal = self.resume.journal
+        for entry in entries:
+            event = entry.event
+            rid = event.response_id
+            if journal is not None and event.seq is not None:
+                journal.record(event.seq, entry, now)
+            if entry.closure:
+                self.state = next_state(self.state, SessionEvent.CLOSURE_DELIVERED)
+                continue
+            if event.is_audio:
+                usage.delivered_chars += event.audio_chars
+                if rid is None:
+                    continue
+                window = silence.get(rid)
+                if window is not None:
+                    window.last_audio_at = now
+                created = asked_at.pop(rid, None)
+                if created is not None:
+                    self.telemetry.first_audio(max(0.0, now - created))
+            elif event.kind is EventKind.RESPONSE_DONE and rid is not None:
+                self.playback.done_delivered(rid)
+                self.ledger.on_done_delivered(rid, now)
+                # Time has moved on: tombstones whose TTL passed go now, not only
+                # when an event of their response happens to arrive.
+                self.ledger.expire(now)
+                asked_at.pop(rid, None)
+                self.telemetry.observe_silence(rid)
+        if self._ack_at is None and self.playback.acking:
+            self._arm_acks(self.playback.next_ack_at(now), now)
+
+    def not_written(self, entries: Sequence[Entry]) -> None:
+        """The shell could not write these entries (the connection is gone)."""
+        self._out.to_client = NOTHING
+        for entry in entries:
+            self.telemetry.count_drop(DropReason.SESSION_CLOSED, entry.event.size)
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When ``on_timer`` must next be called (None: no deadline)."""
+        deadline = self._ack_at
+        for at in (self._paced_until, self.resume.grace_at):
+            if at is not None and (deadline is None or at < deadline):
+                deadline = at
+        return deadline
+
+    def on_timer(self, now: float) -> None:
+        """Time passed: paced audio may be released, acks may be due, a grace may end."""
+        if self.resume.grace_over(now):
+            # The dropped client never came back: a normal end (session.close upstream).
+            self.telemetry.news = True
+            self.client_gone()
+        if self._paced_until is not None and now >= self._paced_until:
+            self._paced_until = None
+        if self._ack_at is not None and now >= self._ack_at:
+            self._ack_at = None
+            if self.state is SessionState.OPEN:
+                playback = self.playback
+                self._to_upstream.extend(playback.acks_due(now))
+                when = playback.next_ack_at(now)
+                if when is not None and when <= now:
+                    when = now + playback.settings.ack_interval  # nothing new was heard yet
+                self._arm_acks(when, now)
+
+    def _arm_acks(self, when: float | None, now: float) -> None:
+        """Set the ack deadline; while the client streams, an interval late.
+
+        A due ack rides along with the next client frame sent upstream (one
+        write for both); the timer only sends what found no ride within an
+        interval (``ACK_RIDE_WAIT``).
+        """
+        if when is None:
+            return
+        interval = self.playback.settings.ack_interval
+        if now - self._forwarded_at < interval:
+            when += interval * ACK_RIDE_WAIT
+        self._ack_at = when
+
+    def _still_audible(self, entry: Entry) -> bool:
+        """Replay keeps every event but audio of a response cancelled since."""
+        event = entry.event
+        rid = event.response_id
+        return not (
+            event.is_audio and rid is not None and self.ledger.cancelled_at(rid) is not None
+        )
+
+    # -- reports ----------------------------------------------------------------------------------
+
+    def _report(self) -> Report:
+        telemetry = self.telemetry
+        playback = self.playback
+        telemetry.news = False
+        playback.news = False
+        silence, first = telemetry.take_observations()
+        overflows = telemetry.overflows - self._overflows_reported
+        self._overflows_reported = telemetry.overflows
+        evicted = self.ledger.late_after_eviction
+        late = evicted - self._late_evicted_reported
+        self._late_evicted_reported = evicted
+        engine_full = self.engine_full and not self._engine_full_reported
+        self._engine_full_reported = self.engine_full
+        replayed, expired = self.resume.take_report()
+        return Report(
+            drops=telemetry.take_drops(),
+            overflows=overflows,
+            overflow_policy=self.settings.overflow_policy.value,
+            cancelled=telemetry.take_cancelled(),
+            silence=silence,
+            first_audio=first,
+            lead_at_cancel=playback.take_lead_observations(),
+            own_ack_errors=playback.take_own_errors(),
+            learned=playback.take_learned(),
+            late_after_eviction=late,
+            engine_full=engine_full,
+            replayed=replayed,
+            resume_expired=expired,
+        )
+
+    def finish(self) -> None:
+        """Session over: observe what is still open (no more audio can follow)."""
+        self.telemetry.finish()
+
+    # -- the read-only view (proxy/core/view.py) --------------------------------------------------
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.buffer.pending_bytes
+
+    @property
+    def pending_events(self) -> int:
+        return self.buffer.pending_events
+
+    @property
+    def closing(self) -> bool:
+        return self.buffer.closed
+
+    def statistics(self) -> SessionStatistics:
+        telemetry = self.telemetry
+        return SessionStatistics(
+            state=self.state,
+            session_id=self.session_id,
+            buffer=self.buffer.statistics(),
+            ledger=self.ledger.statistics(),
+            drops=telemetry.drop_totals(),
+            overflows=telemetry.overflows,
+            cancels=telemetry.cancels,
+            active_response=self.ledger.active_response(),
+            open_responses=tuple(self.ledger.open_responses()),
+        )
+
+    @property
+    def resumable(self) -> bool:
+        return self.resume.resumable
+
+    @property
+    def detached_at(self) -> float | None:
+        return self.resume.detached_at
+
+    @property
+    def resume_grace_ends_at(self) -> float | None:
+        return self.resume.grace_at
+
+    @property
+    def generation(self) -> int:
+        """Attachments after the first (the engine's ``attachment_generation``)."""
+        return self.resume.generation
+
+    def resume_token_matches(self, token: str) -> bool:
+        return self.resume.token_matches(token)
+
+    def tombstoned(self) -> list[str]:
+        return self.ledger.tombstoned()
+
+    def drop_totals(self) -> dict[DropReason, tuple[int, int]]:
+        return self.telemetry.drop_totals()
+
+    def playback_totals(self) -> PlaybackTotals:
+        p = self.playback
+        return PlaybackTotals(
+            p.audio_sent,
+            p.acks_sent,
+            p.truncations_client,
+            p.truncations_sidecar,
+            p.paced_bound_releases,
+        )
+
+    def playback_view(self, now: float) -> dict[str, Any]:
+        return self.playback.view(now)
+
+    def quota_seconds(self) -> float:
+        return self.usage.quota_seconds()
+
+    def usage_record(self, key: str, session_seconds: float, now: float) -> UsageRecord:
+        return self.usage.record(key, session_seconds, self.playback.heard(now))
