@@ -83,14 +83,14 @@ DEFECTS = [
     ),
     Defect(
         "core: a drain takes more than the room",
-        "proxy/core/session_core.py",
+        "proxy/core/session_output.py",
         "                if size and size + head.event.size > room:",
         "                if False:",
         "tests/proxy/session/test_frame_writer.py",
     ),
     Defect(
         "core: a drain does not re-check queued audio against the ledger",
-        "proxy/core/session_core.py",
+        "proxy/core/session_output.py",
         "                if rid is not None and self.ledger.cancelled_at(rid) is not None:",
         "                if False:",
         "tests/proxy/core/test_session.py",
@@ -133,9 +133,9 @@ DEFECTS = [
     Defect(
         "relay: pings count as client activity for the idle timeout",
         "proxy/session/relay.py",
-        "        self.timers.last_client_frame = now\n        writer = self.writer\n",
+        "        self.timers.last_client_frame = now\n        writer = self.side.writer\n",
         "        self.timers.last_client_frame = now\n        self.timers.last_client_event = now\n"
-        "        writer = self.writer\n",
+        "        writer = self.side.writer\n",
         "tests/proxy/session/test_relay_shell.py",
     ),
     Defect(
@@ -162,7 +162,7 @@ DEFECTS = [
     Defect(
         "relay: keepalive loss does not drop the client",
         "proxy/session/relay.py",
-        '        if side == "client":\n            self.writer.abort()',
+        '        if side == "client":\n            self.side.writer.abort()',
         '        if side == "client":\n            pass',
         "tests/proxy/session/test_relay_shell.py",
     ),

@@ -27,6 +27,8 @@ package.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -573,3 +575,58 @@ def test_the_header_rule_sees_a_long_header(tmp_path: Path) -> None:
     assert header_lines(target) == MAX_HEADER_LINES + 1
     target.write_text('"""Summary."""\nx = 1\n', encoding="utf-8")
     assert header_lines(target) == 1
+
+
+# -- rooms of a readable size (docs/design.md, Code rules) -------------------------------
+
+#: No product module is longer than this, in lines.
+MAX_MODULE_LINES = 600
+#: The relay reads as one page: the per-session shell, one class with one job.
+MAX_RELAY_LINES = 399
+
+
+def line_count(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_no_product_module_is_too_long(path: Path) -> None:
+    lines = line_count(path)
+    assert lines <= MAX_MODULE_LINES, (
+        f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_MODULE_LINES}): "
+        "split it along a line its docstring already draws"
+    )
+
+
+def test_the_relay_is_one_page() -> None:
+    relay = ROOT / CORE_CALLER.replace(".", "/")
+    lines = line_count(relay.with_suffix(".py"))
+    assert lines <= MAX_RELAY_LINES, f"the relay has {lines} lines (at most {MAX_RELAY_LINES})"
+
+
+def test_the_size_rule_sees_a_long_module(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: one line over.
+    target = tmp_path / "x.py"
+    target.write_text("x = 1\n" * (MAX_MODULE_LINES + 1), encoding="utf-8")
+    assert line_count(target) == MAX_MODULE_LINES + 1
+
+
+# -- the shell defect list stays current (scripts/shell_defects.py) ----------------------
+
+
+def test_every_shell_defect_still_applies() -> None:
+    # Each defect edits one exact line of the product; a refactor that moves
+    # the line must move the defect too, or the script stops proving anything.
+    spec = importlib.util.spec_from_file_location(
+        "shell_defects", ROOT / "scripts/shell_defects.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    stale = [
+        f"{defect.what} ({defect.path}: matches {count}x)"
+        for defect in module.DEFECTS
+        if (count := (ROOT / defect.path).read_text(encoding="utf-8").count(defect.old)) != 1
+    ]
+    assert not stale, f"defects that no longer edit one line: {stale}"

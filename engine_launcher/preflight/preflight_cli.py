@@ -61,7 +61,7 @@ def main_preflight(
     Args:
         ns: Parsed flags from :func:`add_preflight_arguments`.
         config: The engine settings. The CLI passes ``settings.engine`` from
-            ``proxy.settings.proxy_settings.load`` (file < env < flags); without it the
+            ``proxy.settings.load`` (file < env < flags); without it the
             ``[engine]`` table of ``ns.config`` is read as it stands.
         environ: As in :func:`run_checks`.
         out: Where the lines go (default stdout).
@@ -93,7 +93,7 @@ def main_preflight(
 def engine_config_from_file(path: str | None) -> EngineConfig:
     """The ``[engine]`` table of a TOML config file as an :class:`EngineConfig`.
 
-    No env or flag precedence (that is ``proxy.settings.proxy_settings.load``'s job); a
+    No env or flag precedence (that is ``proxy.settings.load``'s job); a
     top-level ``upstream`` turns the default simulator into ``external`` as it
     does there.
 

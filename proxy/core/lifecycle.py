@@ -361,6 +361,12 @@ class SessionLifecycle:
         self.state = next_state(self.state, SessionEvent.CLIENT_GONE)
         self._request_upstream_close("client_close")
 
+    def close_frame(self) -> tuple[int, bytes]:
+        """The client's close frame: the session's code (1000 when none was set)
+        and its outcome as the reason."""
+        code = CLOSE_NORMAL if self.close_code is None else self.close_code
+        return code, b"" if self.outcome is None else self.outcome.value.encode()
+
     def _request_upstream_close(self, reason: str) -> None:
         if not self.upstream_close_sent:
             self.upstream_close_sent = True

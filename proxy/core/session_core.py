@@ -461,20 +461,24 @@ class SessionCore(SessionOutput):
 
     # -- resume (docs/design.md, Resume) ----------------------------------------------------------
 
-    def client_detached(self, now: float) -> bool:
-        """The client's connection ended without ``session.close``.
+    def client_ended(self, now: float, *, dropped: bool) -> bool:
+        """The client's connection ended; ``dropped``: without a close frame.
 
         Returns:
-            True when the session is held for ``client_resume_grace`` (it is
-            resumable and not over); False: the shell ends it (``client_gone``).
+            True when the session is held for ``client_resume_grace`` (a drop,
+            the session resumable, not closing by the client's own
+            ``session.close``); otherwise it ends (``client_gone``).
         """
         resume = self.resume
+        if self.state is SessionState.CLOSED:
+            return False
         if (
-            not resume.resumable
+            not dropped
+            or not resume.resumable
             or self.client_close_requested
-            or self.state is SessionState.CLOSED
             or resume.detached_at is not None
         ):
+            self.client_gone()
             return False
         resume.detach(now)
         return True

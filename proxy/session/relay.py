@@ -1,11 +1,9 @@
 """The per-session relay: the I/O shell around ``SessionCore``, its only caller.
 
-Frames and facts go into the core; after each call the relay does what the
-core's drain says (docs/design.md, Relay shell): write to the client, send
-upstream, arm one timer, hand the news to the observer. One TaskGroup: the
-upstream link's ``run`` (which pushes engine frames in), the client reader,
-and delivery; a held session outlives its client connection until a resume
-attaches another or its grace ends (docs/design.md, Resume).
+Frames and facts go into the core; after each call the relay does what its
+drain says: write to the client, send upstream, arm one timer, report
+(docs/design.md, Relay shell). One TaskGroup per session; a held session
+outlives its client connection (docs/design.md, Resume).
 """
 
 from __future__ import annotations
@@ -20,14 +18,15 @@ from typing import TYPE_CHECKING
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING
 from proxy.core.events import ClientKind, EventKind
-from proxy.core.lifecycle import CLOSE_NORMAL, EndReason, Outcome, SessionState
+from proxy.core.lifecycle import EndReason, Outcome, SessionState
 from proxy.core.session_core import SessionCore, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
-from proxy.session.tasks import cancel_and_wait, first_set
+from proxy.session.tasks import first_set
 from proxy.session.timers import LoopScheduler, Scheduler, SessionTimers, Side
 from proxy.session.upstream_link import UpstreamLink
+from proxy.session.upstream_side import UpstreamSide
 
 if TYPE_CHECKING:
     from proxy.session.observer import SessionObserver
@@ -80,21 +79,16 @@ class Relay:
         self._call_soon = call_soon or asyncio.get_running_loop().call_soon
         self.timers = SessionTimers(self._scheduler, self, limits)
         self.started_at = self.timers.started_at
-        self._wake = asyncio.Event()
-        self._ping_upstream = False
-        self._flush_soon = False
+        self._wake, self._attached = asyncio.Event(), asyncio.Event()
+        #: Flags: an upstream ping is due, a flush waits for the end of the tick,
+        #: the last drain took events, the client dropped and the session is held.
+        self._ping_upstream = self._flush_soon = self._took = self.detached = False
+        #: Shutdown began (a client that drops now is not held).
+        self._shutting_down = False
         #: The core deadline the timer is armed for (None: not armed).
         self._deadline: float | None = None
         self._upstream_ended = False
-        #: The last drain took events for the client.
-        self._took = False
-        self._upstream_session_closed = asyncio.Event()
-        self._upstream_gone, self._attached = asyncio.Event(), asyncio.Event()
-        #: The client dropped and the session is held for a resume.
-        self.detached = False
-        #: Shutdown: a client that drops now is not held.
-        self._shutting_down = False
-        self._intake: asyncio.Task[None] | None = None
+        self._upstream = UpstreamSide(upstream)
         self.log = logging.LoggerAdapter(log, {"session": session_key})
         observer.watch(self.view)
 
@@ -105,16 +99,21 @@ class Relay:
         self.timers.start()
         try:
             async with asyncio.TaskGroup() as tg:
-                self._intake = tg.create_task(self._upstream_to_client(), name=f"{self.key}:intake")
+                self._upstream.start(self, tg, f"{self.key}:intake")
                 while True:
                     side = self.side
                     side.start(self, tg, f"{self.key}:client")
                     await self._deliver(side)
-                    await self._close_client(side)
+                    if not (side.replaced or self.detached):  # a dropped one is left be
+                        await side.close(*self.core.close_frame(), self._limits.close_timeout)
                     side.done.set()
                     if self.side is side and not await self._held():
                         break
-                await self._close_upstream()
+                if self.core.state is not _CLOSED:
+                    self.core.client_gone()  # over: session.close goes to the engine
+                self._send(self._after(self._clock()))
+                limits = self._limits
+                await self._upstream.close(limits.upstream_close_timeout, limits.close_timeout)
         except Exception:
             self.log.exception("session %s failed", self.key)
             self.core.failed()
@@ -124,9 +123,11 @@ class Relay:
             self.core.finish()
             self._observer.after_drain(self.core.drain(self._clock(), 0))
             self._observer.session_end()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # whatever is still open, bounded
                 async with asyncio.timeout(self._limits.close_timeout):
-                    await self._close_both()
+                    if not self.side.client.closed:
+                        await self.side.client.close(code=self.core.close_frame()[0])
+                    await self.upstream.close()
 
     def shutdown(self) -> None:
         """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
@@ -151,7 +152,7 @@ class Relay:
         self.core.upstream_lost(self._clock())
         self._send(self._after(self._clock()))
         # The engine socket may linger half-open; stop waiting for its session.closed.
-        self._upstream_session_closed.set()
+        self._upstream.session_closed.set()
 
     def _end(self, reason: EndReason, message: str = "") -> None:
         if self.core.state is _OPEN:
@@ -178,7 +179,7 @@ class Relay:
 
     def time_up(self, reason: EndReason) -> None:
         if reason is EndReason.UPSTREAM_TIMEOUT:
-            self._upstream_session_closed.set()  # stop waiting for it later, too
+            self._upstream.session_closed.set()  # stop waiting for it later, too
         self._end(reason)
 
     def close_deadline_passed(self) -> None:
@@ -251,22 +252,15 @@ class Relay:
             return  # a superseded connection's reader ended
         side.ended.set()
         now = self._clock()
-        core = self.core
-        if core.state is not _CLOSED and not side.replaced:
-            dropped = not side.reader.closed_cleanly and not self._shutting_down
-            if dropped and core.client_detached(now):
-                self.detached = True
-                self.log.info("client dropped; held for a resume")
-            else:
-                core.client_gone()
+        dropped = not side.reader.closed_cleanly and not self._shutting_down
+        if not side.replaced and self.core.client_ended(now, dropped=dropped):
+            self.detached = True
+            self.log.info("client dropped; held for a resume")
         self._send(self._after(now))
 
     def attach(self, side: ClientSide, cursor: int, nonce: str) -> bool:
-        """A ``session.resume`` on ``side``: replay what it missed and go on there.
-
-        Returns:
-            False when what came after ``cursor`` is no longer kept (nothing changes).
-        """
+        """A ``session.resume`` on ``side``: replay what it missed and go on there;
+        False when what came after ``cursor`` is no longer kept (nothing changes)."""
         core = self.core
         now = self._clock()
         token = core.next_resume_token(nonce)
@@ -289,7 +283,7 @@ class Relay:
         event = self.core.receive_upstream(text, now)
         self._observer.upstream_event(event)
         if event.kind is EventKind.SESSION_CLOSED:
-            self._upstream_session_closed.set()
+            self._upstream.session_closed.set()
         if self.upstream.backlog:
             # More engine frames are parsed already: write them all at the end of the tick.
             if not self._flush_soon:
@@ -311,26 +305,21 @@ class Relay:
         self._flush_soon = False
         self._send(self._after(self._clock()))
 
-    async def _upstream_to_client(self) -> None:
-        clean = False
-        try:
-            clean = await self.upstream.run(self)
-            if not self._upstream_session_closed.is_set():
+    def upstream_ended(self, clean: bool | None) -> None:
+        self._upstream_ended = True
+        if not self._upstream.session_closed.is_set():
+            if clean is not None:
                 self.log.info(
                     "upstream closed (%s) without session.closed", self.upstream.close_code
                 )
-        finally:
-            self._upstream_ended = True
-            self._upstream_gone.set()
-            if not self._upstream_session_closed.is_set():
-                self.core.upstream_lost(self._clock(), clean=clean)
-            self._after(self._clock())
+            self.core.upstream_lost(self._clock(), clean=bool(clean))
+        self._after(self._clock())
 
     # -- after every core call: do what its drain says ------------------------------------------
 
     def _after(self, now: float, *, deferred: bool = False) -> Sequence[str]:
-        """Write what the core has for the client (none when ``deferred`` to the end of
-        the tick), arm its deadline, report its news; return the frames for upstream."""
+        """Write the core's events (none when ``deferred`` to the end of the tick),
+        arm its deadline, report; return the frames for upstream."""
         core = self.core
         writer = self.side.writer
         room = 0 if deferred or self.detached else writer.room()
@@ -370,9 +359,7 @@ class Relay:
         core = self.core
         writer = side.writer
         while side is self.side and not self.detached:
-            if self._ping_upstream:
-                self._ping_upstream = False
-                await self.upstream.ping()
+            await self._ping_if_due()
             if core.state is _CLOSED or writer.gone or writer.close_sent:
                 break
             if writer.paused:
@@ -392,48 +379,21 @@ class Relay:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _close_client(self, side: ClientSide) -> None:
-        """Close ``side`` with the session's code; a dropped or superseded one is left be."""
-        if side.replaced or self.detached:
-            return
-        core = self.core
-        outcome = core.outcome
-        message = b"" if outcome is None else outcome.value.encode()
-        code = core.close_code if core.close_code is not None else CLOSE_NORMAL
-        await side.close(code, message, self._limits.close_timeout)
-
     async def _held(self) -> bool:
         """While the session is held for a resume: True once another connection attached."""
         side = self.side
         while self.detached and self.core.state is not _CLOSED:
-            if self._ping_upstream:
-                self._ping_upstream = False
-                await self.upstream.ping()
+            await self._ping_if_due()
             self._wake.clear()
             self._attached.clear()
             if self.detached and self.core.state is not _CLOSED:
                 await first_set(self._wake, self._attached)
         return self.side is not side
 
-    async def _close_upstream(self) -> None:
-        """The session is over: ask the engine to close it, then close the link."""
-        core = self.core
-        if core.state is not _CLOSED:
-            core.client_gone()
-        self._send(self._after(self._clock()))
-        if not self._upstream_gone.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._limits.upstream_close_timeout):
-                    await first_set(self._upstream_session_closed, self._upstream_gone)
-        await cancel_and_wait(self._intake)  # the engine had its chance to answer
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self._limits.close_timeout):
-                await self.upstream.close()
-
-    async def _close_both(self) -> None:
-        if not self.side.client.closed:
-            await self.side.client.close(code=self.core.close_code or CLOSE_NORMAL)
-        await self.upstream.close()
+    async def _ping_if_due(self) -> None:
+        if self._ping_upstream:
+            self._ping_upstream = False
+            await self.upstream.ping()
 
 
 _APPEND = ClientKind.AUDIO_APPEND
