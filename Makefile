@@ -19,8 +19,6 @@ ARGS ?=
 PYTEST_ARGS ?=
 #: pytest-xdist workers for `make pytest`/`make test` (0: one process, no workers).
 #: Two fit the 2-core CI machine: many tests wait on child processes, not on a core.
-#: --dist loadgroup: the tests of one xdist_group (the container image tier) share a
-#: worker, so its image is built once; every other test is spread as with --dist load.
 PYTEST_WORKERS ?= 2
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
 LINT_PATHS := proxy engine_launcher metrics tests bench scripts
@@ -56,10 +54,10 @@ lint: $(BIN)/omni-sidecar
 	$(BIN)/python -m mypy --strict $(TYPED_PATHS)
 
 pytest: $(BIN)/omni-sidecar
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-loaded: $(BIN)/omni-sidecar
-	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(BIN)/omni-sidecar
 	$(BIN)/python -m pip install -e '.[test,bench]'

@@ -84,7 +84,8 @@ def storage_key() -> str:
 
 @contextlib.contextmanager
 def cache_lock() -> Iterator[None]:
-    """One builder at a time per checkout (another run waits for the cache it makes)."""
+    """One builder at a time per checkout: under pytest-xdist each worker that runs a
+    test of the tier builds once, and the second waits here for the first's layers."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)

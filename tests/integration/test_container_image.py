@@ -58,8 +58,6 @@ pytestmark = [
     pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""),
     # A cold first build (debootstrap, packages, dependencies) takes minutes.
     pytest.mark.timeout(1800),
-    # One worker builds once and runs every test here (`make pytest`: --dist loadgroup).
-    pytest.mark.xdist_group("container-image"),
 ]
 
 VENV = "/opt/omni-sidecar/venv"
