@@ -107,6 +107,7 @@ class SessionCore(SessionOutput):
         settings: limits and policy.
         new_event_id: returns a fresh ``event_id`` for events the proxy writes.
         capabilities: what this session's engine does (proxy.core.capabilities).
+        resuming: the client's ``session.resume`` was sent to the engine already.
     """
 
     def __init__(
@@ -115,8 +116,11 @@ class SessionCore(SessionOutput):
         *,
         new_event_id: Callable[[], str],
         capabilities: EngineCapabilities | None = None,
+        resuming: bool = False,
     ) -> None:
         super().__init__(settings, new_event_id, capabilities)
+        #: The client's ``session.resume`` went to the engine before the session was built.
+        self.resume.passed_upstream = resuming
         #: Frame rate and input audio rate (proxy/core/client_limits.py).
         self.limits = ClientLimits(settings)
         #: An engine frame larger than this can never be queued (the whole budget).

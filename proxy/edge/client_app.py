@@ -20,7 +20,7 @@ from proxy.edge.guard import client_address
 from proxy.edge.handshake import validate_upgrade, wants_websocket
 from proxy.edge.refusals import check_auth, json_error, log_refused, retry_after
 from proxy.edge.reverse_proxy import ProxyRequest, reverse_proxy
-from proxy.edge.session_open import run_session
+from proxy.edge.session_open import open_session
 from proxy.edge.state import STATE, WS_PATHS, ProxyState, upstream_headers
 
 __all__ = ["build_client_app"]
@@ -72,7 +72,7 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _realtime(request: web.Request) -> web.StreamResponse:
-    """The handshake: validity, auth, readiness, per-address and global slots, in that order.
+    """The handshake: validity, auth, readiness, then the session's slots, in that order.
 
     A request that does not ask for a WebSocket is plain HTTP and is
     reverse-proxied; one that does must be a complete, valid handshake
@@ -99,25 +99,7 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
         metrics.sessions_rejected.labels(refusal[0]).inc()
         log_refused(address, 503, refusal[0])
         return json_error(503, refusal[0], refusal[1], **{"Retry-After": "5"})
-    if not state.admission.acquire_ip(address):
-        metrics.sessions_rejected.labels("capacity").inc()
-        log_refused(address, 429, "capacity")
-        return json_error(
-            429, "capacity", "too many sessions from this address", **{"Retry-After": "1"}
-        )
-    try:
-        if not await state.admission.acquire():
-            metrics.sessions_rejected.labels("capacity").inc()
-            log_refused(address, 503, "capacity")
-            return json_error(
-                503, "capacity", "all session slots are in use", **{"Retry-After": "1"}
-            )
-        try:
-            return await run_session(request, state, auth.key_name, auth.key_id)
-        finally:
-            await state.admission.release()
-    finally:
-        state.admission.release_ip(address)
+    return await open_session(request, state, auth.key_name, auth.key_id)
 
 
 async def _reverse_proxy(request: web.Request) -> web.StreamResponse:

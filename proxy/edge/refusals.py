@@ -7,16 +7,34 @@ step refused (docs/design.md, Admission and lifecycle).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import uuid
+from typing import Any, Final
 
 from aiohttp import web
 
+from proxy.core import notices
 from proxy.core.quota_rules import QuotaRefusal
 from proxy.edge.auth import AuthResult, offered_subprotocols
 from proxy.edge.guard import client_address
 from proxy.edge.state import ProxyState
 
-__all__ = ["check_auth", "json_error", "log_refused", "quota_refused", "retry_after"]
+__all__ = [
+    "check_auth",
+    "json_error",
+    "log_refused",
+    "quota_refused",
+    "refuse_in_band",
+    "retry_after",
+]
+
+#: The close code of a refusal after the upgrade, by the HTTP status it stands
+#: for: 1013 try again later (capacity, quota), 1014 bad gateway (RFC 6455 §7.4.2
+#: registry: the engine could not be reached).
+_IN_BAND_CLOSE: Final = {502: 1014}
+_TRY_AGAIN_LATER: Final = 1013
 
 #: The name these lines have always been logged under (before the edge was split).
 log = logging.getLogger("omni_sidecar.edge.app")
@@ -74,3 +92,17 @@ def retry_after(state: ProxyState, reason: str) -> str:
     if reason == "engine_capacity":
         return state.retry_after()
     return "1" if reason == "capacity" else "5"
+
+
+async def refuse_in_band(
+    client: Any, status: int, reason: str, message: str, timeout: float
+) -> None:
+    """A refusal after the upgrade: an ``error`` event {``reason``}, then a close
+    (1013, or 1014 for an engine out of reach), within ``timeout``."""
+    error = notices.error_event("event_" + uuid.uuid4().hex, reason, message)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout):
+            await client.send_str(error.text)
+            await client.close(
+                code=_IN_BAND_CLOSE.get(status, _TRY_AGAIN_LATER), message=reason.encode()[:120]
+            )

@@ -3,8 +3,8 @@
 The first message of a connection that does not open its engine session at
 connect may be ``session.resume``. A session this sidecar holds is resumed
 here: the token and the API key are checked, and the relay replays what the
-client missed on the new connection. One it does not hold is passed to the
-engine on the new connection. A forged or replayed token, or another key,
+client missed on the new connection. One it does not hold goes to the engine
+(proxy/edge/session_open.py). A forged or replayed token, or another key,
 gets the same answer as a session nobody holds.
 """
 
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -22,15 +23,19 @@ import orjson
 
 from metrics import SidecarMetrics
 from proxy.core import notices
+from proxy.core.events import EventKind, classify_upstream, error_code
 from proxy.session.client_side import ClientSide
 from proxy.session.registry import SessionRegistry
+from proxy.session.upstream_link import UpstreamLink
 
-__all__ = ["ResumeRequest", "first_message", "parse_resume", "resume_held"]
+__all__ = ["ResumeRequest", "first_message", "parse_resume", "resume_held", "resume_unknown"]
 
 log = logging.getLogger("omni_sidecar.edge.app")
 
 #: What a refused resume gets, whatever the reason (the core's one answer).
 _REFUSED: Final = notices.resume_refused().text
+#: Separates the engine's token from the mark the sidecar adds to the ones it issues.
+_TOKEN_MARK: Final = "~"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,26 @@ class ResumeRequest:
     session_id: str
     token: str
     cursor: int
+    #: The client's frame as it came.
+    text: str
+
+    def engine_text(self) -> str:
+        """The frame for the engine: the token without the sidecar's mark (the
+        engine's own token is what it checks); else the client's text as it came."""
+        engine_token, marked, _ = self.token.partition(_TOKEN_MARK)
+        if not marked:
+            return self.text
+        body = orjson.loads(self.text)
+        body["resume_token"] = engine_token
+        return orjson.dumps(body).decode()
+
+
+def resume_unknown(answer: str | None) -> bool:
+    """The engine's first answer to a resume says it does not hold the session."""
+    if answer is None:
+        return False
+    event = classify_upstream(answer)
+    return event.kind is EventKind.ERROR and error_code(event) in notices.RESUME_REFUSALS
 
 
 async def first_message(client: Any, timeout: float) -> aiohttp.WSMessage | None:
@@ -63,19 +88,21 @@ def parse_resume(msg: aiohttp.WSMessage | None) -> ResumeRequest | None:
     cursor = body.get("last_received_server_event_seq", 0)
     if not (isinstance(session_id, str) and isinstance(token, str)) or type(cursor) is not int:
         return None
-    return ResumeRequest(session_id, token, max(0, cursor))
+    return ResumeRequest(session_id, token, max(0, cursor), msg.data)
 
 
 async def resume_held(
     registry: SessionRegistry,
     metrics: SidecarMetrics,
-    side: ClientSide,
+    client: Any,
+    side_for: Callable[[UpstreamLink], ClientSide],
     request: ResumeRequest,
     key_id: str,
 ) -> bool:
-    """Resume a session this sidecar holds on ``side``; False when it holds none by that id.
+    """Resume a session this sidecar holds on ``client`` (``side_for`` makes the
+    session's client side of it); False when it holds none by that id.
 
-    Returns once the session is done with ``side`` (or refused it).
+    Returns once the session is done with the connection (or refused it).
     """
     if not registry.holds(request.session_id):
         return False
@@ -83,8 +110,9 @@ async def resume_held(
     if relay is None:
         metrics.resumes.labels("refused").inc()
         log.info("session.resume of %s refused", request.session_id)
-        await _refuse(side, _REFUSED)
+        await _refuse(client, _REFUSED)
         return True
+    side = side_for(relay.upstream)
     if not relay.attach(side, request.cursor, secrets.token_urlsafe(24)):
         metrics.resumes.labels("resync_required").inc()
         notice = {
@@ -92,7 +120,8 @@ async def resume_held(
             "session_id": request.session_id,
             "reason": "journal_gap",
         }
-        await _refuse(side, orjson.dumps(notice).decode())
+        side.writer.send_text(orjson.dumps(notice).decode())
+        await _refuse(side.client, None)
         return True
     metrics.resumes.labels("resumed").inc()
     relay.log.info("session resumed from %s (cursor %d)", side.address or "?", request.cursor)
@@ -100,8 +129,10 @@ async def resume_held(
     return True
 
 
-async def _refuse(side: ClientSide, text: str) -> None:
-    side.writer.send_text(text)
+async def _refuse(client: Any, text: str | None) -> None:
+    """Send ``text`` (unless sent already) and close the connection, within 5 s."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(5.0):
-            await side.client.close(code=1000, message=b"resume_refused")
+            if text is not None:
+                await client.send_str(text)
+            await client.close(code=1000, message=b"resume_refused")

@@ -1,14 +1,11 @@
-"""Opening one session: placement, quota, the upstream connect, the upgrade, the relay.
+"""Opening one session: slots, placement, quota, the upstream connect, the upgrade, the relay.
 
-Called by the ``/v1/realtime`` and ``/v1/duplex`` handler
-(proxy/edge/client_app.py) once the handshake was found valid, authorised and
-given a session slot (docs/design.md, Admission and lifecycle). The session
-is placed on a replica by the engines layer's
-:class:`~engine_launcher.admission.EngineAdmission` (docs/design.md,
-Engine pool), counted against its key's quota, connected upstream before the
-client's upgrade completes (so a client never gets a socket that leads
-nowhere), and refused 503 ``engine_capacity`` when a full engine says so as
-its first frame. Then the relay runs it, and one access line records it.
+Called by the ``/v1/realtime`` and ``/v1/duplex`` handler (proxy/edge/client_app.py)
+once the handshake was found valid and authorised (docs/design.md, Admission and
+lifecycle). Usually the session's resources are taken and the engine connected
+before the client's upgrade completes, so a refusal is an HTTP status; a
+connection that may resume a session held here reads its first message first
+and needs none of them (docs/design.md, Resume). One access line per attachment.
 """
 
 from __future__ import annotations
@@ -20,11 +17,14 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 from urllib.parse import parse_qsl, urlsplit
 
+import aiohttp
 from aiohttp import web
 
+from engine_launcher.admission import EngineAdmission
 from proxy import compat
 from proxy.core.capabilities import (
     opens_at_connect,
@@ -36,10 +36,15 @@ from proxy.edge.guard import client_address
 from proxy.edge.refusals import json_error as _json_error
 from proxy.edge.refusals import log_refused as _log_refused
 from proxy.edge.refusals import quota_refused as _quota_refused
+from proxy.edge.refusals import refuse_in_band
 from proxy.edge.refusals import retry_after as _retry_after
-
-# The short names the session-opening functions below were written with.
-from proxy.edge.resume import first_message, parse_resume, resume_held
+from proxy.edge.resume import (
+    ResumeRequest,
+    first_message,
+    parse_resume,
+    resume_held,
+    resume_unknown,
+)
 from proxy.edge.state import ProxyState, UpstreamTarget
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
@@ -47,11 +52,11 @@ from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.observer import SessionObserver, SessionTracer
 from proxy.session.relay import Relay
-from proxy.session.upstream_link import UpstreamConnectError, connect_upstream
+from proxy.session.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
 from proxy.session.usage_log import UsageBook
 from proxy.session.writer import AiohttpWriterAdapter
 
-__all__ = ["MAX_UPSTREAM_MESSAGE_BYTES", "run_session"]
+__all__ = ["MAX_UPSTREAM_MESSAGE_BYTES", "Refused", "admitted", "open_session"]
 
 #: The name these lines have always been logged under (before the edge was split).
 log = logging.getLogger("omni_sidecar.edge.app")
@@ -64,73 +69,224 @@ MAX_UPSTREAM_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 _CLIENT_SUBPROTOCOLS: Final = ("realtime", "openai-beta.realtime-v1")
 
 
-async def run_session(
+class Refused(Exception):
+    """A step of the opening said no (counted and logged where it did).
+
+    Before the upgrade the client gets ``response``; after it, an ``error``
+    event {``reason``} and a close code (``refuse_in_band``).
+    """
+
+    def __init__(self, response: web.Response, reason: str, message: str) -> None:
+        super().__init__(reason)
+        self.response, self.reason, self.message = response, reason, message
+
+
+def _refused(
+    request: web.Request, state: ProxyState, status: int, reason: str, message: str, **headers: str
+) -> Refused:
+    state.metrics.sessions_rejected.labels(reason).inc()
+    _log_refused(client_address(request), status, reason)
+    return Refused(_json_error(status, reason, message, **headers), reason, message)
+
+
+class Placement:
+    """What an admitted session holds: its engine replica (None: one engine), key and trace."""
+
+    def __init__(self, state: ProxyState, engine: int | None, key: str) -> None:
+        self._state = state
+        self.engine = engine
+        self.key = key
+        self.tracer: SessionTracer | None = None
+        #: The engine URL the session's link was opened to.
+        self.url = ""
+
+    def move(self, engine: int, url: str) -> None:
+        """The session lives on ``engine`` after all (a resume found it there)."""
+        router = self._state.router
+        assert router is not None and self.engine is not None
+        router.take(engine)
+        router.release(self.engine)
+        self.engine, self.url = engine, url
+
+
+@contextlib.asynccontextmanager
+async def admitted(
+    request: web.Request, state: ProxyState, key_name: str
+) -> AsyncIterator[Placement]:
+    """Take the session's resources, in order, until it ends; raises ``Refused``.
+
+    The per-address and global slots (proxy/edge/session_slots.py), a replica
+    when there is a pool (docs/design.md, Engine pool), the key's quota; the
+    session's trace starts once it is admitted.
+    """
+    address = client_address(request)
+    admission, router = state.admission, state.router
+    async with contextlib.AsyncExitStack() as held:
+        if not admission.acquire_ip(address):
+            raise _refused(
+                request,
+                state,
+                429,
+                "capacity",
+                "too many sessions from this address",
+                **{"Retry-After": "1"},
+            )
+        held.callback(admission.release_ip, address)
+        if not await admission.acquire():
+            raise _refused(
+                request,
+                state,
+                503,
+                "capacity",
+                "all session slots are in use",
+                **{"Retry-After": "1"},
+            )
+        held.push_async_callback(admission.release)
+        placement = Placement(state, None, uuid.uuid4().hex[:12])
+        if router is not None:
+            now = time.monotonic()
+            engine = router.choose(state.registry.pending_by_engine(router.count), now)
+            if engine is None:
+                reason, message = router.refusal(now) or (
+                    "capacity",
+                    "every engine replica is full",
+                )
+                raise _refused(
+                    request,
+                    state,
+                    503,
+                    reason,
+                    message,
+                    **{"Retry-After": _retry_after(state, reason)},
+                )
+            router.take(engine)
+            placement.engine = engine
+            held.callback(_release_replica, router, placement)  # where it ended up
+        refused = await state.quota.admit(key_name, placement.key)
+        if refused is not None:
+            state.metrics.sessions_rejected.labels("quota_exceeded").inc()
+            _log_refused(address, 429, f"quota_exceeded ({refused.kind.value})")
+            response = _quota_refused(refused)
+            raise Refused(response, "quota_exceeded", f"{refused.kind.value} quota is used up")
+        held.push_async_callback(_release_quota, state, placement.key)
+        if state.tracing is not None:
+            tracer = state.tracing.session(
+                placement.key, request.headers, model=request.query.get("model")
+            )
+            placement.tracer = tracer
+            held.callback(tracer.refused, "handshake_failed")  # no-op once its span ended
+        yield placement
+
+
+def _release_replica(router: EngineAdmission, placement: Placement) -> None:
+    if placement.engine is not None:
+        router.release(placement.engine)
+
+
+async def _release_quota(state: ProxyState, key: str) -> None:
+    with contextlib.suppress(Exception):
+        await state.quota.release(key)
+
+
+async def open_session(
     request: web.Request, state: ProxyState, key_name: str, key_id: str = ""
 ) -> web.StreamResponse:
-    """Place an admitted handshake on a replica (when there is a pool) and run its session.
-
-    The caller holds the session slot (proxy/edge/session_slots.py); the
-    replica's slot is held here, from placement to the session's end.
-    """
-    router = state.router
-    if router is None:
-        return await _run_placed(request, state, None, key_name, key_id)
-    now = time.monotonic()
-    engine = router.choose(state.registry.pending_by_engine(router.count), now)
-    if engine is None:
-        reason, message = router.refusal(now) or ("capacity", "every engine replica is full")
-        state.metrics.sessions_rejected.labels(reason).inc()
-        _log_refused(client_address(request), 503, reason)
-        return _json_error(503, reason, message, **{"Retry-After": _retry_after(state, reason)})
-    # The slot is held from here, across the upstream connect, until the session ends.
-    router.take(engine)
-    try:
-        return await _run_placed(request, state, engine, key_name, key_id)
-    finally:
-        router.release(engine)
-
-
-async def _run_placed(
-    request: web.Request, state: ProxyState, engine: int | None, key_name: str, key_id: str
-) -> web.StreamResponse:
-    """Trace (when on) and run one placed session; its span ends on every path."""
-    key = uuid.uuid4().hex[:12]
-    refused = await state.quota.admit(key_name, key)
-    if refused is not None:
-        state.metrics.sessions_rejected.labels("quota_exceeded").inc()
-        _log_refused(client_address(request), 429, f"quota_exceeded ({refused.kind.value})")
-        return _quota_refused(refused)
-    try:
-        tracing = state.tracing
-        if tracing is None:
-            return await _open_session(request, state, engine, key, (key_name, key_id), None)
-        tracer = tracing.session(key, request.headers, model=request.query.get("model"))
-        try:
-            return await _open_session(request, state, engine, key, (key_name, key_id), tracer)
-        finally:
-            tracer.refused("handshake_failed")  # no-op when the session span already ended
-    finally:
-        with contextlib.suppress(Exception):
-            await state.quota.release(key)
-
-
-async def _open_session(
-    request: web.Request,
-    state: ProxyState,
-    engine: int | None,
-    key: str,
-    identity: tuple[str, str],
-    tracer: SessionTracer | None,
-) -> web.StreamResponse:
-    key_name, key_id = identity
+    """Open and run one session; returns once it is over (or was refused)."""
     settings = state.settings
-    metrics = state.metrics
+    resume_on = state.session_settings.client_resume_grace > 0
+    first_message_opens = resume_on and opens_with_first_message(dict(request.query))
+    if first_message_opens and state.registry.begin_resume_wait(key_id):
+        # This key holds a session for a resume: this may be it (docs/design.md, Resume).
+        try:
+            return await _open_resume_first(request, state, key_name, key_id)
+        finally:
+            state.registry.end_resume_wait(key_id)
+    try:
+        async with admitted(request, state, key_name) as placement:
+            upstream = await _connect(request, state, placement)
+            if not first_message_opens:
+                await _check_engine_full(request, state, placement, upstream)
+            client, protocol = await _upgrade(request, state, upstream)
+            opening: aiohttp.WSMessage | None = None
+            passed = False
+            if first_message_opens:
+                opening = await first_message(client, settings.handshake_timeout)
+                resume = parse_resume(opening)
+                if resume is not None:
+                    side_for = _side_factory(request, state, client, protocol)
+                    if await resume_held(
+                        state.registry, state.metrics, client, side_for, resume, key_id
+                    ):
+                        await _close_link(upstream, settings.close_timeout)
+                        return client
+                    upstream = await _pass_resume(request, state, placement, upstream, resume)
+                    opening, passed = None, True
+            side = _side_factory(request, state, client, protocol)(upstream)
+            side.reader.first = opening
+            await _run_relay(request, state, placement, side, upstream, (key_name, key_id), passed)
+            return client
+    except Refused as refused:
+        return refused.response
+
+
+async def _open_resume_first(
+    request: web.Request, state: ProxyState, key_name: str, key_id: str
+) -> web.StreamResponse:
+    """Upgrade, read the first message; a resume of a session held here takes none of
+    the resources a new session needs. Anything else is admitted now, refused in band."""
+    settings = state.settings
+    client, protocol = await _upgrade(request, state, None)
+    opening = await first_message(client, settings.handshake_timeout)
+    resume = parse_resume(opening)
+    side_for = _side_factory(request, state, client, protocol)
+    if resume is not None and await resume_held(
+        state.registry, state.metrics, client, side_for, resume, key_id
+    ):
+        return client
+    try:
+        async with admitted(request, state, key_name) as placement:
+            upstream = await _connect(request, state, placement)
+            passed = resume is not None
+            if resume is not None:
+                upstream = await _pass_resume(request, state, placement, upstream, resume)
+                opening = None
+            side = side_for(upstream)
+            side.reader.first = opening
+            await _run_relay(request, state, placement, side, upstream, (key_name, key_id), passed)
+    except Refused as refused:
+        await refuse_in_band(
+            client, refused.response.status, refused.reason, refused.message, settings.close_timeout
+        )
+    return client
+
+
+async def _connect(request: web.Request, state: ProxyState, placement: Placement) -> UpstreamLink:
+    """The engine WebSocket for this session (its replica's); raises ``Refused``."""
+    engine, tracer = placement.engine, placement.tracer
     target = state.target() if engine is None or state.router is None else _replica(state, engine)
     if target is None:
-        metrics.sessions_rejected.labels("not_ready").inc()
         if tracer is not None:
             tracer.refused("not_ready")
-        return _json_error(503, "not_ready", "engine is not ready", **{"Retry-After": "5"})
+        raise _refused(
+            request, state, 503, "not_ready", "engine is not ready", **{"Retry-After": "5"}
+        )
+    try:
+        upstream, placement.url = await _connect_to(request, state, target, tracer)
+        return upstream
+    except (UpstreamConnectError, TimeoutError) as exc:
+        state.metrics.sessions_rejected.labels("upstream_unavailable").inc()
+        if tracer is not None:
+            tracer.refused("upstream_unavailable")
+        message = f"cannot reach the engine: {exc}"
+        response = _json_error(502, "upstream_unavailable", message)
+        raise Refused(response, "upstream_unavailable", message) from None
+
+
+async def _connect_to(
+    request: web.Request, state: ProxyState, target: UpstreamTarget, tracer: SessionTracer | None
+) -> tuple[UpstreamLink, str]:
+    """A link to ``target`` for this request, and its URL."""
+    settings, metrics = state.settings, state.metrics
     url = _upstream_url(state, target, request)
     metrics.upstream_connects.inc()
     started = time.monotonic()
@@ -152,36 +308,43 @@ async def _open_session(
             )
     except (UpstreamConnectError, TimeoutError) as exc:
         metrics.upstream_connect_failures.inc()
-        metrics.sessions_rejected.labels("upstream_unavailable").inc()
         log.warning("upstream connect to %s failed: %s", url, exc or type(exc).__name__)
-        if tracer is not None:
-            tracer.refused("upstream_unavailable")
-        return _json_error(502, "upstream_unavailable", f"cannot reach the engine: {exc}")
+        raise
     metrics.upstream_connect.observe(time.monotonic() - started)
-    upstream_query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
-    if settings.engine_open_wait > 0 and opens_at_connect(upstream_query):
-        # The engine opens the session now: a full one says so as its first frame.
-        left = settings.handshake_timeout - (time.monotonic() - started)
-        first = await upstream.first_text(max(0.0, min(settings.engine_open_wait, left)))
-        if first is not None and is_engine_full(classify_upstream(first)):
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(settings.close_timeout):
-                    await upstream.close()
-            metrics.engine_full.labels("handshake").inc()
-            metrics.sessions_rejected.labels("engine_capacity").inc()
-            state.engine_full(engine)
-            _log_refused(client_address(request), 503, "engine_capacity")
-            if tracer is not None:
-                tracer.refused("engine_capacity")
-            return _json_error(
-                503,
-                "engine_capacity",
-                "the engine has no room for another session",
-                **{"Retry-After": _retry_after(state, "engine_capacity")},
-            )
-    duplex = session_is_duplex(urlsplit(url).path, upstream_query)
-    capabilities = state.registry.capabilities.current.for_session(duplex=duplex)
+    return upstream, url
 
+
+async def _check_engine_full(
+    request: web.Request, state: ProxyState, placement: Placement, upstream: UpstreamLink
+) -> None:
+    """An engine that opens the session at connect says it is full as its first frame."""
+    settings = state.settings
+    query = dict(parse_qsl(urlsplit(placement.url).query, keep_blank_values=True))
+    if settings.engine_open_wait <= 0 or not opens_at_connect(query):
+        return
+    first = await upstream.first_text(settings.engine_open_wait)
+    if first is None or not is_engine_full(classify_upstream(first)):
+        return
+    await _close_link(upstream, settings.close_timeout)
+    state.metrics.engine_full.labels("handshake").inc()
+    state.engine_full(placement.engine)
+    if placement.tracer is not None:
+        placement.tracer.refused("engine_capacity")
+    raise _refused(
+        request,
+        state,
+        503,
+        "engine_capacity",
+        "the engine has no room for another session",
+        **{"Retry-After": _retry_after(state, "engine_capacity")},
+    )
+
+
+async def _upgrade(
+    request: web.Request, state: ProxyState, upstream: UpstreamLink | None
+) -> tuple[web.WebSocketResponse, Any]:
+    """Complete the client's WebSocket upgrade; returns it and its protocol."""
+    settings = state.settings
     client = web.WebSocketResponse(
         protocols=_CLIENT_SUBPROTOCOLS,
         max_msg_size=settings.max_client_message_bytes,
@@ -192,37 +355,98 @@ async def _open_session(
         async with asyncio.timeout(settings.handshake_timeout):
             await client.prepare(request)
     except BaseException:
-        await upstream.close()
+        if upstream is not None:
+            await upstream.close()
         raise
-    protocol = _tune_client_socket(request, settings.client_write_buffer_bytes)
-    address = client_address(request)
-    side = ClientSide(
-        client,
-        protocol,
-        upstream,
-        functools.partial(compat.push_text, client),
-        write_buffer_bytes=settings.client_write_buffer_bytes,
-        address=address,
-    )
-    # From here on every frame to this client, aiohttp's own close frames
-    # included, goes through the connection's frame writer.
-    compat.install_client_writer(client, AiohttpWriterAdapter(side.writer))
-    resumable = state.session_settings.client_resume_grace > 0
-    if resumable and opens_with_first_message(dict(request.query)):
-        # The engine sends nothing before the client's first message, which may
-        # be a session.resume (docs/design.md, Resume).
-        opening = await first_message(client, settings.handshake_timeout)
-        side.reader.first = opening
-        resume = parse_resume(opening)
-        if resume is not None:
-            if await resume_held(state.registry, metrics, side, resume, key_id):
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(settings.close_timeout):
-                        await upstream.close()
-                return client
-            metrics.resumes.labels("passed_upstream").inc()
+    return client, _tune_client_socket(request, settings.client_write_buffer_bytes)
+
+
+def _side_factory(
+    request: web.Request, state: ProxyState, client: web.WebSocketResponse, protocol: Any
+) -> Callable[[UpstreamLink], ClientSide]:
+    """How this connection becomes a session's client side, once its engine link is known."""
+
+    def side_for(upstream: UpstreamLink) -> ClientSide:
+        side = ClientSide(
+            client,
+            protocol,
+            upstream,
+            functools.partial(compat.push_text, client),
+            write_buffer_bytes=state.settings.client_write_buffer_bytes,
+            address=client_address(request),
+        )
+        # From here on every frame to this client, aiohttp's own close frames
+        # included, goes through the connection's frame writer.
+        compat.install_client_writer(client, AiohttpWriterAdapter(side.writer))
+        return side
+
+    return side_for
+
+
+async def _pass_resume(
+    request: web.Request,
+    state: ProxyState,
+    placement: Placement,
+    upstream: UpstreamLink,
+    resume: ResumeRequest,
+) -> UpstreamLink:
+    """A resume of a session not held here goes to the engine replica that holds it.
+
+    Sent on the placed replica's link first; where that replica does not know the
+    session and there is a pool, each other serving replica is asked in turn and
+    the session moves to the one that answers. Its answer stays first on the link.
+    """
+    settings, router = state.settings, state.router
+    state.metrics.resumes.labels("passed_upstream").inc()
+    text = resume.engine_text()
+    upstream.send_nowait(text)
+    answer = await upstream.first_text(settings.handshake_timeout)
+    if router is None or router.count < 2 or not resume_unknown(answer):
+        return upstream
+    for engine in range(router.count):
+        target = _replica(state, engine) if router.serving(engine) else None
+        if engine == placement.engine or target is None:
+            continue
+        try:
+            link, url = await _connect_to(request, state, target, placement.tracer)
+        except (UpstreamConnectError, TimeoutError):
+            continue
+        link.send_nowait(text)
+        if resume_unknown(await link.first_text(settings.handshake_timeout)):
+            await _close_link(link, settings.close_timeout)
+            continue
+        await _close_link(upstream, settings.close_timeout)
+        placement.move(engine, url)
+        log.info("session.resume of %s found on engine %d", resume.session_id, engine)
+        return link
+    return upstream
+
+
+async def _close_link(upstream: UpstreamLink, timeout: float) -> None:
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout):
+            await upstream.close()
+
+
+async def _run_relay(
+    request: web.Request,
+    state: ProxyState,
+    placement: Placement,
+    side: ClientSide,
+    upstream: UpstreamLink,
+    identity: tuple[str, str],
+    resume_passed: bool,
+) -> None:
+    key_name, key_id = identity
+    key, settings = placement.key, state.settings
+    duplex = session_is_duplex(request.path, dict(request.query))
+    capabilities = state.registry.capabilities.current.for_session(duplex=duplex)
     observer = state.registry.observer(
-        key, client_address=address, engine=engine, key_name=key_name, tracer=tracer
+        key,
+        client_address=side.address,
+        engine=placement.engine,
+        key_name=key_name,
+        tracer=placement.tracer,
     )
     relay = Relay(
         session_key=key,
@@ -232,19 +456,19 @@ async def _open_session(
         capabilities=capabilities,
         observer=observer,
         limits=RelayLimits.from_settings(settings),
+        resuming=resume_passed,
     )
     state.quota.attach(key, relay.view, relay.end_for_quota)
-    metrics.sessions_started.inc()
+    state.metrics.sessions_started.inc()
     state.registry.add(relay, key_id=key_id)
     if state.registry.closing_all:
         relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
-    relay.log.info("session open: %s -> %s", address, url)
+    relay.log.info("session open: %s -> %s", side.address, placement.url)
     try:
         await relay.run()
     finally:
         state.registry.remove(relay)
         _log_session_end(relay, observer, state.usage)
-    return client
 
 
 def _replica(state: ProxyState, engine: int) -> UpstreamTarget | None:

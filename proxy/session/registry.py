@@ -25,6 +25,7 @@ from proxy.core.usage import UNNAMED_KEY
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
 from proxy.session.observer import SessionObserver, SessionTracer
+from proxy.session.upstream_link import UpstreamLink
 
 __all__ = ["RECENT_CLOSED_SESSIONS", "CapabilityBook", "SessionRegistry"]
 
@@ -38,6 +39,7 @@ class Relay(Protocol):
     key: str
     view: SessionView
     started_at: float
+    upstream: UpstreamLink
     log: logging.LoggerAdapter[logging.Logger]
 
     def shed(self) -> None: ...
@@ -124,6 +126,8 @@ class SessionRegistry:
         #: Responses cancelled, all sessions, since start (the console's total).
         self.total_cancels = 0
         self._empty: asyncio.Event | None = None
+        #: Connections per API key reading their first message for a resume.
+        self._resume_waits: dict[str, int] = {}
         #: Set at shutdown: a session admitted after it is told to close at once.
         self.closing_all = False
         # Read at scrape time: no gauge update on the per-event path.
@@ -199,6 +203,26 @@ class SessionRegistry:
     def detached(self) -> int:
         """Sessions held for a resume now."""
         return sum(1 for relay in self.relays.values() if relay.view.detached_at is not None)
+
+    def begin_resume_wait(self, key_id: str) -> bool:
+        """A connection of ``key_id`` may read its first message before taking any slot:
+        at most one waits per session that key has held for a resume (False: none may)."""
+        held = sum(
+            1
+            for key, relay in self.relays.items()
+            if relay.view.detached_at is not None
+            and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
+        )
+        waiting = self._resume_waits.get(key_id, 0)
+        if waiting >= held:
+            return False
+        self._resume_waits[key_id] = waiting + 1
+        return True
+
+    def end_resume_wait(self, key_id: str) -> None:
+        left = self._resume_waits.pop(key_id, 1) - 1
+        if left > 0:
+            self._resume_waits[key_id] = left
 
     def relays_on(self, engine: int) -> list[Relay]:
         """Live sessions placed on one engine replica (its failure ends only these)."""

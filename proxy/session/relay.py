@@ -44,7 +44,8 @@ class Relay:
 
     Args:
         side: the client connection; ``upstream``: the engine link.
-        settings, capabilities: the session's policy (the relay builds its core).
+        settings, capabilities, resuming: the session's policy (the relay builds its
+            core; ``resuming``: the client's ``session.resume`` went upstream already).
         observer: metrics, registry and tracing (it reads ``view``).
         limits: the shell's bounds and deadlines; ``scheduler`` and
             ``call_soon``: the running loop's unless given (tests).
@@ -62,13 +63,17 @@ class Relay:
         capabilities: EngineCapabilities | None = None,
         scheduler: Scheduler | None = None,
         call_soon: Callable[[Callable[[], None]], object] | None = None,
+        resuming: bool = False,
     ) -> None:
         self.key = session_key
         #: The client connection now (another after a resume).
         self.side = side
         self.upstream = upstream
         self.core = SessionCore(
-            settings, new_event_id=lambda: "event_" + uuid.uuid4().hex, capabilities=capabilities
+            settings,
+            new_event_id=lambda: "event_" + uuid.uuid4().hex,
+            capabilities=capabilities,
+            resuming=resuming,
         )
         #: What reporters may read of the session.
         self.view: SessionView = self.core
@@ -80,14 +85,13 @@ class Relay:
         self.timers = SessionTimers(self._scheduler, self, limits)
         self.started_at = self.timers.started_at
         self._wake, self._attached = asyncio.Event(), asyncio.Event()
-        #: Flags: an upstream ping is due, a flush waits for the end of the tick,
-        #: the last drain took events, the client dropped and the session is held.
+        #: Flags: an upstream ping is due, a flush waits for the end of the tick, the last
+        #: drain took events, the client dropped and the session is held, shutdown began
+        #: (a client that drops now is not held), the engine link's run is over.
         self._ping_upstream = self._flush_soon = self._took = self.detached = False
-        #: Shutdown began (a client that drops now is not held).
-        self._shutting_down = False
+        self._shutting_down = self._upstream_ended = False
         #: The core deadline the timer is armed for (None: not armed).
         self._deadline: float | None = None
-        self._upstream_ended = False
         self._upstream = UpstreamSide(upstream)
         self.log = logging.LoggerAdapter(log, {"session": session_key})
         observer.watch(self.view)
@@ -212,7 +216,8 @@ class Relay:
                 self.side.reader.over_rate()
         else:
             kind = event.kind
-            observer.client_event(event.size, forwarded=decision.forward, audio=kind is _APPEND)
+            audio = kind is ClientKind.AUDIO_APPEND
+            observer.client_event(event.size, forwarded=decision.forward, audio=audio)
             if kind is ClientKind.SESSION_CLOSE and decision.forward:
                 timers.arm_upstream_close(self._limits.upstream_close_timeout)
             if (event.cancels or kind is ClientKind.RESPONSE_CREATE) and observer.tracer:
@@ -309,17 +314,14 @@ class Relay:
         self._upstream_ended = True
         if not self._upstream.session_closed.is_set():
             if clean is not None:
-                self.log.info(
-                    "upstream closed (%s) without session.closed", self.upstream.close_code
-                )
+                self.log.info("upstream closed (%s), no session.closed", self.upstream.close_code)
             self.core.upstream_lost(self._clock(), clean=bool(clean))
         self._after(self._clock())
 
     # -- after every core call: do what its drain says ------------------------------------------
 
     def _after(self, now: float, *, deferred: bool = False) -> Sequence[str]:
-        """Write the core's events (none when ``deferred`` to the end of the tick),
-        arm its deadline, report; return the frames for upstream."""
+        """Do what the core's drain says (``deferred``: write at the tick's end)."""
         core = self.core
         writer = self.side.writer
         room = 0 if deferred or self.detached else writer.room()
@@ -394,6 +396,3 @@ class Relay:
         if self._ping_upstream:
             self._ping_upstream = False
             await self.upstream.ping()
-
-
-_APPEND = ClientKind.AUDIO_APPEND
