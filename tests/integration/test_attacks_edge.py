@@ -677,22 +677,25 @@ async def test_past_the_byte_cap_reading_stops_until_lingering_time(tmp_path: Pa
 
 
 async def test_a_client_that_keeps_sending_is_closed_at_lingering_time(tmp_path: Path) -> None:
-    limit = 1.0
+    """Every byte heard restarts the quiet clock: a client that sends more often than
+    ``lingering_timeout`` is read until ``lingering_time``, never closed as quiet."""
+    limit, quiet = 1.5, 0.3
     with served(
         tmp_path,
         "--max-request-head-bytes", "1024",
-        "--lingering-time", str(limit), "--lingering-timeout", "60",
+        "--lingering-time", str(limit), "--lingering-timeout", str(quiet),
     ) as server:  # fmt: skip
         await ready(server)
         sock, answer = await answered(server.port)
         answered_at = time.monotonic()
         assert status_of(answer) == 431
-        with sock:  # 1 KB every 20 ms: never quiet, far under the byte cap
+        with sock:  # 1 KB every 20 ms: never quiet for 300 ms, far under the byte cap
             sent = await send_until_closed(sock, b"z" * 1024, 20 * MS)
         elapsed = time.monotonic() - answered_at
         print(f"\nlingering_time {limit:g} s: closed after {elapsed:.2f} s, {sent} B sent")
-        assert 0.8 * limit <= elapsed < limit + 2.0
+        assert 0.8 * limit <= elapsed < limit + 2.0, elapsed
         assert await server.gauge(lingered("time_limit")) == 1
+        assert await server.gauge(lingered("quiet")) == 0
 
 
 async def test_a_quiet_client_is_closed_after_lingering_timeout(tmp_path: Path) -> None:
