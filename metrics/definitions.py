@@ -557,6 +557,13 @@ class SidecarMetrics:
             "Redis quota calls that failed or timed out (each one decided locally instead).",
             registry=registry,
         )
+        self.quota_backend_reseeds = Counter(
+            f"{p}_quota_backend_reseeds",
+            "Times this process found Redis without the quota counts it had charged there "
+            "(restarted without persistence, or flushed) and reseeded each named key's day "
+            "and minute counts from its own.",
+            registry=registry,
+        )
         self.usage_keys: set[str] = set()
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
         # core: "mypyc" (make native) or "python"; both values are ours.

@@ -118,6 +118,7 @@ class ProxyState:
             self.metrics,
             redis_url=self.settings.quota_redis_url,
             timeout=self.settings.quota_redis_timeout,
+            max_connections=self.settings.quota_redis_max_connections,
             slot_ttl=self.settings.quota_slot_ttl,
         )
         self.quota.quotas = quotas

@@ -117,6 +117,7 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_quota_sessions_ended": ("counter", {"key": (d.UNNAMED_KEY,)}),
     "omni_sidecar_quota_backend_down": ("gauge", {}),
     "omni_sidecar_quota_backend_errors": ("counter", {}),
+    "omni_sidecar_quota_backend_reseeds": ("counter", {}),
 }
 
 #: The original design's metrics, verbatim (exposition names, with their labels).
