@@ -21,6 +21,7 @@ from metrics.folded import FoldedHistogram
 __all__ = [
     "ACK_ERROR_CODES",
     "CAPABILITY_SOURCES",
+    "CLIENT_PROTOCOL_VIOLATIONS",
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
     "DIRECTIONS",
@@ -109,6 +110,10 @@ CONNECTION_REJECT_REASONS: Final = (
     "bad_proxy_header",
     "bad_request_head",
 )
+#: Upgraded client connections failed with close 1002 for a WebSocket protocol
+#: violation the sidecar itself checks (proxy.compat.install_mask_check): a frame
+#: without the mask bit (RFC 6455 §5.1).
+CLIENT_PROTOCOL_VIOLATIONS: Final = ("unmasked_frame",)
 #: How a lingering close after an error answer ended (proxy/edge/guard.py): the
 #: client closed its side, nothing arrived for lingering_timeout, lingering_time
 #: passed after max_lingering_bytes were discarded (reading stopped), no room under
@@ -317,6 +322,13 @@ class SidecarMetrics:
             f"{p}_lingering_closes",
             "Lingering closes after an error answer before the upgrade, by how they ended.",
             ["outcome"],
+            registry=registry,
+        )
+        self.client_protocol_violations = Counter(
+            f"{p}_client_protocol_violations",
+            "Upgraded client connections failed with close 1002 for a WebSocket protocol "
+            "violation, by reason (unmasked_frame: a client frame without the mask bit).",
+            ["reason"],
             registry=registry,
         )
         self.events = Counter(
@@ -579,6 +591,8 @@ class SidecarMetrics:
             self.rejected_connections.labels(reason)
         for outcome in LINGER_OUTCOMES:
             self.lingering_closes.labels(outcome)
+        for reason in CLIENT_PROTOCOL_VIOLATIONS:
+            self.client_protocol_violations.labels(reason)
         for direction in DIRECTIONS:
             self.bytes.labels(direction)
             for kind in EVENT_KINDS:

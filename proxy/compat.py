@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp import base_protocol, client_proto, client_ws, http_websocket, web, web_runner, web_ws
 from aiohttp import web_protocol as _web_protocol
 from aiohttp import web_server as _web_server
+from aiohttp.http_websocket import WebSocketError, WSCloseCode
 
 try:  # a missing module is a missing hook (see HOOKS), not an import error
     from aiohttp._websocket import helpers as _websocket_helpers
@@ -36,7 +37,9 @@ except ImportError:  # pragma: no cover - aiohttp < 3.11
 __all__ = [
     "AIOHTTP_VERSION",
     "HOOKS",
+    "UNMASKED_FRAME",
     "AiohttpHookMissing",
+    "FrameHeaders",
     "Hook",
     "HookedAppRunner",
     "HookedRequestHandler",
@@ -47,6 +50,7 @@ __all__ = [
     "handler_kwargs",
     "head_refused",
     "install_client_writer",
+    "install_mask_check",
     "install_text_push",
     "missing_hooks",
     "on_writing_resumed",
@@ -153,6 +157,130 @@ def install_text_push() -> bool:
 
     web_ws.WebSocketDataQueue = TextPushQueue  # type: ignore[attr-defined]
     _text_push_queue = TextPushQueue
+    return True
+
+
+class FrameHeaders:
+    """Walks the RFC 6455 frame headers of a byte stream, skipping the payloads.
+
+    Only the headers are read (two bytes, the extended length, the mask key);
+    payload bytes are counted, never looked at. :meth:`unmasked_at` says where
+    the first frame without the mask bit starts.
+    """
+
+    __slots__ = ("_partial", "_skip")
+
+    def __init__(self) -> None:
+        #: The start of a header split across reads (at most 13 bytes).
+        self._partial = b""
+        #: Payload bytes of the current frame still to come.
+        self._skip = 0
+
+    def unmasked_at(self, data: bytes) -> int:
+        """Offset in ``data`` of the first unmasked frame's header; -1 when every header
+        seen so far has the mask bit (a header begun in an earlier read counts as 0)."""
+        pos, end = 0, len(data)
+        while True:
+            skip = self._skip
+            if skip:
+                if skip >= end - pos:
+                    self._skip = skip - (end - pos)
+                    return -1
+                pos += skip
+                self._skip = 0
+            if pos >= end:
+                return -1
+            start = pos - len(self._partial)
+            head = self._partial + data[pos : pos + 14 - len(self._partial)]
+            if len(head) < 2:
+                self._partial = head
+                return -1
+            second = head[1]
+            if not second & 0x80:
+                return max(0, start)
+            length = second & 0x7F
+            size = 2 + (2 if length == 126 else 8 if length == 127 else 0) + 4
+            if len(head) < size:
+                self._partial = head
+                return -1
+            if length == 126:
+                length = int.from_bytes(head[2:4], "big")
+            elif length == 127:
+                length = int.from_bytes(head[2:10], "big")
+            pos += size - len(self._partial)
+            self._partial = b""
+            self._skip = length
+
+
+#: aiohttp's server-side frame parser with the mask check (install_mask_check).
+_mask_checking_reader: type[Any] | None = None
+
+#: Why a client's connection was failed by a check here (the ``reason`` label values).
+UNMASKED_FRAME: Final = "unmasked_frame"
+
+
+def install_mask_check() -> bool:
+    """Fail client connections that send an unmasked frame (RFC 6455 §5.1).
+
+    A client must mask every frame it sends and a server must close the
+    connection when one is not; aiohttp's parser unmasks a frame whose mask bit
+    is set and takes it as it is otherwise. ``WebSocketResponse`` builds its
+    parser from the name ``aiohttp.web_ws.WebSocketReader`` when it is
+    prepared (server side only: the engine link's parser is not this one);
+    that name is pointed at a subclass whose ``feed_data`` first walks the
+    frame headers of the bytes it gets (:class:`FrameHeaders`). At a header
+    without the mask bit it gives aiohttp's parser only the bytes before it,
+    then fails the reader queue with ``WebSocketError(1002)``, aiohttp's own
+    path for a protocol error (``receive()`` closes with 1002 through the
+    session's frame writer and returns ERROR), and ends the connection's
+    reading. The connection's protocol (the queue's ``_protocol``) is told
+    once, through its ``on_protocol_violation(reason)`` when it has one.
+    Idempotent.
+
+    Returns:
+        False when this aiohttp has no such name; ``serve`` never gets there:
+        the hook is in :data:`HOOKS`.
+    """
+    global _mask_checking_reader
+    if _mask_checking_reader is not None:
+        return True
+    base: Any = getattr(web_ws, "WebSocketReader", None)
+    if base is None:  # pragma: no cover - every supported aiohttp has it
+        return False
+
+    class MaskCheckingReader(base):  # type: ignore[misc]
+        """aiohttp's frame parser, refusing unmasked frames first."""
+
+        def __init__(self, queue: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(queue, *args, **kwargs)
+            # The compiled parser keeps its queue private: kept here as well.
+            self.client_queue = queue
+            self._headers = FrameHeaders()
+            self._refused = False
+
+        def feed_data(self, data: Any) -> tuple[bool, bytes]:
+            if self._refused:
+                return True, b""
+            headers = self._headers
+            chunk = data if type(data) is bytes else bytes(data)
+            at = headers.unmasked_at(chunk)
+            if at < 0:
+                result: tuple[bool, bytes] = super().feed_data(chunk)
+                return result
+            if at:
+                eof, _tail = super().feed_data(chunk[:at])
+                if eof:
+                    return True, b""
+            self._refused = True
+            queue = self.client_queue
+            queue.set_exception(WebSocketError(WSCloseCode.PROTOCOL_ERROR, "unmasked client frame"))
+            report = getattr(queue._protocol, "on_protocol_violation", None)
+            if report is not None:
+                report(UNMASKED_FRAME)
+            return True, b""
+
+    web_ws.WebSocketReader = MaskCheckingReader  # type: ignore[attr-defined]
+    _mask_checking_reader = MaskCheckingReader
     return True
 
 
@@ -394,6 +522,48 @@ def _text_push_reaches_the_parser() -> bool:
         loop.close()
 
 
+def _mask_check_reaches_the_parser() -> bool:
+    """The mask check works: ``WebSocketResponse`` builds its parser from the module
+    name, the subclass's ``feed_data`` is what the parser is fed through, a masked
+    frame still parses and an unmasked one fails the queue and reaches the queue's
+    ``_protocol`` (checked by feeding both)."""
+    if not _assigns(web_ws.WebSocketResponse._post_start, "WebSocketReader", "_reader"):
+        return False
+    if not install_mask_check():
+        return False
+    from aiohttp._websocket import reader
+
+    violations: list[str] = []
+
+    class _Protocol:
+        def pause_reading(self) -> None: ...
+
+        def resume_reading(self) -> None: ...
+
+        def on_protocol_violation(self, reason: str) -> None:
+            violations.append(reason)
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: Any = reader.WebSocketDataQueue(_Protocol(), 1 << 16, loop=loop)  # type: ignore[arg-type]
+        reader_class: Any = web_ws.WebSocketReader  # type: ignore[attr-defined]
+        try:
+            parser: Any = reader_class(queue, 1 << 16, compress=False, decode_text=True)
+        except TypeError:  # aiohttp < 3.13 has no decode_text
+            parser = reader_class(queue, 1 << 16, compress=False)
+        masked = parser.feed_data(b"\x81\x82\x00\x00\x00\x00hi")  # zero mask key: "hi"
+        refused = parser.feed_data(b"\x81\x02hi")  # unmasked
+        return (
+            masked == (False, b"")
+            and len(queue._buffer) == 1
+            and refused[0] is True
+            and violations == [UNMASKED_FRAME]
+            and queue.exception() is not None
+        )
+    finally:
+        loop.close()
+
+
 def _has_kwarg(function: Any, name: str) -> bool:
     code = getattr(function, "__code__", None)
     return (
@@ -442,6 +612,11 @@ HOOKS: Final[tuple[Hook, ...]] = (
     Hook(
         "web_ws.WebSocketDataQueue built by _post_start, its feed_data called by the parser",
         lambda: _text_push_reaches_the_parser(),
+    ),
+    Hook(
+        "web_ws.WebSocketReader built by _post_start, its feed_data called by the handler, "
+        "WebSocketDataQueue._protocol/set_exception",
+        lambda: _mask_check_reaches_the_parser(),
     ),
     Hook(
         "ClientWebSocketResponse._writer/_reader",

@@ -170,6 +170,8 @@ def build_client_app(state: ProxyState) -> web.Application:
     """The client-facing application."""
     # Client text frames can then be handed to their relay as they are parsed.
     compat.install_text_push()
+    # An unmasked client frame fails its connection with 1002 (RFC 6455 §5.1).
+    compat.install_mask_check()
     app = web.Application(client_max_size=state.settings.max_client_message_bytes)
     app[STATE] = state
     app.router.add_get("/healthz", _healthz)

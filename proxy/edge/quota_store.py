@@ -460,9 +460,7 @@ class QuotaGate:
         is taken as this process's.
         """
         try:
-            epoch = str(
-                await self._call(backend.epoch(keys=[_EPOCH_KEY], args=[uuid.uuid4().hex]))
-            )
+            epoch = str(await self._call(backend.epoch(keys=[_EPOCH_KEY], args=[uuid.uuid4().hex])))
         except _BackendDown:
             return False
         if epoch == self._epoch:

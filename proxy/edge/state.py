@@ -136,6 +136,7 @@ class ProxyState:
             EdgeLimits.from_settings(self.settings),
             self.reject_connection,
             lambda outcome: self.metrics.lingering_closes.labels(outcome).inc(),
+            self.protocol_violation,
         )
         self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
         self.metrics.lingering_connections.set_function(lambda: self.edge.lingering)
@@ -160,6 +161,13 @@ class ProxyState:
         if self.router is not None:
             wait = self.router.retry_after(time.monotonic()) or wait
         return str(max(1, math.ceil(wait)))
+
+    def protocol_violation(self, reason: str, address: str) -> None:
+        """Count and log one client connection failed (1002) for a WebSocket protocol violation."""
+        self.metrics.client_protocol_violations.labels(reason).inc()
+        log.warning(
+            "client %s violated the WebSocket protocol (%s): closed 1002", address or "?", reason
+        )
 
     def reject_connection(self, reason: str, status: int, address: str) -> None:
         """Count and log one connection or request refused at the edge (docs/security.md)."""
