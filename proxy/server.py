@@ -503,5 +503,5 @@ async def serve(
         return await sidecar.run()
     finally:
         if sidecar.tracing is not None:
-            # Export what is queued; bounded by OTEL_EXPORTER_OTLP_TIMEOUT.
+            # Export what is queued, for at most EXPORT_AT_EXIT_SECONDS (session/tracing.py).
             sidecar.tracing.shutdown()

@@ -27,10 +27,17 @@ spans (2048 by default) and drops new ones when full; per session at most
 :data:`MAX_OPEN_RESPONSE_SPANS` response spans are open (the oldest is ended
 when one more starts) and :data:`MAX_PENDING_CREATES` ``response.create``
 times wait for their ``response.created`` (the oldest is forgotten).
+
+At exit (:meth:`OtlpTracing.shutdown`) the export of what is still queued
+gets at most :data:`EXPORT_AT_EXIT_SECONDS`: the SDK's own shutdown would retry
+an unreachable collector for ``OTEL_EXPORTER_OTLP_TIMEOUT`` (10 s) per batch,
+which after a 30 s drain outlasts a pod's default 30 s grace period.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -48,6 +55,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from proxy.core.events import ClientEvent, ClientKind, EventKind, UpstreamEvent
 
 __all__ = [
+    "EXPORT_AT_EXIT_SECONDS",
     "GEN_AI_OPERATION",
     "MAX_OPEN_RESPONSE_SPANS",
     "MAX_PENDING_CREATES",
@@ -55,6 +63,12 @@ __all__ = [
     "SessionTrace",
 ]
 
+log = logging.getLogger("omni_sidecar.tracing")
+
+#: Seconds the export of queued spans may take at exit; what is not exported by
+#: then is dropped (one WARNING), so SIGTERM exits within drain_timeout plus a few
+#: seconds even when the collector does not answer.
+EXPORT_AT_EXIT_SECONDS: Final = 3.0
 #: ``gen_ai.operation.name``: the semantic conventions' well-known value for
 #: multimodal generation (a realtime response is audio and text out).
 GEN_AI_OPERATION: Final = "generate_content"
@@ -102,9 +116,30 @@ class OtlpTracing:
         parent = self._propagator.extract(headers)
         return SessionTrace(self._tracer, self._propagator, parent, key, model)
 
-    def shutdown(self) -> None:
-        """Export what is queued (bounded by ``OTEL_EXPORTER_OTLP_TIMEOUT``) and stop."""
-        self._provider.shutdown()
+    def shutdown(self, timeout: float = EXPORT_AT_EXIT_SECONDS) -> None:
+        """Export what is queued, for at most ``timeout`` seconds, and stop.
+
+        The SDK's shutdown runs in a daemon thread of its own; when it is not done
+        in time (a collector that refuses or never answers) the process goes on
+        to exit without it, and the spans it still held are lost.
+        """
+        done = threading.Event()
+
+        def export_and_stop() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                done.set()
+
+        threading.Thread(
+            target=export_and_stop, name="omni-sidecar-trace-exit", daemon=True
+        ).start()
+        if not done.wait(timeout):
+            log.warning(
+                "tracing: the span export did not finish within %.0f s at exit (is the "
+                "collector reachable?); the spans not exported yet are dropped",
+                timeout,
+            )
 
 
 class SessionTrace:
