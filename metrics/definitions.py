@@ -99,7 +99,7 @@ REJECT_REASONS: Final = (
 )
 #: Connections or HTTP requests refused at the client listener's edge, before
 #: any session exists (docs/security.md): proxy/edge/guard.py, proxy/edge/handshake.py,
-#: proxy/edge/reverse_proxy.py.
+#: proxy/edge/reverse_proxy.py, proxy/edge/listener.py.
 CONNECTION_REJECT_REASONS: Final = (
     "head_too_large",
     "head_timeout",
@@ -109,6 +109,8 @@ CONNECTION_REJECT_REASONS: Final = (
     "untrusted_proxy_header",
     "bad_proxy_header",
     "bad_request_head",
+    # closed at accept: the process had no file descriptor for it (proxy/edge/listener.py).
+    "fd_limit",
 )
 #: Upgraded client connections failed with close 1002 for a WebSocket protocol
 #: violation the sidecar itself checks (proxy.compat.install_mask_check): a frame

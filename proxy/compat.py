@@ -368,7 +368,7 @@ def set_upstream_write_limit(upstream: client_ws.ClientWebSocketResponse, limit:
         transport.set_write_buffer_limits(high=limit)
 
 
-def bound_sockets(site: web.TCPSite) -> list[Any]:
+def bound_sockets(site: web.BaseSite) -> list[Any]:
     """The sockets a started site listens on (for port 0)."""
     server = site._server
     return list(getattr(server, "sockets", None) or [])

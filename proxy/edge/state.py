@@ -162,6 +162,10 @@ class ProxyState:
             wait = self.router.retry_after(time.monotonic()) or wait
         return str(max(1, math.ceil(wait)))
 
+    def refused_at_accept(self, reason: str, count: int) -> None:
+        """Count connections the listener closed at accept (it logs them, rate-limited)."""
+        self.metrics.rejected_connections.labels(reason).inc(count)
+
     def protocol_violation(self, reason: str, address: str) -> None:
         """Count and log one client connection failed (1002) for a WebSocket protocol violation."""
         self.metrics.client_protocol_violations.labels(reason).inc()

@@ -788,3 +788,49 @@ async def test_an_error_answer_with_the_cap_full_closes_at_once(tmp_path: Path) 
         assert status_of(answer) == 503
         assert await server.gauge(lingered("no_room")) == 1
         assert await server.gauge("omni_sidecar_lingering_connections") == 0
+
+
+async def test_running_out_of_file_descriptors_is_counted_and_logged_once(
+    tmp_path: Path,
+) -> None:
+    """The sidecar runs under ``RLIMIT_NOFILE`` 64 (``prlimit``, in front of its
+    command) and an attacker opens 120 connections. Those it has no descriptor
+    for are closed at once (EOF, not a hang in the backlog), each counted in
+    ``rejected_connections_total{reason="fd_limit"}``, with one log line for
+    the lot; once the attacker leaves, the listener accepts again."""
+    limit, opened = 64, 120
+    with (
+        module_simulator("--realtime-factor", "0") as sim,
+        serve(tmp_path, sim.ws_url, prefix=("prlimit", f"--nofile={limit}:{limit}", "--")) as server,
+    ):  # fmt: skip
+        await ready(server)
+        held = [await open_raw(server.port) for _ in range(opened)]
+
+        async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+            """200 from a connection the sidecar took, 0 from one it closed at once."""
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            try:
+                return status_of(await read_answer(reader))
+            finally:
+                writer.close()
+
+        statuses = await asyncio.gather(*(ask(reader, writer) for reader, writer in held))
+        refused = statuses.count(0)
+        assert statuses.count(200) + refused == opened, sorted(set(statuses))
+        assert refused >= opened - limit, refused
+        # Read once the attacker's connections are gone: the admin listener needs a
+        # descriptor too.
+        await wait_until(
+            lambda: _equals(server.rejected("fd_limit"), refused),
+            what=f"{refused} fd_limit refusals counted",
+        )
+        lines = [line for line in server.log().splitlines() if "accept() failed (EMFILE" in line]
+        print(f"\nRLIMIT_NOFILE {limit}: {refused} of {opened} connections closed at once, "
+              f"{len(lines)} log line(s)")  # fmt: skip
+        assert len(lines) == 1, lines
+        assert f"RLIMIT_NOFILE {limit}" in lines[0]
+        assert await healthz_on_a_new_connection(server.port) == 200
+        async with connect(server.ws) as client:
+            await client.send({"type": "session.update", "session": {}})
+            await client.recv_until("session.updated")
