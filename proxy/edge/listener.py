@@ -180,14 +180,13 @@ class Listener:
             self._reserve = _take_reserve()
         if refused:
             self._refused(FD_LIMIT, refused)
-        self._report(exc, refused)
-        if not refused:
-            self._pause(sock, exc, report=False)
+            self._report(exc, refused)
+        else:
+            self._pause(sock, exc)
 
-    def _pause(self, sock: socket.socket, exc: OSError, *, report: bool = True) -> None:
+    def _pause(self, sock: socket.socket, exc: OSError) -> None:
         """Accept nothing on ``sock`` for ACCEPT_RETRY_DELAY (the backlog holds them)."""
-        if report:
-            self._report(exc, 0)
+        self._report(exc, 0, paused=True)
         fd = sock.fileno()
         if fd in self._paused or self._closed:
             return
@@ -201,7 +200,7 @@ class Listener:
         if not self._closed:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
-    def _report(self, exc: OSError, refused: int) -> None:
+    def _report(self, exc: OSError, refused: int, *, paused: bool = False) -> None:
         """One WARNING at once, then at most one every FD_LIMIT_LOG_INTERVAL seconds."""
         self._unreported += refused
         now = self._loop.time()
@@ -209,11 +208,15 @@ class Listener:
             return
         soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         log.warning(
-            "client listener: accept() failed (%s; RLIMIT_NOFILE %d): %d connections closed "
-            "at once since the %s (omni_sidecar_rejected_connections_total{reason=\"%s\"}); "
-            "next line in %.0f s at the earliest",
-            errno.errorcode.get(exc.errno or 0, exc),
+            "client listener: accept() failed (%s; RLIMIT_NOFILE %d): %s; %d connections "
+            "closed at once for lack of descriptors since the %s "
+            '(omni_sidecar_rejected_connections_total{reason="%s"}); next line in %.0f s '
+            "at the earliest",
+            errno.errorcode.get(exc.errno or 0, str(exc)),
             soft,
+            f"accepting paused for {ACCEPT_RETRY_DELAY:g} s"
+            if paused
+            else "the waiting connections were closed at once",
             self._unreported,
             "start" if self._warned_at is None else "last such line",
             FD_LIMIT,
