@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,14 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= 30]
 
 
+def wait_for_lines(caplog: pytest.LogCaptureFixture, count: int) -> list[str]:
+    """The writer thread counts a record before it logs it: wait for the line itself."""
+    deadline = time.monotonic() + DEADLINE
+    while len(warnings(caplog)) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return warnings(caplog)
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
 def test_a_full_disk_logs_once_then_once_a_minute_with_the_count_lost(
     caplog: pytest.LogCaptureFixture,
@@ -63,7 +72,7 @@ def test_a_full_disk_logs_once_then_once_a_minute_with_the_count_lost(
     for n in range(50):
         assert writer.put({"n": n})
     lost.wait_for(50)
-    assert len(warnings(caplog)) == 1, warnings(caplog)
+    assert len(wait_for_lines(caplog, 1)) == 1, warnings(caplog)
     assert "cannot write a record" in warnings(caplog)[0]
     clock.now = FAILURE_LOG_INTERVAL / 2
     for n in range(10):
@@ -73,7 +82,7 @@ def test_a_full_disk_logs_once_then_once_a_minute_with_the_count_lost(
     clock.now = FAILURE_LOG_INTERVAL + 1
     writer.put({"n": 60})
     lost.wait_for(61)
-    lines = warnings(caplog)
+    lines = wait_for_lines(caplog, 2)
     assert len(lines) == 2, lines
     assert "60 records lost since the last warning, 61 in all" in lines[1]
     writer.put({"n": 61})
