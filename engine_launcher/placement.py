@@ -10,7 +10,8 @@ socket-free (tests/unit/test_pool_placement.py).
 Rules:
 
 - A replica admits when its supervisor serves (ready, or unhealthy but not yet
-  declared failed), it has a target URL, it is not draining, and it holds
+  declared failed; not degraded: its health fails while its sessions still run),
+  it has a target URL, it is not draining, and it holds
   fewer than ``max_per_engine`` sessions (0 = no per-replica limit).
 - Of the admitting replicas the one with the fewest sessions wins, ties by
   the lowest pending output bytes (the clients that read slowest), then the

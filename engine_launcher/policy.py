@@ -8,12 +8,23 @@ Rule 2: nothing here reads a clock or a random source: ``now`` and ``rng`` are
 arguments, so tests drive time explicitly.
 
     STARTING ──ready──▶ READY ──health_failed──▶ UNHEALTHY ──health_ok──▶ READY
-       │                  │                         │
-       │ exited/timeout   │ exited                  │ failures ≥ limit / exited
-       ▼                  ▼                         ▼
-    RESTARTING ◀──────────┴─────────────────────────┘
+       │                  │                         │        │
+       │ exited/timeout   │ exited                  │        │ failures ≥ limit while
+       │                  │                         │        │ engine frames still reach
+       │                  │                         │        ▼ its sessions (busy)
+       │                  │                         │     DEGRADED ──health_ok──▶ READY
+       │                  │                         │        │
+       │                  │    failures ≥ limit, no │        │ busy: stays DEGRADED
+       │                  │    frames / exited      │        │ no frames / exited
+       ▼                  ▼                         ▼        ▼
+    RESTARTING ◀──────────┴─────────────────────────┴────────┘
        │ backoff elapsed → STARTING;  budget exhausted → FAILED
     any ──stop──▶ STOPPING ──stopped──▶ STOPPED
+
+DEGRADED is an engine whose health probe fails (slow under load, say) while
+its sessions still get its frames: it is not restarted under them, and it
+admits no new session (``serving`` is False, ``running`` is True) until its
+health answers again, or until its frames stop too and it is restarted.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     UNHEALTHY = "unhealthy"
+    DEGRADED = "degraded"  # health failing, frames still flowing: kept, admits nothing new
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -53,6 +65,7 @@ class Observation(enum.Enum):
     HEALTH_OK = "health_ok"
     HEALTH_FAILED = "health_failed"  # one failed poll, below the limit
     UNHEALTHY = "unhealthy"  # failed polls reached the limit
+    BUSY = "busy"  # failed polls reached the limit, but engine frames still reach sessions
     EXITED = "exited"  # the child process ended
     START_FAILED = "start_failed"  # could not spawn, or not ready in time
     RESTART = "restart"  # backoff elapsed, budget allows
@@ -85,12 +98,21 @@ TRANSITIONS: Final[dict[EngineState, dict[Observation, EngineState]]] = {
         O.HEALTH_OK: S.READY,
         O.HEALTH_FAILED: S.UNHEALTHY,
         O.UNHEALTHY: S.RESTARTING,
+        O.BUSY: S.DEGRADED,
         O.EXITED: S.RESTARTING,
         O.STOP: S.STOPPING,
     },
     S.UNHEALTHY: {
         O.HEALTH_OK: S.READY,
         O.HEALTH_FAILED: S.UNHEALTHY,
+        O.UNHEALTHY: S.RESTARTING,
+        O.BUSY: S.DEGRADED,
+        O.EXITED: S.RESTARTING,
+        O.STOP: S.STOPPING,
+    },
+    S.DEGRADED: {
+        O.HEALTH_OK: S.READY,
+        O.BUSY: S.DEGRADED,
         O.UNHEALTHY: S.RESTARTING,
         O.EXITED: S.RESTARTING,
         O.STOP: S.STOPPING,
@@ -131,6 +153,11 @@ class EngineStateMachine:
     def serving(self) -> bool:
         """Sessions may be admitted (an unhealthy engine still serves until it fails)."""
         return self.state is EngineState.READY or self.state is EngineState.UNHEALTHY
+
+    @property
+    def running(self) -> bool:
+        """The engine runs its sessions: serving, or degraded (admitting nothing new)."""
+        return self.serving or self.state is EngineState.DEGRADED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

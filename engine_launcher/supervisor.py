@@ -30,6 +30,17 @@ Detection (docs/design.md, Engine supervision):
   failure: ``health_failures × health_interval + probe_timeout``; with the
   defaults (3, 2 s, 2 s) that is **8 s**. The stop that follows sends SIGTERM
   and SIGCONT to the process group and SIGKILL after ``stop_grace``.
+- **Busy is not dead.** A health route can be slow or failing under load while
+  the engine serves its sessions well (the simulator at 500 sessions on 2
+  cores). When the failures reach the limit, the injected ``activity`` (the
+  last time one of the engine's frames reached a session of this replica, on
+  the same monotonic clock; the proxy's session registry) is asked: a frame
+  within the last ``health_failures × health_interval`` seconds makes the
+  engine DEGRADED, not failed: it keeps running and keeps its sessions, admits
+  no new ones, and each later failed probe asks again. A good probe makes it
+  READY; a failed one with no frame in that window restarts it (its sessions,
+  quiet by then, end with ``engine_unavailable``). Without ``activity`` (or
+  with no live session) every failure is taken as before.
 - ``external`` engines have no child: the endpoint is probed the same way
   (:class:`~engine_launcher.process.UpstreamProbe`, or ``health_url`` when
   set) and is not served until a probe succeeds, nor after
@@ -76,6 +87,7 @@ from engine_launcher.process import (
 from engine_launcher.systemd import Notifier
 
 __all__ = [
+    "Activity",
     "Clock",
     "EngineChild",
     "MonotonicClock",
@@ -91,6 +103,9 @@ __all__ = [
 log = logging.getLogger("engine_launcher")
 
 StateCallback = Callable[[EngineState, Observation, str], None]
+#: ``activity()``: monotonic seconds the engine's last frame reached one of its
+#: sessions (None: no live session has had one).
+Activity = Callable[[], float | None]
 
 PROGRESS_INTERVAL: Final = 15.0
 #: How often readiness is probed while the engine starts (seconds).
@@ -205,6 +220,8 @@ class Supervisor:
         clock: time and sleeping (a fake one in tests).
         spawn: makes the child of one run from (argv, env).
         probe_factory: makes the health probe of one run from (config, port).
+        activity: when the engine's last frame reached a session (see the module
+            docstring, "Busy is not dead"); None: never asked.
     """
 
     def __init__(
@@ -218,8 +235,10 @@ class Supervisor:
         clock: Clock | None = None,
         spawn: SpawnFactory | None = None,
         probe_factory: ProbeFactory | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.config = config
+        self._activity = activity
         self._on_state = on_state or (lambda state, cause, detail: None)
         self._notifier = notifier or Notifier({})
         self._backoff = backoff or Backoff()
@@ -258,7 +277,7 @@ class Supervisor:
             log.info(
                 "engine %s -> %s (%s) %s", before.value, state.value, observation.value, detail
             )
-        if not self.machine.serving:
+        if not self.machine.running:
             self.target = None
         self._on_state(state, observation, detail)
         return state
@@ -513,14 +532,39 @@ class Supervisor:
                 return self._exited(exited)
             if result.ok:
                 failures = 0
+                if self.machine.state is EngineState.DEGRADED:
+                    log.warning("engine health answers again: ready, admitting sessions")
                 self._move(Observation.HEALTH_OK)
                 continue
             failures += 1
             if failures >= self.config.health_failures:
                 detail = f"{failures} failed health checks: {result.detail}"
+                busy = self._busy_for()
+                if busy is not None:
+                    if self.machine.state is not EngineState.DEGRADED:
+                        log.warning(
+                            "engine health failing (%s) but its frames reached a session "
+                            "%.1f s ago: degraded, not restarted; admitting no new sessions",
+                            detail,
+                            busy,
+                        )
+                    self._move(Observation.BUSY, f"{detail}; frames {busy:.1f} s ago")
+                    continue
                 self._move(Observation.UNHEALTHY, detail)
                 return Observation.UNHEALTHY, detail
             self._move(Observation.HEALTH_FAILED, result.detail)
+
+    def _busy_for(self) -> float | None:
+        """Seconds since the engine's last frame reached a session, when that is within
+        the failure window (``health_failures × health_interval``); None otherwise."""
+        if self._activity is None:
+            return None
+        last = self._activity()
+        if last is None:
+            return None
+        ago = max(0.0, self._clock.now() - last)
+        window = self.config.health_failures * self.config.health_interval
+        return ago if ago <= window else None
 
     def _exited(self, exited: asyncio.Future[int]) -> tuple[Observation, str]:
         detail = f"engine exited with status {exited.result()}"

@@ -136,6 +136,7 @@ ENGINE_STATES: Final = (
     "starting",
     "ready",
     "unhealthy",
+    "degraded",
     "restarting",
     "stopping",
     "stopped",

@@ -152,6 +152,9 @@ class Sidecar:
             drain_timeout=settings.drain_timeout,
             notifier=self.notifier,
             environ=self.environ,
+            # A replica whose health fails while its frames still reach sessions is
+            # degraded, not restarted (docs/design.md, Engine supervision).
+            activity=lambda index: self.sessions.last_engine_frame(index),
         )
         #: Whether and where each replica admits: the pool reports into it, the
         #: edge places sessions with it, /readyz and the console read it.
