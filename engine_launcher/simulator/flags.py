@@ -70,6 +70,7 @@ class SimulatorConfig:
     startup_delay: float = 0.0
     crash_after: float | None = None
     health_fail_after: float | None = None
+    health_hang_after: float | None = None
     ignore_sigterm: bool = False
     stall_after: float | None = None
     playback_commit_policy: str = COMMIT_ALL_ON_DONE
@@ -135,7 +136,13 @@ class SimulatorConfig:
                 raise ValueError(f"{flag} needs --engine-version 0.31 or later")
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
-        for name in ("startup_delay", "crash_after", "health_fail_after", "stall_after"):
+        for name in (
+            "startup_delay",
+            "crash_after",
+            "health_fail_after",
+            "health_hang_after",
+            "stall_after",
+        ):
             value = getattr(self, name)
             if value is not None and (value < 0 or not math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -373,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='GET /health answers 503 {"status":"unhealthy"} after S seconds',
     )
     fault.add_argument(
+        "--health-hang-after",
+        type=_non_negative_float,
+        metavar="S",
+        help="after S seconds GET /health never answers (a health route too slow under "
+        "load); sessions go on streaming",
+    )
+    fault.add_argument(
         "--ignore-sigterm",
         action="store_true",
         help="ignore SIGTERM (only SIGKILL or SIGINT stops it)",
@@ -411,6 +425,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
             startup_delay=ns.startup_delay,
             crash_after=ns.crash_after,
             health_fail_after=ns.health_fail_after,
+            health_hang_after=ns.health_hang_after,
             ignore_sigterm=ns.ignore_sigterm,
             stall_after=ns.stall_after,
             playback_commit_policy=ns.playback_commit_policy,
