@@ -21,7 +21,7 @@ import asyncio
 import operator
 from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import base_protocol, client_proto, client_ws, http_websocket, web, web_runner, web_ws
@@ -39,10 +39,10 @@ __all__ = [
     "HOOKS",
     "UNMASKED_FRAME",
     "AiohttpHookMissing",
-    "FrameHeaders",
     "Hook",
     "HookedAppRunner",
     "HookedRequestHandler",
+    "MaskWalk",
     "bound_sockets",
     "client_transport",
     "closing",
@@ -160,58 +160,6 @@ def install_text_push() -> bool:
     return True
 
 
-class FrameHeaders:
-    """Walks the RFC 6455 frame headers of a byte stream, skipping the payloads.
-
-    Only the headers are read (two bytes, the extended length, the mask key);
-    payload bytes are counted, never looked at. :meth:`unmasked_at` says where
-    the first frame without the mask bit starts.
-    """
-
-    __slots__ = ("_partial", "_skip")
-
-    def __init__(self) -> None:
-        #: The start of a header split across reads (at most 13 bytes).
-        self._partial = b""
-        #: Payload bytes of the current frame still to come.
-        self._skip = 0
-
-    def unmasked_at(self, data: bytes) -> int:
-        """Offset in ``data`` of the first unmasked frame's header; -1 when every header
-        seen so far has the mask bit (a header begun in an earlier read counts as 0)."""
-        pos, end = 0, len(data)
-        while True:
-            skip = self._skip
-            if skip:
-                if skip >= end - pos:
-                    self._skip = skip - (end - pos)
-                    return -1
-                pos += skip
-                self._skip = 0
-            if pos >= end:
-                return -1
-            start = pos - len(self._partial)
-            head = self._partial + data[pos : pos + 14 - len(self._partial)]
-            if len(head) < 2:
-                self._partial = head
-                return -1
-            second = head[1]
-            if not second & 0x80:
-                return max(0, start)
-            length = second & 0x7F
-            size = 2 + (2 if length == 126 else 8 if length == 127 else 0) + 4
-            if len(head) < size:
-                self._partial = head
-                return -1
-            if length == 126:
-                length = int.from_bytes(head[2:4], "big")
-            elif length == 127:
-                length = int.from_bytes(head[2:10], "big")
-            pos += size - len(self._partial)
-            self._partial = b""
-            self._skip = length
-
-
 #: aiohttp's server-side frame parser with the mask check (install_mask_check).
 _mask_checking_reader: type[Any] | None = None
 
@@ -219,7 +167,20 @@ _mask_checking_reader: type[Any] | None = None
 UNMASKED_FRAME: Final = "unmasked_frame"
 
 
-def install_mask_check() -> bool:
+class MaskWalk(Protocol):
+    """Walks one connection's frame headers (``proxy.session.frames.FrameHeaders``)."""
+
+    def unmasked_at(self, data: bytes) -> int:
+        """Offset of the first unmasked frame's header in ``data`` (0: it began in an
+        earlier read); -1 when there is none so far."""
+        ...
+
+
+#: A fresh walk per client connection; None: no check (install_mask_check sets it).
+_new_mask_walk: Callable[[], MaskWalk] | None = None
+
+
+def install_mask_check(walk: Callable[[], MaskWalk]) -> bool:
     """Fail client connections that send an unmasked frame (RFC 6455 §5.1).
 
     A client must mask every frame it sends and a server must close the
@@ -227,20 +188,30 @@ def install_mask_check() -> bool:
     is set and takes it as it is otherwise. ``WebSocketResponse`` builds its
     parser from the name ``aiohttp.web_ws.WebSocketReader`` when it is
     prepared (server side only: the engine link's parser is not this one);
-    that name is pointed at a subclass whose ``feed_data`` first walks the
-    frame headers of the bytes it gets (:class:`FrameHeaders`). At a header
-    without the mask bit it gives aiohttp's parser only the bytes before it,
-    then fails the reader queue with ``WebSocketError(1002)``, aiohttp's own
-    path for a protocol error (``receive()`` closes with 1002 through the
-    session's frame writer and returns ERROR), and ends the connection's
-    reading. The connection's protocol (the queue's ``_protocol``) is told
-    once, through its ``on_protocol_violation(reason)`` when it has one.
-    Idempotent.
+    that name is pointed at a subclass whose ``feed_data`` first hands the
+    bytes it gets to the connection's ``walk()`` (which reads the frame
+    headers, never the payloads). At a header without the mask bit it gives
+    aiohttp's parser only the bytes before it, then fails the reader queue
+    with ``WebSocketError(1002)``, aiohttp's own path for a protocol error
+    (``receive()`` closes with 1002 through the session's frame writer and
+    returns ERROR), and ends the connection's reading. The connection's
+    protocol (the queue's ``_protocol``) is told once, through its
+    ``on_protocol_violation(reason)`` when it has one. Idempotent; the last
+    ``walk`` given serves the connections prepared from then on.
 
     Returns:
         False when this aiohttp has no such name; ``serve`` never gets there:
         the hook is in :data:`HOOKS`.
     """
+    global _new_mask_walk
+    if _mask_checking_reader is None and not _install_mask_reader():
+        return False
+    _new_mask_walk = walk
+    return True
+
+
+def _install_mask_reader() -> bool:
+    """Point ``web_ws.WebSocketReader`` at the checking subclass (once)."""
     global _mask_checking_reader
     if _mask_checking_reader is not None:
         return True
@@ -255,15 +226,16 @@ def install_mask_check() -> bool:
             super().__init__(queue, *args, **kwargs)
             # The compiled parser keeps its queue private: kept here as well.
             self.client_queue = queue
-            self._headers = FrameHeaders()
+            walk = _new_mask_walk
+            self.mask_walk: MaskWalk | None = None if walk is None else walk()
             self._refused = False
 
         def feed_data(self, data: Any) -> tuple[bool, bytes]:
             if self._refused:
                 return True, b""
-            headers = self._headers
             chunk = data if type(data) is bytes else bytes(data)
-            at = headers.unmasked_at(chunk)
+            walk = self.mask_walk
+            at = -1 if walk is None else walk.unmasked_at(chunk)
             if at < 0:
                 result: tuple[bool, bytes] = super().feed_data(chunk)
                 return result
@@ -522,6 +494,13 @@ def _text_push_reaches_the_parser() -> bool:
         loop.close()
 
 
+class _FirstHeader:
+    """The startup check's walk: each read starts with a whole frame header."""
+
+    def unmasked_at(self, data: bytes) -> int:
+        return 0 if len(data) >= 2 and not data[1] & 0x80 else -1
+
+
 def _mask_check_reaches_the_parser() -> bool:
     """The mask check works: ``WebSocketResponse`` builds its parser from the module
     name, the subclass's ``feed_data`` is what the parser is fed through, a masked
@@ -529,7 +508,7 @@ def _mask_check_reaches_the_parser() -> bool:
     ``_protocol`` (checked by feeding both)."""
     if not _assigns(web_ws.WebSocketResponse._post_start, "WebSocketReader", "_reader"):
         return False
-    if not install_mask_check():
+    if not _install_mask_reader():
         return False
     from aiohttp._websocket import reader
 
@@ -551,6 +530,7 @@ def _mask_check_reaches_the_parser() -> bool:
             parser: Any = reader_class(queue, 1 << 16, compress=False, decode_text=True)
         except TypeError:  # aiohttp < 3.13 has no decode_text
             parser = reader_class(queue, 1 << 16, compress=False)
+        parser.mask_walk = _FirstHeader()
         masked = parser.feed_data(b"\x81\x82\x00\x00\x00\x00hi")  # zero mask key: "hi"
         refused = parser.feed_data(b"\x81\x02hi")  # unmasked
         return (
