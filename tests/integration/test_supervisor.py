@@ -399,13 +399,13 @@ STREAMING = ("--chunk-ms", "100", "--realtime-factor", "1")
 async def test_failing_health_while_streaming_degrades_then_restarts_once_quiet(
     sidecar: Any, caplog: pytest.LogCaptureFixture, health: str
 ) -> None:
-    """/health answers 503, or nothing at all, from 2 s on (an engine busy under load)
+    """/health answers 503, or nothing at all, from 3 s on (an engine busy under load)
     while a response streams. Frames still reach the session: the engine is degraded, not dead: the
     response plays to its end, nothing new is admitted (/readyz 503). Once the
     response is done and no frame comes any more, the next failed probes restart
     it (reason unhealthy) and the quiet session ends with engine_unavailable."""
     caplog.set_level(logging.INFO)
-    config = engine(*STREAMING, "--response-seconds", "6", health, "2.0", health_failures=3)
+    config = engine(*STREAMING, "--response-seconds", "7", health, "3.0", health_failures=3)
     proxy: RunningSidecar = await sidecar(engine=config, drain_timeout=1.0, close_timeout=1.0)
     supervisor = proxy.sidecar.supervisor
     first_pid = supervisor.pid
