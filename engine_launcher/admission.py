@@ -29,6 +29,7 @@ FAILURE_CAUSES: Final = frozenset(
 STATE_RANK: Final = (
     "ready",
     "unhealthy",
+    "degraded",
     "starting",
     "restarting",
     "stopping",

@@ -34,6 +34,7 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     UNHEALTHY = "unhealthy"
+    DEGRADED = "degraded"  # health failing, frames still flowing: kept, admits nothing new
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -45,6 +46,7 @@ class Observation(enum.Enum):
     HEALTH_OK = "health_ok"
     HEALTH_FAILED = "health_failed"  # one failed poll, below the limit
     UNHEALTHY = "unhealthy"  # failed polls reached the limit
+    BUSY = "busy"  # failed polls reached the limit, but engine frames still reach sessions
     EXITED = "exited"  # the child process ended
     START_FAILED = "start_failed"  # could not spawn, or not ready in time
     RESTART = "restart"  # backoff elapsed, budget allows
@@ -77,12 +79,21 @@ TRANSITIONS: Final[dict[EngineState, dict[Observation, EngineState]]] = {
         O.HEALTH_OK: S.READY,
         O.HEALTH_FAILED: S.UNHEALTHY,
         O.UNHEALTHY: S.RESTARTING,
+        O.BUSY: S.DEGRADED,
         O.EXITED: S.RESTARTING,
         O.STOP: S.STOPPING,
     },
     S.UNHEALTHY: {
         O.HEALTH_OK: S.READY,
         O.HEALTH_FAILED: S.UNHEALTHY,
+        O.UNHEALTHY: S.RESTARTING,
+        O.BUSY: S.DEGRADED,
+        O.EXITED: S.RESTARTING,
+        O.STOP: S.STOPPING,
+    },
+    S.DEGRADED: {
+        O.HEALTH_OK: S.READY,
+        O.BUSY: S.DEGRADED,
         O.UNHEALTHY: S.RESTARTING,
         O.EXITED: S.RESTARTING,
         O.STOP: S.STOPPING,
@@ -123,6 +134,11 @@ class EngineStateMachine:
     def serving(self) -> bool:
         """Sessions may be admitted (an unhealthy engine still serves until it fails)."""
         return self.state is EngineState.READY or self.state is EngineState.UNHEALTHY
+
+    @property
+    def running(self) -> bool:
+        """The engine runs its sessions: serving, or degraded (admitting nothing new)."""
+        return self.serving or self.state is EngineState.DEGRADED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

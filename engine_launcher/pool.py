@@ -173,6 +173,10 @@ class EnginePool:
         environ: for ``CUDA_VISIBLE_DEVICES`` with ``gpus = "auto"``.
         smi: ``nvidia-smi -L`` (tests inject).
         make_supervisor: builds one run's supervisor (tests inject fakes).
+        activity: ``activity(index)``: monotonic seconds replica ``index``'s last
+            frame reached one of its sessions (None: none); each supervisor asks it
+            before it restarts an engine whose health fails (docs/design.md,
+            Engine supervision). The proxy's session registry answers it.
     """
 
     def __init__(
@@ -189,8 +193,10 @@ class EnginePool:
         environ: Mapping[str, str] | None = None,
         smi: Callable[[], str | None] = _nvidia_smi,
         make_supervisor: SupervisorFactory | None = None,
+        activity: Callable[[int], float | None] | None = None,
     ) -> None:
         self.config = config
+        self._activity = activity
         self._on_state = on_state or (lambda index, state, cause, detail: None)
         self._sessions = sessions or self._admitted_sessions
         self._on_drain = on_drain or (lambda index, draining: None)
@@ -220,7 +226,13 @@ class EnginePool:
     def _default_supervisor(
         self, index: int, config: EngineConfig, on_state: Callable[..., None]
     ) -> Supervisor:
-        return Supervisor(config, on_state=on_state, notifier=self._notifier)
+        activity = self._activity
+        return Supervisor(
+            config,
+            on_state=on_state,
+            notifier=self._notifier,
+            activity=None if activity is None else (lambda: activity(index)),
+        )
 
     def _new_supervisor(self, index: int, config: EngineConfig) -> Supervisor:
         def on_state(state: EngineState, cause: Observation, detail: str) -> None:

@@ -42,6 +42,7 @@ from engine_launcher.process import (
 from engine_launcher.systemd import Notifier
 
 __all__ = [
+    "Activity",
     "Clock",
     "EngineChild",
     "MonotonicClock",
@@ -57,6 +58,9 @@ __all__ = [
 log = logging.getLogger("engine_launcher")
 
 StateCallback = Callable[[EngineState, Observation, str], None]
+#: ``activity()``: monotonic seconds the engine's last frame reached one of its
+#: sessions (None: no live session has had one).
+Activity = Callable[[], float | None]
 
 PROGRESS_INTERVAL: Final = 15.0
 #: How often readiness is probed while the engine starts (seconds).
@@ -171,6 +175,8 @@ class Supervisor:
         clock: time and sleeping (a fake one in tests).
         spawn: makes the child of one run from (argv, env).
         probe_factory: makes the health probe of one run from (config, port).
+        activity: when the engine's last frame reached a session (see the module
+            docstring, "Busy is not dead"); None: never asked.
     """
 
     def __init__(
@@ -184,8 +190,10 @@ class Supervisor:
         clock: Clock | None = None,
         spawn: SpawnFactory | None = None,
         probe_factory: ProbeFactory | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.config = config
+        self._activity = activity
         self._on_state = on_state or (lambda state, cause, detail: None)
         self._notifier = notifier or Notifier({})
         self._backoff = backoff or Backoff()
@@ -224,7 +232,7 @@ class Supervisor:
             log.info(
                 "engine %s -> %s (%s) %s", before.value, state.value, observation.value, detail
             )
-        if not self.machine.serving:
+        if not self.machine.running:
             self.target = None
         self._on_state(state, observation, detail)
         return state
@@ -479,14 +487,39 @@ class Supervisor:
                 return self._exited(exited)
             if result.ok:
                 failures = 0
+                if self.machine.state is EngineState.DEGRADED:
+                    log.warning("engine health answers again: ready, admitting sessions")
                 self._move(Observation.HEALTH_OK)
                 continue
             failures += 1
             if failures >= self.config.health_failures:
                 detail = f"{failures} failed health checks: {result.detail}"
+                busy = self._busy_for()
+                if busy is not None:
+                    if self.machine.state is not EngineState.DEGRADED:
+                        log.warning(
+                            "engine health failing (%s) but its frames reached a session "
+                            "%.1f s ago: degraded, not restarted; admitting no new sessions",
+                            detail,
+                            busy,
+                        )
+                    self._move(Observation.BUSY, f"{detail}; frames {busy:.1f} s ago")
+                    continue
                 self._move(Observation.UNHEALTHY, detail)
                 return Observation.UNHEALTHY, detail
             self._move(Observation.HEALTH_FAILED, result.detail)
+
+    def _busy_for(self) -> float | None:
+        """Seconds since the engine's last frame reached a session, when that is within
+        the failure window (``health_failures × health_interval``); None otherwise."""
+        if self._activity is None:
+            return None
+        last = self._activity()
+        if last is None:
+            return None
+        ago = max(0.0, self._clock.now() - last)
+        window = self.config.health_failures * self.config.health_interval
+        return ago if ago <= window else None
 
     def _exited(self, exited: asyncio.Future[int]) -> tuple[Observation, str]:
         detail = f"engine exited with status {exited.result()}"

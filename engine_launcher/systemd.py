@@ -27,7 +27,13 @@ class Notifier:
         return self.address is not None
 
     def notify(self, *assignments: str) -> bool:
-        """Send ``KEY=VALUE`` lines in one datagram. Returns False when disabled or failed."""
+        """Send ``KEY=VALUE`` lines in one datagram. Returns False when disabled or failed.
+
+        Never blocks: it runs on the event loop, and a datagram socket whose
+        reader is behind (its queue holds ``net.unix.max_dgram_qlen`` datagrams,
+        10 by default) would stall a blocking send, and every session with it.
+        Such a datagram is dropped (False), as is one to a socket that is gone.
+        """
         if self.address is None or not assignments:
             return False
         payload = "\n".join(assignments).encode()
@@ -37,8 +43,8 @@ class Notifier:
         try:
             with socket.socket(socket.AF_UNIX, kind) as sock:
                 sock.connect(self.address)
-                sock.sendall(payload)
-        except OSError:
+                sock.send(payload)
+        except OSError:  # BlockingIOError included: the reader is behind
             return False
         return True
 

@@ -21,6 +21,7 @@ from metrics.vocabulary import (
     AUDIO_LEAD_BUCKETS,
     CANCEL_TO_SILENCE_BUCKETS,
     CAPABILITY_SOURCES,
+    CLIENT_PROTOCOL_VIOLATIONS,
     CONFIG_RELOAD_RESULTS,
     CONNECT_BUCKETS,
     CONNECTION_REJECT_REASONS,
@@ -53,6 +54,7 @@ from metrics.vocabulary import (
 __all__ = [
     "ACK_ERROR_CODES",
     "CAPABILITY_SOURCES",
+    "CLIENT_PROTOCOL_VIOLATIONS",
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
     "DIRECTIONS",
@@ -147,6 +149,13 @@ class SidecarMetrics:
             f"{p}_lingering_closes",
             "Lingering closes after an error answer before the upgrade, by how they ended.",
             ["outcome"],
+            registry=registry,
+        )
+        self.client_protocol_violations = Counter(
+            f"{p}_client_protocol_violations",
+            "Upgraded client connections failed with close 1002 for a WebSocket protocol "
+            "violation, by reason (unmasked_frame: a client frame without the mask bit).",
+            ["reason"],
             registry=registry,
         )
         self.events = Counter(
@@ -409,6 +418,13 @@ class SidecarMetrics:
             "Redis quota calls that failed or timed out (each one decided locally instead).",
             registry=registry,
         )
+        self.quota_backend_reseeds = Counter(
+            f"{p}_quota_backend_reseeds",
+            "Times this process found Redis without the quota counts it had charged there "
+            "(restarted without persistence, or flushed) and reseeded each named key's day "
+            "and minute counts from its own.",
+            registry=registry,
+        )
         self.usage_keys: set[str] = set()
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
         # core: "mypyc" (make native) or "python"; both values are ours.
@@ -424,6 +440,8 @@ class SidecarMetrics:
             self.rejected_connections.labels(reason)
         for outcome in LINGER_OUTCOMES:
             self.lingering_closes.labels(outcome)
+        for reason in CLIENT_PROTOCOL_VIOLATIONS:
+            self.client_protocol_violations.labels(reason)
         for direction in DIRECTIONS:
             self.bytes.labels(direction)
             for kind in EVENT_KINDS:

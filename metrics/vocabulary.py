@@ -14,6 +14,7 @@ __all__ = [
     "AUDIO_LEAD_BUCKETS",
     "CANCEL_TO_SILENCE_BUCKETS",
     "CAPABILITY_SOURCES",
+    "CLIENT_PROTOCOL_VIOLATIONS",
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
     "CONNECT_BUCKETS",
@@ -96,7 +97,7 @@ REJECT_REASONS: Final = (
 )
 #: Connections or HTTP requests refused at the client listener's edge, before
 #: any session exists (docs/security.md): proxy/edge/guard.py, proxy/edge/handshake.py,
-#: proxy/edge/reverse_proxy.py.
+#: proxy/edge/reverse_proxy.py, proxy/edge/listener.py.
 CONNECTION_REJECT_REASONS: Final = (
     "head_too_large",
     "head_timeout",
@@ -106,7 +107,13 @@ CONNECTION_REJECT_REASONS: Final = (
     "untrusted_proxy_header",
     "bad_proxy_header",
     "bad_request_head",
+    # closed at accept: the process had no file descriptor for it (proxy/edge/listener.py).
+    "fd_limit",
 )
+#: Upgraded client connections failed with close 1002 for a WebSocket protocol
+#: violation the sidecar itself checks (proxy.compat.install_mask_check): a frame
+#: without the mask bit (RFC 6455 §5.1).
+CLIENT_PROTOCOL_VIOLATIONS: Final = ("unmasked_frame",)
 #: How a lingering close after an error answer ended (proxy/edge/guard.py): the
 #: client closed its side, nothing arrived for lingering_timeout, lingering_time
 #: passed after max_lingering_bytes were discarded (reading stopped), no room under
@@ -127,6 +134,7 @@ ENGINE_STATES: Final = (
     "starting",
     "ready",
     "unhealthy",
+    "degraded",
     "restarting",
     "stopping",
     "stopped",

@@ -14,12 +14,13 @@ import asyncio
 import operator
 from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import base_protocol, client_proto, client_ws, http_websocket, web, web_runner, web_ws
 from aiohttp import web_protocol as _web_protocol
 from aiohttp import web_server as _web_server
+from aiohttp.http_websocket import WebSocketError, WSCloseCode
 
 try:  # a missing module is a missing hook (see HOOKS), not an import error
     from aiohttp._websocket import helpers as _websocket_helpers
@@ -29,10 +30,12 @@ except ImportError:  # pragma: no cover - aiohttp < 3.11
 __all__ = [
     "AIOHTTP_VERSION",
     "HOOKS",
+    "UNMASKED_FRAME",
     "AiohttpHookMissing",
     "Hook",
     "HookedAppRunner",
     "HookedRequestHandler",
+    "MaskWalk",
     "bound_sockets",
     "client_transport",
     "closing",
@@ -40,6 +43,7 @@ __all__ = [
     "handler_kwargs",
     "head_refused",
     "install_client_writer",
+    "install_mask_check",
     "install_text_push",
     "missing_hooks",
     "on_writing_resumed",
@@ -149,6 +153,102 @@ def install_text_push() -> bool:
     return True
 
 
+#: aiohttp's server-side frame parser with the mask check (install_mask_check).
+_mask_checking_reader: type[Any] | None = None
+
+#: Why a client's connection was failed by a check here (the ``reason`` label values).
+UNMASKED_FRAME: Final = "unmasked_frame"
+
+
+class MaskWalk(Protocol):
+    """Walks one connection's frame headers (``proxy.session.frames.FrameHeaders``)."""
+
+    def unmasked_at(self, data: bytes) -> int:
+        """Offset of the first unmasked frame's header in ``data`` (0: it began in an
+        earlier read); -1 when there is none so far."""
+        ...
+
+
+#: A fresh walk per client connection; None: no check (install_mask_check sets it).
+_new_mask_walk: Callable[[], MaskWalk] | None = None
+
+
+def install_mask_check(walk: Callable[[], MaskWalk]) -> bool:
+    """Fail client connections that send an unmasked frame (RFC 6455 §5.1).
+
+    A client must mask every frame it sends and a server must close the
+    connection when one is not; aiohttp's parser unmasks a frame whose mask bit
+    is set and takes it as it is otherwise. ``WebSocketResponse`` builds its
+    parser from the name ``aiohttp.web_ws.WebSocketReader`` when it is
+    prepared (server side only: the engine link's parser is not this one);
+    that name is pointed at a subclass whose ``feed_data`` first hands the
+    bytes it gets to the connection's ``walk()`` (which reads the frame
+    headers, never the payloads). At a header without the mask bit it gives
+    aiohttp's parser only the bytes before it, then fails the reader queue
+    with ``WebSocketError(1002)``, aiohttp's own path for a protocol error
+    (``receive()`` closes with 1002 through the session's frame writer and
+    returns ERROR), and ends the connection's reading. The connection's
+    protocol (the queue's ``_protocol``) is told once, through its
+    ``on_protocol_violation(reason)`` when it has one. Idempotent; the last
+    ``walk`` given serves the connections prepared from then on.
+
+    Returns:
+        False when this aiohttp has no such name; ``serve`` never gets there:
+        the hook is in :data:`HOOKS`.
+    """
+    global _new_mask_walk
+    if _mask_checking_reader is None and not _install_mask_reader():
+        return False
+    _new_mask_walk = walk
+    return True
+
+
+def _install_mask_reader() -> bool:
+    """Point ``web_ws.WebSocketReader`` at the checking subclass (once)."""
+    global _mask_checking_reader
+    if _mask_checking_reader is not None:
+        return True
+    base: Any = getattr(web_ws, "WebSocketReader", None)
+    if base is None:  # pragma: no cover - every supported aiohttp has it
+        return False
+
+    class MaskCheckingReader(base):  # type: ignore[misc]
+        """aiohttp's frame parser, refusing unmasked frames first."""
+
+        def __init__(self, queue: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(queue, *args, **kwargs)
+            # The compiled parser keeps its queue private: kept here as well.
+            self.client_queue = queue
+            walk = _new_mask_walk
+            self.mask_walk: MaskWalk | None = None if walk is None else walk()
+            self._refused = False
+
+        def feed_data(self, data: Any) -> tuple[bool, bytes]:
+            if self._refused:
+                return True, b""
+            chunk = data if type(data) is bytes else bytes(data)
+            walk = self.mask_walk
+            at = -1 if walk is None else walk.unmasked_at(chunk)
+            if at < 0:
+                result: tuple[bool, bytes] = super().feed_data(chunk)
+                return result
+            if at:
+                eof, _tail = super().feed_data(chunk[:at])
+                if eof:
+                    return True, b""
+            self._refused = True
+            queue = self.client_queue
+            queue.set_exception(WebSocketError(WSCloseCode.PROTOCOL_ERROR, "unmasked client frame"))
+            report = getattr(queue._protocol, "on_protocol_violation", None)
+            if report is not None:
+                report(UNMASKED_FRAME)
+            return True, b""
+
+    web_ws.WebSocketReader = MaskCheckingReader  # type: ignore[attr-defined]
+    _mask_checking_reader = MaskCheckingReader
+    return True
+
+
 def push_text(client: web.WebSocketResponse, handler: Callable[[str], None] | None) -> bool:
     """Hand ``client``'s text messages to ``handler`` as they are parsed (None: queue them).
 
@@ -237,7 +337,7 @@ def set_upstream_write_limit(upstream: client_ws.ClientWebSocketResponse, limit:
         transport.set_write_buffer_limits(high=limit)
 
 
-def bound_sockets(site: web.TCPSite) -> list[Any]:
+def bound_sockets(site: web.BaseSite) -> list[Any]:
     """The sockets a started site listens on (for port 0)."""
     server = site._server
     return list(getattr(server, "sockets", None) or [])
@@ -391,6 +491,56 @@ def _text_push_reaches_the_parser() -> bool:
         loop.close()
 
 
+class _FirstHeader:
+    """The startup check's walk: each read starts with a whole frame header."""
+
+    def unmasked_at(self, data: bytes) -> int:
+        return 0 if len(data) >= 2 and not data[1] & 0x80 else -1
+
+
+def _mask_check_reaches_the_parser() -> bool:
+    """The mask check works: ``WebSocketResponse`` builds its parser from the module
+    name, the subclass's ``feed_data`` is what the parser is fed through, a masked
+    frame still parses and an unmasked one fails the queue and reaches the queue's
+    ``_protocol`` (checked by feeding both)."""
+    if not _assigns(web_ws.WebSocketResponse._post_start, "WebSocketReader", "_reader"):
+        return False
+    if not _install_mask_reader():
+        return False
+    from aiohttp._websocket import reader
+
+    violations: list[str] = []
+
+    class _Protocol:
+        def pause_reading(self) -> None: ...
+
+        def resume_reading(self) -> None: ...
+
+        def on_protocol_violation(self, reason: str) -> None:
+            violations.append(reason)
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: Any = reader.WebSocketDataQueue(_Protocol(), 1 << 16, loop=loop)  # type: ignore[arg-type]
+        reader_class: Any = web_ws.WebSocketReader  # type: ignore[attr-defined]
+        try:
+            parser: Any = reader_class(queue, 1 << 16, compress=False, decode_text=True)
+        except TypeError:  # aiohttp < 3.13 has no decode_text
+            parser = reader_class(queue, 1 << 16, compress=False)
+        parser.mask_walk = _FirstHeader()
+        masked = parser.feed_data(b"\x81\x82\x00\x00\x00\x00hi")  # zero mask key: "hi"
+        refused = parser.feed_data(b"\x81\x02hi")  # unmasked
+        return (
+            masked == (False, b"")
+            and len(queue._buffer) == 1
+            and refused[0] is True
+            and violations == [UNMASKED_FRAME]
+            and queue.exception() is not None
+        )
+    finally:
+        loop.close()
+
+
 def _has_kwarg(function: Any, name: str) -> bool:
     code = getattr(function, "__code__", None)
     return (
@@ -439,6 +589,11 @@ HOOKS: Final[tuple[Hook, ...]] = (
     Hook(
         "web_ws.WebSocketDataQueue built by _post_start, its feed_data called by the parser",
         lambda: _text_push_reaches_the_parser(),
+    ),
+    Hook(
+        "web_ws.WebSocketReader built by _post_start, its feed_data called by the handler, "
+        "WebSocketDataQueue._protocol/set_exception",
+        lambda: _mask_check_reaches_the_parser(),
     ),
     Hook(
         "ClientWebSocketResponse._writer/_reader",

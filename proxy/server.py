@@ -36,6 +36,7 @@ from proxy.admin.admin_app import build_admin_app
 from proxy.core.capabilities import EngineCapabilities
 from proxy.edge.client_app import build_client_app
 from proxy.edge.guard import EdgeAppRunner
+from proxy.edge.listener import EdgeSite
 from proxy.edge.session_slots import Admission
 from proxy.edge.state import ProxyState, UpstreamTarget, max_per_engine
 from proxy.errors import ConfigError
@@ -121,6 +122,9 @@ class Sidecar:
             drain_timeout=settings.drain_timeout,
             notifier=self.notifier,
             environ=self.environ,
+            # A replica whose health fails while its frames still reach sessions is
+            # degraded, not restarted (docs/design.md, Engine supervision).
+            activity=lambda index: self.sessions.last_engine_frame(index),
         )
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(
@@ -290,14 +294,20 @@ class Sidecar:
             )
             await runner.setup()
             self._runners.append(runner)
-            site = web.TCPSite(runner, host, port, reuse_address=True)
+            # The client listener accepts by itself, so running out of file descriptors
+            # is counted and logged (proxy/edge/listener.py).
+            site: web.BaseSite = (
+                EdgeSite(runner, host, port, refused=self.state.refused_at_accept)
+                if name == "listen"
+                else web.TCPSite(runner, host, port, reuse_address=True)
+            )
             try:
                 await site.start()
             except OSError as exc:  # in use, not permitted, not available
                 key = "listen" if name == "listen" else "admin_listen"
                 reason = os.strerror(exc.errno) if exc.errno else str(exc)
                 raise _BindError(f"cannot listen on {address} ({key}): {reason}") from None
-            sockets = compat.bound_sockets(site)
+            sockets = site.sockets if isinstance(site, EdgeSite) else compat.bound_sockets(site)
             bound_port = sockets[0].getsockname()[1] if sockets else port
             self.bound[name] = (host, int(bound_port))
             bound_lines.append(f"{name} listener bound on {_url(host, int(bound_port))}")
@@ -476,5 +486,5 @@ async def serve(
         return await sidecar.run()
     finally:
         if sidecar.tracing is not None:
-            # Export what is queued; bounded by OTEL_EXPORTER_OTLP_TIMEOUT.
+            # Export what is queued, for at most EXPORT_AT_EXIT_SECONDS (session/tracing.py).
             sidecar.tracing.shutdown()

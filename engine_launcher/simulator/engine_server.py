@@ -59,16 +59,25 @@ def _json(payload: dict[str, object], status: int = 200) -> web.Response:
     return web.Response(text=dumps(payload), status=status, content_type=_JSON)
 
 
-def _unhealthy(state: SimulatorState) -> bool:
-    fail_after = state.config.health_fail_after
-    if fail_after is None or state.listening_since is None:
+def _past(state: SimulatorState, after: float | None) -> bool:
+    """``after`` seconds have passed since the simulator listens (None: never)."""
+    if after is None or state.listening_since is None:
         return False
-    return asyncio.get_running_loop().time() - state.listening_since >= fail_after
+    return asyncio.get_running_loop().time() - state.listening_since >= after
+
+
+#: How long a hung ``GET /health`` waits (seconds): longer than any probe's patience;
+#: the server's shutdown cancels it.
+HEALTH_HANG_SECONDS: Final = 3600.0
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    """``GET /health``: 200 healthy, or 503 once ``--health-fail-after`` passed."""
-    if _unhealthy(request.app[STATE_KEY]):
+    """``GET /health``: 200 healthy; 503 once ``--health-fail-after`` passed; no answer
+    at all once ``--health-hang-after`` passed."""
+    state = request.app[STATE_KEY]
+    if _past(state, state.config.health_hang_after):
+        await asyncio.sleep(HEALTH_HANG_SECONDS)
+    if _past(state, state.config.health_fail_after):
         return _json({"status": "unhealthy"}, status=503)
     return _json({"status": "healthy"})
 

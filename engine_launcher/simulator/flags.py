@@ -74,6 +74,7 @@ class SimulatorConfig:
     startup_delay: float = 0.0
     crash_after: float | None = None
     health_fail_after: float | None = None
+    health_hang_after: float | None = None
     ignore_sigterm: bool = False
     stall_after: float | None = None
     playback_commit_policy: str = COMMIT_ALL_ON_DONE
@@ -154,6 +155,7 @@ class SimulatorConfig:
             "startup_delay",
             "crash_after",
             "health_fail_after",
+            "health_hang_after",
             "stall_after",
             "disconnect_grace",
         )
@@ -455,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='GET /health answers 503 {"status":"unhealthy"} after S seconds',
     )
     fault.add_argument(
+        "--health-hang-after",
+        type=_non_negative_float,
+        metavar="S",
+        help="after S seconds GET /health never answers (a health route too slow under "
+        "load); sessions go on streaming",
+    )
+    fault.add_argument(
         "--ignore-sigterm",
         action="store_true",
         help="ignore SIGTERM (only SIGKILL or SIGINT stops it)",
@@ -493,6 +502,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
             startup_delay=ns.startup_delay,
             crash_after=ns.crash_after,
             health_fail_after=ns.health_fail_after,
+            health_hang_after=ns.health_hang_after,
             ignore_sigterm=ns.ignore_sigterm,
             stall_after=ns.stall_after,
             playback_commit_policy=ns.playback_commit_policy,

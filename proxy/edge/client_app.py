@@ -22,6 +22,7 @@ from proxy.edge.refusals import check_auth, json_error, log_refused, retry_after
 from proxy.edge.reverse_proxy import ProxyRequest, reverse_proxy
 from proxy.edge.session_open import open_session
 from proxy.edge.state import STATE, WS_PATHS, ProxyState, upstream_headers
+from proxy.session.frames import FrameHeaders
 
 __all__ = ["build_client_app"]
 
@@ -132,6 +133,8 @@ def build_client_app(state: ProxyState) -> web.Application:
     """The client-facing application."""
     # Client text frames can then be handed to their relay as they are parsed.
     compat.install_text_push()
+    # An unmasked client frame fails its connection with 1002 (RFC 6455 §5.1).
+    compat.install_mask_check(FrameHeaders)
     app = web.Application(client_max_size=state.settings.max_client_message_bytes)
     app[STATE] = state
     app.router.add_get("/healthz", _healthz)

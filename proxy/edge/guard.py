@@ -48,6 +48,7 @@ __all__ = [
     "EdgeLimits",
     "EdgeRequestHandler",
     "Lingered",
+    "Violated",
     "client_address",
 ]
 
@@ -99,6 +100,10 @@ Lingered = Callable[[str], None]
 """``lingered(outcome)``: count one lingering close by how it ended
 (``metrics.definitions.LINGER_OUTCOMES``)."""
 
+Violated = Callable[[str, str], None]
+"""``violated(reason, address)``: count and log one WebSocket connection failed for a
+protocol violation its parser refused (``metrics.definitions.CLIENT_PROTOCOL_VIOLATIONS``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
@@ -136,15 +141,22 @@ class EdgeGuard:
         limits: the settings.
         reject: called once per refused connection or request (metrics and log).
         lingered: called once per lingering close, with its outcome (metrics).
+        violated: called once per upgraded connection failed for a protocol
+            violation (an unmasked frame: ``proxy.compat.install_mask_check``).
     """
 
     def __init__(
-        self, limits: EdgeLimits, reject: Reject, lingered: Lingered | None = None
+        self,
+        limits: EdgeLimits,
+        reject: Reject,
+        lingered: Lingered | None = None,
+        violated: Violated | None = None,
     ) -> None:
         self.limits = limits
         self.trusted = TrustedProxies(limits.trusted_proxies)
         self.reject = reject
         self.lingered: Lingered = lingered or (lambda outcome: None)
+        self.violated: Violated = violated or (lambda reason, address: None)
         #: Connections whose current request head is not complete.
         self.pending = 0
         #: Connections lingering after an error answer (they count against the cap too).
@@ -267,6 +279,10 @@ class EdgeRequestHandler(compat.HookedRequestHandler):
     def address(self) -> str:
         """The address the edge logs for this connection."""
         return self.proxied_source or self.peer
+
+    def on_protocol_violation(self, reason: str) -> None:
+        """The upgraded connection's frame parser refused it for ``reason`` (it closes 1002)."""
+        self.guard.violated(reason, self.address)
 
     def data_received(self, data: bytes) -> None:
         linger = self._linger

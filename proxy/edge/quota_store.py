@@ -36,11 +36,23 @@ log = logging.getLogger("omni_sidecar.quota")
 
 _PREFIX: Final = "omni_sidecar:quota:"
 
-#: KEYS: slots, minute, day. ARGV: now_ms, expiry_ms, member, max_sessions,
-#: sessions_per_minute, audio_seconds_per_day, minute_ttl_s, slots_ttl_ms.
-#: Returns 0 (admitted, counted) or the refused quota: 1 day, 2 slots, 3 minute.
-_ADMIT: Final = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+#: The key holding the current epoch: a random id, set by the first process that finds none.
+_EPOCH_KEY: Final = f"{_PREFIX}epoch"
+
+#: Drops the expired members of the slot set KEYS[1] (ARGV[1]: now, ms). Every script
+#: that touches a slot set starts with it: the one rule, in one string.
+_DROP_EXPIRED: Final = "redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])\n"
+
+#: KEYS: slots, minute, day, epoch. ARGV: now_ms, expiry_ms, member, max_sessions,
+#: sessions_per_minute, audio_seconds_per_day, minute_ttl_s, slots_ttl_ms, epoch.
+#: Returns 0 (admitted, counted) or the refused quota: 1 day, 2 slots, 3 minute;
+#: 4 (nothing done): Redis does not hold the caller's epoch, it must reseed first.
+_ADMIT: Final = (
+    _DROP_EXPIRED
+    + """
+if redis.call('GET', KEYS[4]) ~= ARGV[9] then
+  return 4
+end
 local day_limit = tonumber(ARGV[6])
 if day_limit > 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= day_limit then
   return 1
@@ -59,6 +71,20 @@ redis.call('INCR', KEYS[2])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
 return 0
 """
+)
+
+#: KEYS: slots. ARGV: now_ms, expiry_ms, slots_ttl_ms, member... (this process's live
+#: sessions of the name). Returns the slots held now.
+_REFRESH: Final = (
+    _DROP_EXPIRED
+    + """
+for i = 4, #ARGV do
+  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return redis.call('ZCARD', KEYS[1])
+"""
+)
 
 #: KEYS: day. ARGV: seconds, ttl_s. Returns the day's total (as a string).
 _CHARGE: Final = """
@@ -66,6 +92,33 @@ local total = redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return total
 """
+
+#: KEYS: epoch. ARGV: a new id, taken when Redis has none. Returns the epoch.
+_EPOCH: Final = """
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return epoch
+"""
+
+#: KEYS: day, minute. ARGV: day seconds, day ttl_s, minute sessions, minute ttl_s.
+#: Raises each count to the given one; never lowers it.
+_RESEED: Final = """
+if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+end
+if tonumber(ARGV[3]) > tonumber(redis.call('GET', KEYS[2]) or '0') then
+  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
+end
+return 0
+"""
+
+#: What the admission script answers when Redis does not hold the caller's epoch.
+_RESEED_FIRST: Final = 4
+#: Seconds a minute counter lives (two windows: it is read only in its own).
+_MINUTE_TTL: Final = 120
 
 _REFUSED: Final = {
     1: QuotaKind.AUDIO_SECONDS_PER_DAY,
@@ -100,6 +153,9 @@ class _Backend:
     client: Any
     admit: Any
     charge: Any
+    refresh: Any
+    epoch: Any
+    reseed: Any
     up: bool = True
     errors: int = field(default=0)
 
@@ -111,6 +167,7 @@ class QuotaGate:
         metrics: where rejections, ended sessions and the backend state go.
         redis_url: ``quota_redis_url`` (None: counts per process).
         timeout: ``quota_redis_timeout`` (seconds per Redis call).
+        max_connections: ``quota_redis_max_connections`` (the pool's bound).
         slot_ttl: ``quota_slot_ttl`` (seconds a slot lives without a check).
         wall: wall clock (Unix seconds); minutes and days are UTC.
     """
@@ -121,6 +178,7 @@ class QuotaGate:
         *,
         redis_url: str | None = None,
         timeout: float = 0.25,
+        max_connections: int = 16,
         slot_ttl: float = 30.0,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -132,6 +190,10 @@ class QuotaGate:
         self._book = LocalQuotaBook()
         self._live: dict[str, _Live] = {}
         self._process = uuid.uuid4().hex[:12]
+        #: The Redis epoch whose counts include this process's (None: none seen yet).
+        self._epoch: str | None = None
+        #: name -> (UTC day, the last shared day total Redis answered for it).
+        self._seen: dict[str, tuple[int, float]] = {}
         self._backend: _Backend | None = None
         if redis_url:
             # Only with quota_redis_url (the redis extra).
@@ -140,19 +202,29 @@ class QuotaGate:
             from redis.backoff import NoBackoff
             from redis.exceptions import ConnectionError as RedisConnectionError
 
-            client = aioredis.Redis.from_url(
+            # Bounded: a call that finds every connection busy waits for one (within
+            # quota_redis_timeout, which bounds the whole call anyway).
+            pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url,
+                max_connections=max_connections,
+                timeout=timeout,
                 socket_timeout=timeout,
                 socket_connect_timeout=timeout,
                 # One reconnect for a pooled connection a restarted Redis closed;
                 # quota_redis_timeout still bounds the whole call.
                 retry=Retry(NoBackoff(), 1),
                 retry_on_error=[RedisConnectionError],
-                retry_on_timeout=False,
                 decode_responses=True,
+                client_name="omni-sidecar",
             )
+            client = aioredis.Redis.from_pool(pool)
             self._backend = _Backend(
-                client, client.register_script(_ADMIT), client.register_script(_CHARGE)
+                client,
+                client.register_script(_ADMIT),
+                client.register_script(_CHARGE),
+                client.register_script(_REFRESH),
+                client.register_script(_EPOCH),
+                client.register_script(_RESEED),
             )
 
     # -- views -------------------------------------------------------------------------
@@ -216,29 +288,39 @@ class QuotaGate:
         refused: QuotaRefusal | None = None
         decided = False
         backend = self._backend
-        if backend is not None and backend.up:
+        # A second try only after a reseed (Redis lost its data since the last check).
+        for _attempt in range(2):
+            if backend is None or not backend.up:
+                break
             try:
-                result = await self._call(
-                    backend.admit(
-                        keys=self._keys(name, wall),
-                        args=[
-                            int(wall * 1000),
-                            int((wall + self.slot_ttl) * 1000),
-                            member,
-                            quota.max_sessions,
-                            quota.sessions_per_minute,
-                            quota.audio_seconds_per_day,
-                            120,
-                            int(self.slot_ttl * 2000),
-                        ],
+                result = int(
+                    await self._call(
+                        backend.admit(
+                            keys=[*self._keys(name, wall), _EPOCH_KEY],
+                            args=[
+                                int(wall * 1000),
+                                int((wall + self.slot_ttl) * 1000),
+                                member,
+                                quota.max_sessions,
+                                quota.sessions_per_minute,
+                                quota.audio_seconds_per_day,
+                                _MINUTE_TTL,
+                                int(self.slot_ttl * 2000),
+                                self._epoch or "",
+                            ],
+                        )
                     )
                 )
             except _BackendDown:
-                pass
-            else:
-                decided = True
-                kind = _REFUSED.get(int(result))
-                refused = None if kind is None else refusal_for(kind, quota, wall)
+                break
+            if result == _RESEED_FIRST:
+                if not await self._sync_epoch(backend, wall):
+                    break
+                continue
+            decided = True
+            kind = _REFUSED.get(result)
+            refused = None if kind is None else refusal_for(kind, quota, wall)
+            break
         if decided:
             if refused is None:
                 self._book.admit(name, KeyQuota(), wall)  # this process's view, always kept
@@ -294,6 +376,10 @@ class QuotaGate:
         backend = self._backend
         if backend is not None and not backend.up:
             await self._reconnect(backend)
+        if backend is not None and backend.up:
+            # Before any charge: a Redis that lost its data gets this process's counts
+            # back first. Also the round trip that notices a Redis gone while idle.
+            await self._sync_epoch(backend, wall)
         by_name: dict[str, float] = {}
         for live in self._live.values():
             if live.meter is None:
@@ -310,25 +396,82 @@ class QuotaGate:
             live.ended = True
             self._metrics.quota_sessions_ended.labels(self._metrics.usage_key(live.name)).inc()
             live.end(f"the key's audio_seconds_per_day ({limit:g} s) is used up for today (UTC)")
-        if backend is not None and backend.up:
-            if self._live:
-                await self._refresh_slots(backend, wall)
-            else:
-                # Idle: still notice a Redis that went away before a handshake does.
-                with contextlib.suppress(_BackendDown):
-                    await self._call(backend.client.ping())
+        if backend is not None and backend.up and self._live:
+            await self._refresh_slots(backend, wall)
 
     async def _refresh_slots(self, backend: _Backend, wall: float) -> None:
-        """Push live sessions' slot expiry ahead (and put back any Redis lost)."""
-        expiry = int((wall + self.slot_ttl) * 1000)
-        pipe = backend.client.pipeline(transaction=False)
+        """Drop expired slots, push live sessions' expiry ahead (and put back any Redis lost)."""
+        members: dict[str, list[str]] = {}
         for live in self._live.values():
-            pipe.zadd(self._slots(live.name), {live.member: expiry})
-            pipe.pexpire(self._slots(live.name), int(self.slot_ttl * 2000))
-        try:
+            members.setdefault(live.name, []).append(live.member)
+        now_ms, expiry = int(wall * 1000), int((wall + self.slot_ttl) * 1000)
+        pipe = backend.client.pipeline(transaction=False)
+        for name, held in members.items():
+            await backend.refresh(
+                keys=[self._slots(name)],
+                args=[now_ms, expiry, int(self.slot_ttl * 2000), *held],
+                client=pipe,
+            )
+        with contextlib.suppress(_BackendDown):
             await self._call(pipe.execute())
+
+    async def _sync_epoch(self, backend: _Backend, wall: float) -> bool:
+        """Make sure Redis holds this process's counts; False when Redis did not answer.
+
+        Redis without this process's epoch lost what it held (a restart without
+        persistence, a flush): each named key's day and minute counts are raised
+        to what this process knows and its live slots put back, then the epoch
+        is taken as this process's.
+        """
+        try:
+            epoch = str(await self._call(backend.epoch(keys=[_EPOCH_KEY], args=[uuid.uuid4().hex])))
         except _BackendDown:
-            pass
+            return False
+        if epoch == self._epoch:
+            return True
+        try:
+            reseeded = await self._reseed(backend, wall)
+        except _BackendDown:
+            return False
+        if self._live:
+            await self._refresh_slots(backend, wall)
+        if self._epoch is not None:
+            self._metrics.quota_backend_reseeds.inc()
+            log.warning(
+                "quota backend: redis lost the quota counts (restarted or flushed); "
+                "reseeded %d key names from this process's counts",
+                reseeded,
+            )
+        self._epoch = epoch
+        return True
+
+    async def _reseed(self, backend: _Backend, wall: float) -> int:
+        """Raise each named key's day and minute counts in Redis to what this process knows.
+
+        What it knows of a day: its own count, or the last shared total Redis
+        answered it, whichever is higher (never lower than its own count).
+        Returns how many names were sent.
+        """
+        day = day_window(wall)
+        pipe = backend.client.pipeline(transaction=False)
+        names = 0
+        for name in self.quotas:
+            used = self._book.audio_used(name, wall)
+            seen_day, seen = self._seen.get(name, (day, 0.0))
+            if seen_day == day:
+                used = max(used, seen)
+            minute = self._book.sessions_this_minute(name, wall)
+            if used <= 0 and minute <= 0:
+                continue
+            await backend.reseed(
+                keys=[self._day(name, wall), self._minute(name, wall)],
+                args=[f"{used:.6f}", 2 * SECONDS_PER_DAY, minute, _MINUTE_TTL],
+                client=pipe,
+            )
+            names += 1
+        if names:
+            await self._call(pipe.execute())
+        return names
 
     async def _reconnect(self, backend: _Backend) -> None:
         try:
@@ -353,7 +496,9 @@ class QuotaGate:
             )
         except _BackendDown:
             return local
-        return float(total)
+        shared = float(total)
+        self._seen[name] = (day_window(wall), shared)
+        return shared
 
     async def _call(self, awaitable: Any) -> Any:
         """One Redis call under ``quota_redis_timeout``; any failure marks Redis down."""
@@ -375,11 +520,11 @@ class QuotaGate:
     # -- keys -------------------------------------------------------------------------------
 
     def _keys(self, name: str, wall: float) -> list[str]:
-        return [
-            self._slots(name),
-            f"{_PREFIX}minute:{name}:{minute_window(wall)}",
-            self._day(name, wall),
-        ]
+        return [self._slots(name), self._minute(name, wall), self._day(name, wall)]
+
+    @staticmethod
+    def _minute(name: str, wall: float) -> str:
+        return f"{_PREFIX}minute:{name}:{minute_window(wall)}"
 
     @staticmethod
     def _slots(name: str) -> str:

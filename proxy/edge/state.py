@@ -119,6 +119,7 @@ class ProxyState:
             self.metrics,
             redis_url=self.settings.quota_redis_url,
             timeout=self.settings.quota_redis_timeout,
+            max_connections=self.settings.quota_redis_max_connections,
             slot_ttl=self.settings.quota_slot_ttl,
         )
         self.quota.quotas = quotas
@@ -136,6 +137,7 @@ class ProxyState:
             EdgeLimits.from_settings(self.settings),
             self.reject_connection,
             lambda outcome: self.metrics.lingering_closes.labels(outcome).inc(),
+            self.protocol_violation,
         )
         self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
         self.metrics.lingering_connections.set_function(lambda: self.edge.lingering)
@@ -179,6 +181,17 @@ class ProxyState:
         if self.router is not None:
             wait = self.router.retry_after(time.monotonic()) or wait
         return str(max(1, math.ceil(wait)))
+
+    def refused_at_accept(self, reason: str, count: int) -> None:
+        """Count connections the listener closed at accept (it logs them, rate-limited)."""
+        self.metrics.rejected_connections.labels(reason).inc(count)
+
+    def protocol_violation(self, reason: str, address: str) -> None:
+        """Count and log one client connection failed (1002) for a WebSocket protocol violation."""
+        self.metrics.client_protocol_violations.labels(reason).inc()
+        log.warning(
+            "client %s violated the WebSocket protocol (%s): closed 1002", address or "?", reason
+        )
 
     def reject_connection(self, reason: str, status: int, address: str) -> None:
         """Count and log one connection or request refused at the edge (docs/security.md)."""

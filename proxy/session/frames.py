@@ -4,7 +4,8 @@ The proxy writes text, ping, pong and close frames to clients itself (see
 :mod:`proxy.session.writer`). Frames from a server are never masked
 (RFC 6455 §5.1) and never fragmented here: every message is one final frame.
 The upstream link writes its text frames itself too, masked (a client's frames
-always are): :func:`masked_frame_header`.
+always are): :func:`masked_frame_header`. A client's frames are checked for
+their mask bit (:class:`FrameHeaders`, used by ``proxy.compat.install_mask_check``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "OP_PING",
     "OP_PONG",
     "OP_TEXT",
+    "FrameHeaders",
     "close_payload",
     "frame_header",
     "masked_frame_header",
@@ -91,3 +93,55 @@ def close_payload(code: int, reason: bytes = b"") -> bytes:
         except UnicodeDecodeError:
             reason = reason[:-1]
     return _PACK_CODE(code) + reason
+
+
+class FrameHeaders:
+    """Walks the RFC 6455 frame headers of a byte stream, skipping the payloads.
+
+    Only the headers are read (two bytes, the extended length, the mask key);
+    payload bytes are counted, never looked at. :meth:`unmasked_at` says where
+    the first frame without the mask bit starts.
+    """
+
+    __slots__ = ("_partial", "_skip")
+
+    def __init__(self) -> None:
+        #: The start of a header split across reads (at most 13 bytes).
+        self._partial = b""
+        #: Payload bytes of the current frame still to come.
+        self._skip = 0
+
+    def unmasked_at(self, data: bytes) -> int:
+        """Offset in ``data`` of the first unmasked frame's header; -1 when every header
+        seen so far has the mask bit (a header begun in an earlier read counts as 0)."""
+        pos, end = 0, len(data)
+        while True:
+            skip = self._skip
+            if skip:
+                if skip >= end - pos:
+                    self._skip = skip - (end - pos)
+                    return -1
+                pos += skip
+                self._skip = 0
+            if pos >= end:
+                return -1
+            start = pos - len(self._partial)
+            head = self._partial + data[pos : pos + 14 - len(self._partial)]
+            if len(head) < 2:
+                self._partial = head
+                return -1
+            second = head[1]
+            if not second & 0x80:
+                return max(0, start)
+            length = second & 0x7F
+            size = 2 + (2 if length == 126 else 8 if length == 127 else 0) + 4
+            if len(head) < size:
+                self._partial = head
+                return -1
+            if length == 126:
+                length = int.from_bytes(head[2:4], "big")
+            elif length == 127:
+                length = int.from_bytes(head[2:10], "big")
+            pos += size - len(self._partial)
+            self._partial = b""
+            self._skip = length

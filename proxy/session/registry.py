@@ -383,3 +383,23 @@ class SessionRegistry:
             "playback": playback,
             "playback_lead_ms": lead_ms,
         }
+
+    def last_engine_frame(self, engine: int) -> float | None:
+        """When a frame of engine replica ``engine`` last reached one of its live sessions.
+
+        The event loop's monotonic seconds (what the relay's timers read), the
+        latest over the replica's live sessions; None when it has none. The
+        supervisor asks it before it restarts an engine whose health fails
+        (docs/design.md, Engine supervision): frames still flowing mean busy,
+        not dead. Pongs count: they come from the engine's own event loop.
+        """
+        latest: float | None = None
+        for key, relay in self.relays.items():
+            observer = self._observers.get(key)
+            timers = getattr(relay, "timers", None)
+            if observer is None or observer.engine != engine or timers is None:
+                continue
+            at: float = timers.last_upstream_frame
+            if latest is None or at > latest:
+                latest = at
+        return latest

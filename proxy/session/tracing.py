@@ -10,6 +10,8 @@ exporter and the bounds: docs/design.md, Tracing.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -27,6 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from proxy.core.events import ClientEvent, ClientKind, EventKind, UpstreamEvent
 
 __all__ = [
+    "EXPORT_AT_EXIT_SECONDS",
     "GEN_AI_OPERATION",
     "MAX_OPEN_RESPONSE_SPANS",
     "MAX_PENDING_CREATES",
@@ -34,6 +37,12 @@ __all__ = [
     "SessionTrace",
 ]
 
+log = logging.getLogger("omni_sidecar.tracing")
+
+#: Seconds the export of queued spans may take at exit; what is not exported by
+#: then is dropped (one WARNING), so SIGTERM exits within drain_timeout plus a few
+#: seconds even when the collector does not answer.
+EXPORT_AT_EXIT_SECONDS: Final = 3.0
 #: ``gen_ai.operation.name``: the semantic conventions' well-known value for
 #: multimodal generation (a realtime response is audio and text out).
 GEN_AI_OPERATION: Final = "generate_content"
@@ -81,9 +90,30 @@ class OtlpTracing:
         parent = self._propagator.extract(headers)
         return SessionTrace(self._tracer, self._propagator, parent, key, model)
 
-    def shutdown(self) -> None:
-        """Export what is queued (bounded by ``OTEL_EXPORTER_OTLP_TIMEOUT``) and stop."""
-        self._provider.shutdown()
+    def shutdown(self, timeout: float = EXPORT_AT_EXIT_SECONDS) -> None:
+        """Export what is queued, for at most ``timeout`` seconds, and stop.
+
+        The SDK's shutdown runs in a daemon thread of its own; when it is not done
+        in time (a collector that refuses or never answers) the process goes on
+        to exit without it, and the spans it still held are lost.
+        """
+        done = threading.Event()
+
+        def export_and_stop() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                done.set()
+
+        threading.Thread(
+            target=export_and_stop, name="omni-sidecar-trace-exit", daemon=True
+        ).start()
+        if not done.wait(timeout):
+            log.warning(
+                "tracing: the span export did not finish within %.0f s at exit (is the "
+                "collector reachable?); the spans not exported yet are dropped",
+                timeout,
+            )
 
 
 class SessionTrace:

@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -21,11 +22,13 @@ import orjson
 from metrics import SidecarMetrics
 from proxy.core.usage import AudioDirection, ResponseOutcome, UsageRecord
 
-__all__ = ["UsageBook", "UsageFile"]
+__all__ = ["FAILURE_LOG_INTERVAL", "UsageBook", "UsageFile"]
 
 log = logging.getLogger(__name__)
 
 _STOP: Final = None
+#: Seconds between two warnings about records the usage file could not take.
+FAILURE_LOG_INTERVAL: Final = 60.0
 
 
 class UsageFile:
@@ -37,6 +40,7 @@ class UsageFile:
         backups: rotated files kept (``path.1`` newest); 0 = truncate instead.
         max_pending: lines queued for the writer; beyond it :meth:`put` drops.
         on_failure: called (from the writer thread) for each line not written.
+        clock: monotonic seconds, for the failure lines' rate (tests inject one).
     """
 
     def __init__(
@@ -47,11 +51,18 @@ class UsageFile:
         backups: int,
         max_pending: int,
         on_failure: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
         self._on_failure = on_failure
+        self._clock = clock
+        #: Records lost since the last line said so, and since writes last worked.
+        self._lost_unreported = 0
+        self._lost = 0
+        #: When the last failure line was logged (None: writes work).
+        self._warned_at: float | None = None
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, name="omni-sidecar-usage", daemon=True)
         self._thread.start()
@@ -77,6 +88,14 @@ class UsageFile:
             while True:
                 line = self._queue.get()
                 if line is None:
+                    if self._lost_unreported:
+                        log.warning(
+                            "usage file %s: %d records lost since the last warning, "
+                            "%d in all, when the writer stopped",
+                            self.path,
+                            self._lost_unreported,
+                            self._lost,
+                        )
                     return
                 try:
                     if handle is None:
@@ -91,9 +110,11 @@ class UsageFile:
                     handle.write(line)
                     handle.flush()
                     size += len(line)
+                    if self._warned_at is not None:
+                        self._recovered()
                 except OSError as exc:
                     self._on_failure()
-                    log.warning("usage file %s: cannot write a record: %s", self.path, exc)
+                    self._failed(exc)
                     if handle is not None:
                         with contextlib.suppress(OSError):
                             handle.close()
@@ -102,6 +123,44 @@ class UsageFile:
             if handle is not None:
                 with contextlib.suppress(OSError):
                     handle.close()
+
+    def _failed(self, exc: OSError) -> None:
+        """One record lost: logged at once the first time, then at most once a minute."""
+        self._lost += 1
+        self._lost_unreported += 1
+        now = self._clock()
+        if self._warned_at is None:
+            log.warning(
+                "usage file %s: cannot write a record (%s); records are lost until it can "
+                "(omni_sidecar_usage_records_dropped_total counts them; at most one more "
+                "line a minute)",
+                self.path,
+                exc,
+            )
+        elif now - self._warned_at >= FAILURE_LOG_INTERVAL:
+            log.warning(
+                "usage file %s: still cannot write (%s): %d records lost since the last "
+                "warning, %d in all",
+                self.path,
+                exc,
+                self._lost_unreported,
+                self._lost,
+            )
+        else:
+            return
+        self._warned_at = now
+        self._lost_unreported = 0
+
+    def _recovered(self) -> None:
+        """A record was written after failures: say how many were lost in all."""
+        log.warning(
+            "usage file %s: writing again; %d records were lost (%d since the last warning)",
+            self.path,
+            self._lost,
+            self._lost_unreported,
+        )
+        self._warned_at = None
+        self._lost = self._lost_unreported = 0
 
     def _rotate(self) -> None:
         if self.backups <= 0:

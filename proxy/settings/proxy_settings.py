@@ -147,6 +147,17 @@ class Settings(ServingSettings):
         maximum=5.0,
         section=_AUTH,
     )
+    quota_redis_max_connections: int = setting(
+        16,
+        help="Most Redis connections this process opens for quota calls (connections). A "
+        "call that finds every one busy waits for one within its quota_redis_timeout; one "
+        "still waiting then fails like any late call (counted in "
+        "omni_sidecar_quota_backend_errors_total, local counts until Redis answers a check).",
+        unit="connections",
+        minimum=1,
+        maximum=1024,
+        section=_AUTH,
+    )
     quota_slot_ttl: float = setting(
         30.0,
         help="Seconds a session's concurrent slot lives in Redis without a heartbeat; live "

@@ -2,7 +2,7 @@
 
 The expected table below is written out independently of ``TRANSITIONS`` so
 that a changed transition fails here and must be changed in both places (the
-table is part of the contract docs/design.md, Engine supervision, describes). Each of the 7 × 10
+table is part of the contract docs/design.md, Engine supervision, describes). Each of the 8 × 11
 pairs is applied to a fresh machine: a legal pair lands in its target state,
 an illegal one raises ``InvalidTransition`` naming the state and the
 observation and leaves the state unchanged.
@@ -38,12 +38,22 @@ EXPECTED: dict[tuple[EngineState, Observation], EngineState] = {
     (S.READY, O.UNHEALTHY): S.RESTARTING,
     (S.READY, O.EXITED): S.RESTARTING,
     (S.READY, O.STOP): S.STOPPING,
+    # The limit reached while its frames still reach sessions: degraded, not restarted.
+    (S.READY, O.BUSY): S.DEGRADED,
     # Unhealthy: recovers on one good poll.
     (S.UNHEALTHY, O.HEALTH_OK): S.READY,
     (S.UNHEALTHY, O.HEALTH_FAILED): S.UNHEALTHY,
     (S.UNHEALTHY, O.UNHEALTHY): S.RESTARTING,
+    (S.UNHEALTHY, O.BUSY): S.DEGRADED,
     (S.UNHEALTHY, O.EXITED): S.RESTARTING,
     (S.UNHEALTHY, O.STOP): S.STOPPING,
+    # Degraded: a good poll makes it ready; still busy keeps it; no frames or an
+    # exit restarts it. Below the limit it never is (failures only reset on a good poll).
+    (S.DEGRADED, O.HEALTH_OK): S.READY,
+    (S.DEGRADED, O.BUSY): S.DEGRADED,
+    (S.DEGRADED, O.UNHEALTHY): S.RESTARTING,
+    (S.DEGRADED, O.EXITED): S.RESTARTING,
+    (S.DEGRADED, O.STOP): S.STOPPING,
     # Restarting: backoff elapsed, or the budget is spent.
     (S.RESTARTING, O.RESTART): S.STARTING,
     (S.RESTARTING, O.GIVE_UP): S.FAILED,
@@ -104,13 +114,19 @@ def test_apply(pair: tuple[EngineState, Observation]) -> None:
 
 def test_illegal_pairs_are_exactly_the_rest() -> None:
     illegal = [p for p in ALL_PAIRS if p not in EXPECTED]
-    assert len(ALL_PAIRS) == 70
-    assert len(illegal) == 70 - len(EXPECTED) == 46
+    assert len(ALL_PAIRS) == 88
+    assert len(illegal) == 88 - len(EXPECTED) == 57
 
 
 @pytest.mark.parametrize("state", list(EngineState), ids=lambda s: s.value)
 def test_serving_only_while_ready_or_unhealthy(state: EngineState) -> None:
     assert machine_in(state).serving is (state in SERVING)
+
+
+@pytest.mark.parametrize("state", list(EngineState), ids=lambda s: s.value)
+def test_running_while_serving_or_degraded(state: EngineState) -> None:
+    """A degraded engine keeps its sessions (running) but admits none (not serving)."""
+    assert machine_in(state).running is (state in SERVING or state is S.DEGRADED)
 
 
 def test_a_new_machine_starts_in_starting() -> None:

@@ -57,6 +57,7 @@ class Harness:
         probe: ScriptedProbe | None = None,
         spawner: Spawner | None = None,
         clock: FakeClock | None = None,
+        activity: Any = None,
     ) -> None:
         self.clock = clock or FakeClock()
         self.probe = probe or ScriptedProbe()
@@ -71,6 +72,7 @@ class Harness:
             clock=self.clock,
             spawn=self.spawner,
             probe_factory=self.probe.factory,
+            activity=activity,
         )
 
     def _on_state(self, state: EngineState, cause: Observation, detail: str) -> None:
@@ -182,6 +184,57 @@ async def test_unhealthy_after_exactly_health_failures_consecutive_failures() ->
     # Probes every health_interval (virtual probes take no time).
     assert h.clock.sleeps == [2.0] * (len(script) - 1)
     assert h.spawner.children[0].stops == [7.0]
+
+
+async def test_failing_health_while_frames_flow_degrades_instead_of_restarting() -> None:
+    """docs/design.md, Engine supervision: busy is not dead. The limit reached while
+    the engine's frames still reach its sessions: DEGRADED (kept, admitting nothing
+    new), asked again at each failed probe, READY again on a good one; the same
+    limit once the frames stopped (none within failures × interval): restarted."""
+    frames_until = {"probe": 7}  # the engine's frames reach a session up to probe 7
+
+    def activity() -> float | None:
+        return h.clock.now() - 1.0 if h.probe.calls <= frames_until["probe"] else 0.0
+
+    script = [True, True, False, False, False, False, True, False, False, False]
+    h = Harness(
+        command(max_restarts=0),
+        probe=ScriptedProbe(script, default=HANG),
+        activity=activity,
+    )
+    with pytest.raises(RestartBudgetExhausted):
+        await finish(h.start())
+    assert h.states == [
+        (S.READY, O.READY),
+        (S.READY, O.HEALTH_OK),
+        (S.UNHEALTHY, O.HEALTH_FAILED),
+        (S.UNHEALTHY, O.HEALTH_FAILED),
+        (S.DEGRADED, O.BUSY),  # the third failure, frames 1 s ago: kept
+        (S.DEGRADED, O.BUSY),  # still failing, still busy
+        (S.READY, O.HEALTH_OK),  # health answers again
+        (S.UNHEALTHY, O.HEALTH_FAILED),
+        (S.UNHEALTHY, O.HEALTH_FAILED),
+        (S.RESTARTING, O.UNHEALTHY),  # the limit again, no frame since probe 7
+        (S.FAILED, O.GIVE_UP),
+    ]
+    # Degraded admits nothing new; its engine was not stopped under its sessions.
+    assert h.serving == [True] * 4 + [False, False] + [True] * 3 + [False, False]
+    assert h.spawner.children[0].stops == [7.0]  # once: at the restart, not before
+    assert len(h.spawner.children) == 1
+
+
+async def test_frames_older_than_the_failure_window_do_not_keep_an_engine() -> None:
+    """A last frame longer ago than health_failures × health_interval (6 s here) is
+    not busy: the engine is restarted at the limit as without sessions."""
+    h = Harness(
+        command(max_restarts=0),
+        probe=ScriptedProbe([True], default=False),
+        activity=lambda: h.clock.now() - 6.5,
+    )
+    with pytest.raises(RestartBudgetExhausted):
+        await finish(h.start())
+    assert (S.DEGRADED, O.BUSY) not in h.states
+    assert h.states[-2] == (S.RESTARTING, O.UNHEALTHY)
 
 
 @pytest.mark.parametrize("limit", [1, 2, 4])

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,6 +120,19 @@ class TestNotifier:
         assert notifier.address is None
         assert notifier.notify("READY=1") is False
         assert notifier.status("x") is False
+
+    def test_a_reader_that_is_behind_never_blocks_the_sender(
+        self, notify_socket: tuple[socket.socket, str]
+    ) -> None:
+        """The sender runs on the event loop: once the reader's queue is full, a
+        notification is dropped (False) at once instead of waiting for room."""
+        sock, address = notify_socket
+        notifier = Notifier({"NOTIFY_SOCKET": address})
+        started = time.monotonic()
+        sent = [notifier.status(f"n={n}") for n in range(200)]
+        assert time.monotonic() - started < 2.0
+        assert sent[0] is True and sent[-1] is False
+        assert receive(sock) == b"STATUS=n=0"
 
     def test_nothing_to_send(self, notify_socket: tuple[socket.socket, str]) -> None:
         sock, address = notify_socket

@@ -28,7 +28,12 @@ class Served(SidecarChild):
     """A running ``serve`` child (and the simulator behind it, when the test made one)."""
 
     def __init__(
-        self, log_dir: Path, *flags: str, sim: SimulatorChild | None, env: dict[str, str]
+        self,
+        log_dir: Path,
+        *flags: str,
+        sim: SimulatorChild | None,
+        env: dict[str, str],
+        prefix: tuple[str, ...] = (),
     ) -> None:
         port = free_port()
         super().__init__(
@@ -38,6 +43,7 @@ class Served(SidecarChild):
             log_path=log_dir / f"serve-{port}.log",
             stop_grace=STOP_GRACE,
             ready_timeout=3 * DEADLINE,
+            prefix=prefix,
         )
         self.sim = sim
 
@@ -88,15 +94,17 @@ def serve(
     *flags: str,
     sim: SimulatorChild | None = None,
     env: dict[str, str] | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> Iterator[Served]:
     """Start ``serve --upstream upstream *flags`` (keepalive off); stop it on exit.
 
-    ``env`` is added to the clean environment (e.g. ``OTEL_*`` variables).
+    ``env`` is added to the clean environment (e.g. ``OTEL_*`` variables);
+    ``prefix`` goes in front of the command (e.g. ``prlimit --nofile=64:64 --``).
     Readiness is the caller's: ``await ready(server)``.
     """
     server = Served(
         tmp_path, "--upstream", upstream, "--heartbeat-interval", "0", *flags,
-        sim=sim, env=env or {},
+        sim=sim, env=env or {}, prefix=prefix,
     )  # fmt: skip
     server.start()
     try:

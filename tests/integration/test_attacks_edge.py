@@ -677,22 +677,25 @@ async def test_past_the_byte_cap_reading_stops_until_lingering_time(tmp_path: Pa
 
 
 async def test_a_client_that_keeps_sending_is_closed_at_lingering_time(tmp_path: Path) -> None:
-    limit = 1.0
+    """Every byte heard restarts the quiet clock: a client that sends more often than
+    ``lingering_timeout`` is read until ``lingering_time``, never closed as quiet."""
+    limit, quiet = 1.5, 0.3
     with served(
         tmp_path,
         "--max-request-head-bytes", "1024",
-        "--lingering-time", str(limit), "--lingering-timeout", "60",
+        "--lingering-time", str(limit), "--lingering-timeout", str(quiet),
     ) as server:  # fmt: skip
         await ready(server)
         sock, answer = await answered(server.port)
         answered_at = time.monotonic()
         assert status_of(answer) == 431
-        with sock:  # 1 KB every 20 ms: never quiet, far under the byte cap
+        with sock:  # 1 KB every 20 ms: never quiet for 300 ms, far under the byte cap
             sent = await send_until_closed(sock, b"z" * 1024, 20 * MS)
         elapsed = time.monotonic() - answered_at
         print(f"\nlingering_time {limit:g} s: closed after {elapsed:.2f} s, {sent} B sent")
-        assert 0.8 * limit <= elapsed < limit + 2.0
+        assert 0.8 * limit <= elapsed < limit + 2.0, elapsed
         assert await server.gauge(lingered("time_limit")) == 1
+        assert await server.gauge(lingered("quiet")) == 0
 
 
 async def test_a_quiet_client_is_closed_after_lingering_timeout(tmp_path: Path) -> None:
@@ -785,3 +788,55 @@ async def test_an_error_answer_with_the_cap_full_closes_at_once(tmp_path: Path) 
         assert status_of(answer) == 503
         assert await server.gauge(lingered("no_room")) == 1
         assert await server.gauge("omni_sidecar_lingering_connections") == 0
+
+
+async def test_running_out_of_file_descriptors_is_counted_and_logged_once(
+    tmp_path: Path,
+) -> None:
+    """The sidecar runs under ``RLIMIT_NOFILE`` 64 (``prlimit``, in front of its
+    command) and an attacker opens 120 connections. Those it has no descriptor
+    for are closed at once (EOF, not a hang in the backlog), each counted in
+    ``rejected_connections_total{reason="fd_limit"}``, with one log line for
+    the lot; once the attacker leaves, the listener accepts again."""
+    limit, opened = 64, 120
+    with (
+        module_simulator("--realtime-factor", "0") as sim,
+        serve(tmp_path, sim.ws_url, prefix=("prlimit", f"--nofile={limit}:{limit}", "--")) as server,
+    ):  # fmt: skip
+        await ready(server)
+        held = [await open_raw(server.port) for _ in range(opened)]
+        # The sidecar runs out: the first connections it cannot take are closed at once.
+        await wait_until(
+            lambda: any(reader.at_eof() for reader, _ in held), what="a connection closed at once"
+        )
+
+        async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+            """200 from a connection the sidecar took, 0 from one it closed at once."""
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            try:
+                return status_of(await read_answer(reader))
+            finally:
+                writer.close()
+
+        statuses = await asyncio.gather(*(ask(reader, writer) for reader, writer in held))
+        refused = statuses.count(0)
+        # Each either answered or closed at once (those answered free descriptors, so
+        # how many of the rest still find none depends on the machine's pace).
+        assert statuses.count(200) + refused == opened, sorted(set(statuses))
+        assert refused >= 1, refused
+        # Read once the attacker's connections are gone: the admin listener needs a
+        # descriptor too.
+        await wait_until(
+            lambda: _equals(server.rejected("fd_limit"), refused),
+            what=f"{refused} fd_limit refusals counted",
+        )
+        lines = [line for line in server.log().splitlines() if "accept() failed (EMFILE" in line]
+        print(f"\nRLIMIT_NOFILE {limit}: {refused} of {opened} connections closed at once, "
+              f"{len(lines)} log line(s)")  # fmt: skip
+        assert len(lines) == 1, lines
+        assert f"RLIMIT_NOFILE {limit}" in lines[0]
+        assert await healthz_on_a_new_connection(server.port) == 200
+        async with connect(server.ws) as client:
+            await client.send({"type": "session.update", "session": {}})
+            await client.recv_until("session.updated")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.conftest import DEADLINE
+from tests.conftest import DEADLINE, wait_until
+from tests.integration.helpers import RawWebSocket, connect, request_response
 
 
 async def _response(reader: asyncio.StreamReader) -> bytes:
@@ -43,3 +44,36 @@ async def test_a_declined_upgrade_leaves_the_next_head_guarded(
             assert b" 431 " in answer.split(b"\r\n", 1)[0], answer[:200]
     finally:
         writer.close()
+
+
+async def test_an_unmasked_client_frame_closes_that_session_with_1002(
+    simulator: Any, sidecar: Any
+) -> None:
+    """RFC 6455 §5.1: a client must mask every frame, and a server must close the
+    connection on one that is not. After a real upgrade, an unmasked text frame
+    (a valid event, were it masked) is not taken: the client gets close 1002 and
+    nothing else, the violation is counted once, and another session goes on."""
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url)
+    series = ("omni_sidecar_client_protocol_violations_total", {"reason": "unmasked_frame"})
+    async with connect(proxy.url) as healthy:
+        await request_response(healthy, open_session=True)
+        await healthy.recv_until("response.done")
+        raw = await RawWebSocket.connect(proxy.url)
+        try:
+            # A masked frame first (taken), then in the same write an unmasked one.
+            raw.send_frame(0x1, b'{"type":"session.update","session":{}}')
+            event = b'{"type":"session.update","session":{"modalities":["text"]}}'
+            raw.writer.write(bytes([0x81, len(event)]) + event)
+            events, code = await raw.read_until_close()
+        finally:
+            raw.writer.close()
+        assert code == 1002, (code, events)
+        # At most the masked frame's answer; the unmasked one reached nobody.
+        assert len([e for e in events if e["type"] == "session.updated"]) <= 1, events
+        await wait_until(lambda: proxy.metric(*series) == 1, what="the violation counted")
+        # The other session is untouched.
+        await request_response(healthy)
+        await healthy.recv_until("response.done")
+        assert healthy.close_code is None
+    assert proxy.metric(*series) == 1

@@ -333,6 +333,37 @@ async def test_a_full_engine_is_answered_503_before_the_upgrade_then_not_touched
         assert "error" not in holder.types()
 
 
+async def test_retry_after_is_rounded_up_so_a_client_that_obeys_it_reaches_the_engine(
+    full_sim: Any, sidecar: Any
+) -> None:
+    """``Retry-After`` is whole seconds: the remaining backoff rounded *up*. A
+    client that waits exactly that long finds the backoff over and its handshake
+    goes to the engine again; rounded down, it would come back early and be
+    refused from the backoff once more, without the engine being asked."""
+    backoff = 1.5
+    proxy = await sidecar(
+        upstream=full_sim.ws_url, engine_full_backoff=backoff, engine_open_wait=10.0
+    )
+    url = f"{proxy.url}?model={MODEL}"
+    async with connect(url) as holder:
+        assert (await holder.recv())["type"] == "session.created"
+        status, headers, _took = await _handshake(url)  # the engine says full: backoff starts
+        assert status == 503
+        first = int(headers["Retry-After"])
+        assert first == 2, f"{backoff} s of backoff left is Retry-After 2, not {first}"
+        connects = proxy.metric("omni_sidecar_upstream_connects_total")
+        status, headers, _took = await _handshake(url)  # within the backoff: not asked
+        assert status == 503
+        retry = int(headers["Retry-After"])
+        assert proxy.metric("omni_sidecar_upstream_connects_total") == connects
+        await asyncio.sleep(retry)  # the client obeys Retry-After to the second
+        status, _headers, _took = await _handshake(url)
+        assert status == 503  # still full (the holder is there), but the engine said so
+        assert proxy.metric("omni_sidecar_upstream_connects_total") == connects + 1, (
+            f"Retry-After {retry} sent the client back before the backoff ended"
+        )
+
+
 async def test_a_full_engine_that_says_so_after_the_upgrade_is_passed_on_and_backed_off(
     full_sim: Any, sidecar: Any
 ) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.conftest import DEADLINE, wait_until
@@ -216,3 +217,47 @@ async def test_sighup_applies_new_quotas_and_the_open_count_carries_over(
                 # The first session still counts: 2 open, the third is refused.
                 status, _, body = await _refused(ws)
                 assert (status, body["quota"], body["limit"]) == (429, "max_sessions", 2)
+
+
+async def test_the_day_quota_counts_input_forwarded_plus_output_delivered_not_generated(
+    simulator: Any, sidecar: Any, tmp_path: Path
+) -> None:
+    """docs/design.md, Quotas: ``audio_seconds_per_day`` counts the client's audio
+    forwarded to the engine plus the engine's audio written to the client
+    (``audio_in_seconds + audio_delivered_seconds`` of the usage record), not what
+    the engine generated. Paced playback holds a 5 s answer back and a cancel drops
+    most of it: generated (``audio_out_seconds``) is then far more than delivered."""
+    from tests.integration.test_metrics import admin_json
+
+    sim = await simulator("--realtime-factor", "0", "--response-seconds", "5")
+    usage_file = tmp_path / "usage.jsonl"
+    proxy = await sidecar(
+        upstream=sim.ws_url,
+        api_keys_file=_keys(tmp_path, "audio_seconds_per_day=1000"),
+        quota_check_interval=0.05,
+        max_input_audio_rate=0,
+        playback_pacing=True,
+        usage_file=str(usage_file),
+    )
+    proxy.sidecar.state.quota._wall = lambda: PINNED
+    async with connect(proxy.url, headers=_auth()) as client:
+        await client.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+        for _ in range(10):
+            await client.send({"type": "input_audio_buffer.append", "audio": SILENCE_100MS})
+        await client.send({"type": "input_audio_buffer.commit"})
+        await client.send({"type": "response.create"})
+        await client.recv_until("response.output_audio.delta")
+        await client.send({"type": "response.cancel"})
+        await client.recv_until("response.done")
+    await wait_until(lambda: usage_file.exists() and bool(usage_file.read_bytes()), what="a record")
+    (record,) = [orjson.loads(line) for line in usage_file.read_bytes().splitlines()]
+    summary = await admin_json(proxy, "/debug/summary")
+    (alpha,) = summary["quota"]["keys"]
+    counted = alpha["audio_seconds_today"]
+    delivered = record["audio_in_seconds"] + record["audio_delivered_seconds"]
+    generated = record["audio_in_seconds"] + record["audio_out_seconds"]
+    print(
+        f"\nday quota counted {counted} s: in + delivered {delivered:.3f}, in + out {generated:.3f}"
+    )
+    assert record["audio_out_seconds"] >= record["audio_delivered_seconds"] + 2.0, record
+    assert counted == pytest.approx(delivered, abs=0.002)

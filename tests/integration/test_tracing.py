@@ -30,7 +30,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from tests.aiohttp_private import bound_port
-from tests.conftest import DEADLINE, wait_until
+from tests.conftest import DEADLINE, free_port, wait_until
 from tests.fakes.scripted_engine import ScriptedEngine
 from tests.integration.helpers import AUDIO_DELTA, REPO_ROOT, clean_env, connect, run_cli
 from tests.integration.served import Served, ready, serve
@@ -276,6 +276,44 @@ async def test_overflow_is_an_event_and_an_error_end(
     assert "output_backpressure" in events(r1)
     # Up to 200 audio deltas: one session span and one response span.
     assert len(collector.spans) == 2
+
+
+async def test_sigterm_with_a_dead_collector_exits_within_a_few_seconds(
+    tmp_path: Path, engine: ScriptedEngine
+) -> None:
+    """The collector's port refuses connections. The spans of one session are still
+    queued at SIGTERM; the SDK alone would retry them for OTEL_EXPORTER_OTLP_TIMEOUT
+    (10 s) per batch after "stopped". The export at exit gets EXPORT_AT_EXIT_SECONDS,
+    so with nothing to drain the process exits within 5 s, status 0, and says why."""
+    from proxy.session.tracing import EXPORT_AT_EXIT_SECONDS
+
+    dead = free_port()  # nothing listens there
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}",
+        "OTEL_BSP_SCHEDULE_DELAY": "60000",  # queued until the exit
+        "OTEL_SDK_DISABLED": "false",
+    }
+    with serve(tmp_path, engine.ws_url, "--tracing", "otlp", env=env) as server:
+        await ready(server)
+        async with connect(server.ws) as client:
+            conn = await engine.next_connection()
+            await conn.send({"type": "session.created", "session": {"id": "sess_dead"}})
+            await conn.send({"type": "response.created", "response": {"id": "r1"}})
+            await conn.send({"type": "response.done", "response": {"id": "r1"}})
+            await client.recv_until("response.done")
+        await wait_until(lambda: _none_live(server), what="no session left")
+        started = time.monotonic()
+        status = await stop(server)
+        took = time.monotonic() - started
+        print(f"\nSIGTERM with a dead collector: exit {status} after {took:.2f} s")
+        assert status == 0
+        assert took < 5.0, took
+        assert took >= EXPORT_AT_EXIT_SECONDS * 0.9, "the export at exit was not even tried"
+        assert "the span export did not finish" in server.log()
+
+
+async def _none_live(server: Served) -> bool:
+    return await server.live_sessions() == 0
 
 
 async def test_tracing_off_exports_nothing(

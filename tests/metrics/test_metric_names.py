@@ -122,6 +122,11 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_quota_sessions_ended": ("counter", {"key": (d.UNNAMED_KEY,)}),
     "omni_sidecar_quota_backend_down": ("gauge", {}),
     "omni_sidecar_quota_backend_errors": ("counter", {}),
+    "omni_sidecar_quota_backend_reseeds": ("counter", {}),
+    "omni_sidecar_client_protocol_violations": (
+        "counter",
+        {"reason": d.CLIENT_PROTOCOL_VIOLATIONS},
+    ),
 }
 
 #: The original design's metrics, verbatim (exposition names, with their labels).
@@ -296,6 +301,9 @@ def test_core_enums_match_the_label_enums() -> None:
     from proxy.core import quota_rules as quota
 
     assert tuple(v.value for v in quota.QuotaKind) == d.QUOTA_KINDS
+    from proxy import compat
+
+    assert (compat.UNMASKED_FRAME,) == d.CLIENT_PROTOCOL_VIOLATIONS
 
 
 def test_every_sample_has_the_prefix(exposition: str) -> None:

@@ -9,14 +9,17 @@ lengths straddle the three length forms of RFC 6455 §5.2.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
 from proxy.compat import websocket_mask
-from proxy.session.frames import OP_PING, OP_TEXT, masked_frame_header
+from proxy.session.frames import OP_PING, OP_TEXT, FrameHeaders, masked_frame_header
 
 #: Payload length -> how the length is written (second byte's low 7 bits).
 LENGTHS = {0: 0, 1: 1, 125: 125, 126: 126, 65535: 126, 65536: 127, 70_000: 127}
@@ -80,3 +83,51 @@ def test_websocket_mask_is_an_involution_at_every_alignment() -> None:
         assert bytes(data) == expected
         websocket_mask(mask, data)
         assert bytes(data) == original
+
+
+# -- the mask check's header walk (RFC 6455 §5.1) ---------------------------------------
+
+
+def _frame(length: int, masked: bool) -> bytes:
+    """One text frame of ``length`` payload bytes, in the shortest length form."""
+    head = bytearray([0x81])
+    flag = 0x80 if masked else 0
+    if length < 126:
+        head.append(flag | length)
+    elif length < 1 << 16:
+        head += bytes([flag | 126]) + length.to_bytes(2, "big")
+    else:
+        head += bytes([flag | 127]) + length.to_bytes(8, "big")
+    if masked:
+        head += b"\x01\x02\x03\x04"
+    return bytes(head) + b"\x81" * length  # payload bytes that look like headers
+
+
+@given(
+    frames=st.lists(
+        st.tuples(st.sampled_from([0, 1, 125, 126, 200, 65535, 65536, 70_000]), st.booleans()),
+        min_size=1,
+        max_size=6,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=8),
+)
+def test_the_header_walk_finds_the_first_unmasked_frame_however_the_bytes_arrive(
+    frames: list[tuple[int, bool]], cuts: list[int]
+) -> None:
+    stream = b"".join(_frame(length, masked) for length, masked in frames)
+    expected, at = -1, 0
+    for length, masked in frames:
+        if not masked:
+            expected = at
+            break
+        at += len(_frame(length, masked))
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    walk = FrameHeaders()
+    for start, end in itertools.pairwise(points):
+        hit = walk.unmasked_at(stream[start:end])
+        if hit >= 0:
+            # Its header began in this read, or (at 0) in an earlier one.
+            assert 0 <= expected < end, (hit, expected, start, end)
+            assert hit == max(0, expected - start), (hit, expected, start)
+            return
+    assert expected == -1, f"no unmasked frame found; the one at {expected} was missed"

@@ -1,0 +1,286 @@
+"""The client listener's accept loop: a process out of file descriptors says so.
+
+With uvloop (the sidecar's event loop) libuv accepts and at once closes every
+connection it has no file descriptor for, and tells no one; asyncio's own loop
+logs one ERROR per failed ``accept()`` and stops accepting for a second. Either
+way clients failed while the sidecar's metrics and log stayed quiet. So the
+client listener accepts its connections itself (:class:`EdgeSite`, in place of
+aiohttp's ``TCPSite``):
+
+- It binds as ``loop.create_server`` does (every address of the host, ``SO_REUSEADDR``,
+  IPv6 sockets v6-only) and listens with a backlog of :data:`BACKLOG` connections.
+- Each accepted socket is handed to the loop with aiohttp's connection factory
+  (``loop.connect_accepted_socket``), which is all ``create_server`` does with it.
+- When ``accept()`` fails for lack of descriptors (EMFILE: the process's
+  ``RLIMIT_NOFILE``; ENFILE: the system's), the listener gives up the one
+  descriptor it keeps in reserve (``/dev/null``), accepts and at once closes the
+  connections waiting in the backlog (each client sees its connection closed,
+  instead of hanging in the backlog until its own timeout), then takes the
+  reserve back. Each is counted in
+  ``omni_sidecar_rejected_connections_total{reason="fd_limit"}``. One WARNING
+  says so at once, then at most one every :data:`FD_LIMIT_LOG_INTERVAL` seconds
+  with the count since the previous line.
+- Without its reserve (taken meanwhile), or when ``accept()`` fails for lack of
+  memory (ENOBUFS, ENOMEM), the listener stops accepting for
+  :data:`ACCEPT_RETRY_DELAY` seconds (the kernel keeps the connections in the
+  backlog meanwhile, up to :data:`BACKLOG`; beyond it they are refused by the
+  kernel), logged the same rate-limited way.
+
+Nothing here touches aiohttp's internals: ``web.BaseSite`` and
+``BaseRunner.server`` are its public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import resource
+import socket
+from collections.abc import Callable
+from typing import Any, Final
+
+from aiohttp import web
+
+__all__ = [
+    "ACCEPT_RETRY_DELAY",
+    "BACKLOG",
+    "FD_LIMIT_LOG_INTERVAL",
+    "EdgeSite",
+    "Listener",
+    "bind",
+]
+
+log = logging.getLogger("omni_sidecar.edge.listener")
+
+#: Connections the kernel queues for the listener before refusing more (connections).
+BACKLOG: Final = 128
+#: Seconds accepting pauses when no connection can be taken (no reserve, no memory).
+ACCEPT_RETRY_DELAY: Final = 1.0
+#: Seconds between two warnings about connections refused for lack of resources.
+FD_LIMIT_LOG_INTERVAL: Final = 60.0
+#: The ``rejected_connections_total`` reason of a connection closed for lack of descriptors.
+FD_LIMIT: Final = "fd_limit"
+_NO_DESCRIPTOR: Final = frozenset({errno.EMFILE, errno.ENFILE})
+_NO_MEMORY: Final = frozenset({errno.ENOBUFS, errno.ENOMEM})
+
+Refused = Callable[[str, int], None]
+"""``refused(reason, count)``: count connections refused at the accept (no log line)."""
+
+
+def bind(host: str | None, port: int, backlog: int = BACKLOG) -> list[socket.socket]:
+    """Listening sockets for ``host:port``, as ``loop.create_server`` binds them.
+
+    Raises:
+        OSError: an address could not be bound (every socket opened is closed).
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen: set[tuple[Any, ...]] = set()
+    try:
+        for family, kind, proto, _name, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _take_reserve() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+class Listener:
+    """Accepts on ``sockets`` and hands each connection to ``factory``'s protocol.
+
+    Args:
+        sockets: bound, listening, non-blocking sockets (owned from here on).
+        factory: the protocol factory (aiohttp's ``web.Server``).
+        refused: counts connections refused for lack of descriptors.
+    """
+
+    def __init__(
+        self, sockets: list[socket.socket], factory: Callable[[], Any], refused: Refused
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.sockets = sockets
+        self._factory = factory
+        self._refused = refused
+        self._reserve = _take_reserve()
+        self._handovers: set[asyncio.Task[Any]] = set()
+        self._paused: dict[int, asyncio.TimerHandle] = {}
+        #: Connections refused since the last warning, and when that was (None: never).
+        self._unreported = 0
+        self._warned_at: float | None = None
+        self._closed = False
+        for sock in sockets:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _accept(self, sock: socket.socket) -> None:
+        for _ in range(BACKLOG):
+            try:
+                conn, _address = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno in _NO_DESCRIPTOR and self._reserve is not None:
+                    self._shed(sock, exc)
+                elif exc.errno in _NO_DESCRIPTOR or exc.errno in _NO_MEMORY:
+                    self._pause(sock, exc)
+                else:
+                    log.warning("client listener: accept() failed: %s", exc)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._hand_over(conn))
+            self._handovers.add(task)
+            task.add_done_callback(self._handovers.discard)
+
+    async def _hand_over(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._factory, conn)
+        except Exception as exc:  # noqa: BLE001 - one connection lost, never the listener
+            log.debug("client listener: a connection could not be set up: %s", exc)
+            conn.close()
+
+    def _shed(self, sock: socket.socket, exc: OSError) -> None:
+        """No descriptor for a new connection: close those waiting, with the reserve's."""
+        assert self._reserve is not None
+        os.close(self._reserve)
+        self._reserve = None
+        refused = 0
+        try:
+            while True:
+                try:
+                    conn, _address = sock.accept()
+                except ConnectionAbortedError:
+                    continue
+                except OSError:  # the backlog is empty, or still no descriptor
+                    break
+                conn.close()
+                refused += 1
+        finally:
+            self._reserve = _take_reserve()
+        if refused:
+            self._refused(FD_LIMIT, refused)
+            self._report(exc, refused)
+        else:
+            self._pause(sock, exc)
+
+    def _pause(self, sock: socket.socket, exc: OSError) -> None:
+        """Accept nothing on ``sock`` for ACCEPT_RETRY_DELAY (the backlog holds them)."""
+        self._report(exc, 0, paused=True)
+        fd = sock.fileno()
+        if fd in self._paused or self._closed:
+            return
+        self._loop.remove_reader(fd)
+        self._paused[fd] = self._loop.call_later(ACCEPT_RETRY_DELAY, self._resume, sock)
+
+    def _resume(self, sock: socket.socket) -> None:
+        self._paused.pop(sock.fileno(), None)
+        if self._reserve is None:
+            self._reserve = _take_reserve()
+        if not self._closed:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _report(self, exc: OSError, refused: int, *, paused: bool = False) -> None:
+        """One WARNING at once, then at most one every FD_LIMIT_LOG_INTERVAL seconds."""
+        self._unreported += refused
+        now = self._loop.time()
+        if self._warned_at is not None and now - self._warned_at < FD_LIMIT_LOG_INTERVAL:
+            return
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        log.warning(
+            "client listener: accept() failed (%s; RLIMIT_NOFILE %d): %s; %d connections "
+            "closed at once for lack of descriptors since the %s "
+            '(omni_sidecar_rejected_connections_total{reason="%s"}); next line in %.0f s '
+            "at the earliest",
+            errno.errorcode.get(exc.errno or 0, str(exc)),
+            soft,
+            f"accepting paused for {ACCEPT_RETRY_DELAY:g} s"
+            if paused
+            else "the waiting connections were closed at once",
+            self._unreported,
+            "start" if self._warned_at is None else "last such line",
+            FD_LIMIT,
+            FD_LIMIT_LOG_INTERVAL,
+        )
+        self._warned_at = now
+        self._unreported = 0
+
+    def close(self) -> None:
+        """Stop accepting and close the listening sockets (live connections stay)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._paused.values():
+            handle.cancel()
+        for sock in self.sockets:
+            if sock.fileno() not in self._paused:
+                self._loop.remove_reader(sock.fileno())
+            sock.close()
+        self._paused.clear()
+        for task in self._handovers:
+            task.cancel()
+        if self._reserve is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._reserve)
+            self._reserve = None
+
+
+class EdgeSite(web.BaseSite):
+    """aiohttp's ``TCPSite`` for the client listener, with :class:`Listener` accepting.
+
+    Args:
+        runner: the client application's runner (set up).
+        host, port: where to listen (port 0: a free one).
+        refused: counts connections refused for lack of descriptors.
+    """
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, refused: Refused) -> None:
+        super().__init__(runner, backlog=BACKLOG)
+        self._app_runner = runner
+        self._host = host
+        self._port = port
+        self._on_refused = refused
+        self._listener: Listener | None = None
+
+    @property
+    def name(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """The listening sockets (empty before ``start`` and after ``stop``)."""
+        return [] if self._listener is None else list(self._listener.sockets)
+
+    async def start(self) -> None:
+        server = self._app_runner.server
+        assert server is not None, "the runner is set up before its site starts"
+        sockets = bind(self._host, self._port)  # a bind error leaves nothing registered
+        await super().start()
+        self._listener = Listener(sockets, server, self._on_refused)
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        await super().stop()
