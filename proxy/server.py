@@ -408,6 +408,11 @@ class Sidecar:
         log.info("shutting down: draining %d sessions", len(self.sessions.relays))
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         self.admission.draining = True
+        # A resume would be refused from now on: a session held for one ends now.
+        self.sessions.draining = True
+        for relay in list(self.sessions.relays.values()):
+            if relay.detached:
+                relay.shutdown()
         await self._drain()
         self.sessions.closing_all = True
         for relay in list(self.sessions.relays.values()):

@@ -67,7 +67,7 @@ class Tracing(Protocol):
         """Start a session's span, a child of the client's ``traceparent`` if any."""
 
     def shutdown(self) -> None:
-        """Export what is queued (bounded by the exporter's timeout) and stop."""
+        """Export what is queued (at most ``EXPORT_AT_EXIT_SECONDS``) and stop."""
 
 
 class _Capabilities(Protocol):
@@ -83,6 +83,8 @@ class Registry(Protocol):
     metrics: SidecarMetrics
     total_cancels: int
     on_engine_full: Callable[[int | None], None]
+    #: The sidecar drains: a client that drops now is not held for a resume.
+    draining: bool
 
     @property
     def capabilities(self) -> _Capabilities: ...
@@ -206,6 +208,10 @@ class SessionObserver:
             if self.tracer is not None:
                 self.tracer.upstream_event(event)
         self.u2c_bytes += event.size
+
+    def may_hold(self) -> bool:
+        """A client that dropped may be held for a resume (not while the sidecar drains)."""
+        return not self._registry.draining
 
     def upstream_invalid(self, size: int) -> None:
         """An engine frame that is not part of the protocol (binary)."""

@@ -25,6 +25,7 @@ from proxy.core.usage import UNNAMED_KEY
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
 from proxy.session.observer import SessionObserver, SessionTracer
+from proxy.session.timers import SessionTimers
 from proxy.session.upstream_link import UpstreamLink
 
 __all__ = ["RECENT_CLOSED_SESSIONS", "CapabilityBook", "SessionRegistry"]
@@ -40,6 +41,9 @@ class Relay(Protocol):
     view: SessionView
     started_at: float
     upstream: UpstreamLink
+    timers: SessionTimers
+    #: The client dropped and the session is held for a resume.
+    detached: bool
     log: logging.LoggerAdapter[logging.Logger]
 
     def shed(self) -> None: ...
@@ -130,6 +134,8 @@ class SessionRegistry:
         self._resume_waits: dict[str, int] = {}
         #: Set at shutdown: a session admitted after it is told to close at once.
         self.closing_all = False
+        #: Set when the sidecar starts to drain: no session is held for a resume.
+        self.draining = False
         # Read at scrape time: no gauge update on the per-event path.
         metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
         metrics.output_pending_events.set_function(lambda: self.total_pending_events)
@@ -396,10 +402,11 @@ class SessionRegistry:
         latest: float | None = None
         for key, relay in self.relays.items():
             observer = self._observers.get(key)
-            timers = getattr(relay, "timers", None)
-            if observer is None or observer.engine != engine or timers is None:
+            if observer is None or observer.engine != engine:
                 continue
-            at: float = timers.last_upstream_frame
+            at = relay.timers.last_upstream_frame
+            if at <= relay.started_at:
+                continue  # nothing from the engine yet: a session just opened says nothing
             if latest is None or at > latest:
                 latest = at
         return latest

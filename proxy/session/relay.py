@@ -137,10 +137,6 @@ class Relay:
         """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
         self._shutting_down = True
         self._end(EndReason.SHUTDOWN)
-        if self.detached:  # nobody to deliver to: the session ends now
-            self.detached = False
-            self.core.client_gone()
-            self._wake.set()
 
     def end_for_quota(self, message: str) -> None:
         """The key's day audio quota ran out: ``error`` {quota_exceeded}, then 1008."""
@@ -257,7 +253,8 @@ class Relay:
             return  # a superseded connection's reader ended
         side.ended.set()
         now = self._clock()
-        dropped = not side.reader.closed_cleanly and not self._shutting_down
+        dropped = not (side.reader.closed_cleanly or self._shutting_down)
+        dropped = dropped and self._observer.may_hold()
         if not side.replaced and self.core.client_ended(now, dropped=dropped):
             self.detached = True
             self.log.info("client dropped; held for a resume")
@@ -384,12 +381,15 @@ class Relay:
     async def _held(self) -> bool:
         """While the session is held for a resume: True once another connection attached."""
         side = self.side
-        while self.detached and self.core.state is not _CLOSED:
+        while self.detached and self.core.state is _OPEN:
             await self._ping_if_due()
             self._wake.clear()
             self._attached.clear()
-            if self.detached and self.core.state is not _CLOSED:
+            if self.detached and self.core.state is _OPEN:
                 await first_set(self._wake, self._attached)
+        if self.detached:  # it ended while held (shutdown, replaced): nobody to tell
+            self.detached = False
+            self.core.client_ended(self._clock(), dropped=False)
         return self.side is not side
 
     async def _ping_if_due(self) -> None:

@@ -264,3 +264,115 @@ async def test_duplex_client_resumes_when_its_connection_is_cut_mid_response(
     assert audio == b"".join(base64.b64decode(e["delta"]) for e in deltas)
     assert second[-1]["type"] == "session.closed"
     assert await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total") == 1
+
+
+async def test_duplex_client_resumes_through_the_sidecar_when_its_connection_is_cut(
+    vllm_omni: VllmOmni, duplex_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """The client, unmodified and with its default ReconnectPolicy, talks to the
+    sidecar; its first TCP connection is cut (no FIN, no close) after the first
+    audio delta of its second response, the first having been cancelled. The
+    sidecar holds the session, the client resumes with ``session.resume``, and
+    the sidecar replays what it missed: every event after its cursor once, the
+    response completes, and nothing of the cancelled response comes after."""
+    import websockets
+
+    proxy = await sidecar(upstream=duplex_sim.ws_url, playback_ack="off", client_resume_grace=30)
+    host, port = proxy.sidecar.bound["listen"]
+    engine_resumes = await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total")
+    duplex = vllm_omni.client
+    received: list[tuple[int, dict[str, Any]]] = []  # (connection number, event), in order
+    sent: list[tuple[int, dict[str, Any]]] = []
+    cancelled: list[str] = []
+    relays: list[CuttableRelay] = []
+
+    class Recorder:
+        def __init__(self, ws: Any, number: int) -> None:
+            self.ws, self.number = ws, number
+
+        async def send(self, data: str) -> None:
+            sent.append((self.number, json.loads(data)))
+            await self.ws.send(data)
+
+        async def recv(self) -> str | bytes:
+            data = await self.ws.recv()
+            if isinstance(data, str):
+                event = json.loads(data)
+                received.append((self.number, event))
+                second = event.get("response_id") not in (None, *cancelled)
+                if self.number == 1 and event["type"] == AUDIO_DELTA and second and cancelled:
+                    relays[0].cut()  # mid-response: four more deltas to come
+            return data
+
+        async def close(self) -> None:
+            await self.ws.close()
+
+    connections = 0
+
+    async def connect(target: str) -> Recorder:
+        nonlocal connections
+        connections += 1
+        if connections == 1:  # only the first connection goes through the relay
+            target = target.replace(f":{port}/", f":{relays[0].port}/")
+        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+
+    tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
+    async with CuttableRelay(port) as relay:
+        relays.append(relay)
+        client = duplex.DuplexClient(
+            f"ws://{host}:{port}", model=MODEL, heartbeat_interval_s=None, connect=connect
+        )
+        async with asyncio.timeout(DEADLINE * 4), client:
+            responses = client.responses()
+            await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+            await client.commit()
+            async with asyncio.timeout(DEADLINE):
+                first = await anext(responses)
+                await anext(first.audio())
+                cancelled.append(first.response_id)
+                await client.cancel_response()
+                await first.wait(DEADLINE)
+            await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+            await client.commit()
+            async with asyncio.timeout(DEADLINE * 2):
+                handle = await anext(responses)
+                audio = b"".join([chunk async for chunk in handle.audio()])
+                await handle.wait()
+        assert client._closed_marker is not None and client._closed_marker.expected
+
+    assert connections == 2, "one cut, one resume"
+    before = [e for n, e in received if n == 1]
+    after = [e for n, e in received if n == 2]
+    cursor = max(e["server_event_seq"] for e in before if "server_event_seq" in e)
+    (resume,) = [e for n, e in sent if e["type"] == "session.resume"]
+    assert resume["last_received_server_event_seq"] == cursor
+    assert after[0]["type"] == "session.resumed"
+    assert AUDIO_DELTA in [e["type"] for e in after], "the cut came mid-response"
+    # Exactly once: every seq after the cut is new, in order; the only missing ones
+    # are what the sidecar dropped on purpose (the cancelled response's late audio).
+    seqs = [e["server_event_seq"] for _, e in received if "server_event_seq" in e]
+    assert seqs == sorted(set(seqs)), "no event twice"
+    assert min(e["server_event_seq"] for e in after if "server_event_seq" in e) > cursor
+    dropped = sum(
+        proxy.metric("omni_sidecar_dropped_events_total", {"reason": reason})
+        for reason in ("late_audio", "cancelled_audio")
+    )
+    assert len(set(range(1, seqs[-1] + 1)) - set(seqs)) == dropped
+    # The response completed with all its audio, once.
+    assert handle.done_event.raw["response"]["status"] == "completed"
+    deltas = [
+        e
+        for _, e in received
+        if e["type"] == AUDIO_DELTA and e["response_id"] == handle.response_id
+    ]
+    assert len(deltas) == CHUNKS
+    assert audio == b"".join(base64.b64decode(e["delta"]) for e in deltas)
+    # Nothing of the cancelled response after its cancel went out, on either connection.
+    assert [n for n, e in sent if e["type"] == "response.cancel"] == [1]
+    late = [e for n, e in received if n == 2 and e.get("response_id") == cancelled[0]]
+    assert not [e for e in late if e["type"] == AUDIO_DELTA]
+    assert proxy.metric("omni_sidecar_dropped_events_total", {"reason": "late_audio"}) >= 1
+    assert after[-1]["type"] == "session.closed"
+    # The sidecar held and resumed it; the engine never saw the drop.
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
+    assert await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total") == engine_resumes

@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     SimulatorChild,
     connect,
     module_simulator,
+    sim_metric,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -219,3 +220,104 @@ async def test_a_client_that_closes_cleanly_is_not_held(
         await client.ws.close()  # a close frame: the client meant to leave
     await wait_until(lambda: not registry.relays, what="the session ended at once")
     assert registry.detached() == 0
+
+
+async def test_a_resume_needs_no_slot_of_its_own_and_a_new_session_then_is_refused_in_band(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path
+) -> None:
+    """max_sessions 1, held by the dropped session: its resume is admitted (it takes
+    that slot back, not another), while a new session of the same key at that
+    moment is refused after its upgrade, with an ``error`` and 1013."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha\n")
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        api_keys_file=str(keys),
+        max_sessions=1,
+        playback_ack="off",
+    )
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    async with _dropped_mid_response(proxy, headers=own) as (created, cursor, _):
+        async with connect(_url(proxy), headers=own) as newcomer:
+            await newcomer.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+            refusal = await newcomer.recv()
+            await newcomer.recv_until_closed()
+        assert refusal["type"] == "error"
+        assert refusal["error"]["code"] == "capacity"
+        assert newcomer.close_code == 1013
+        async with connect(_url(proxy), headers=own) as client:
+            await client.send(_resume(created, cursor))
+            assert (await client.recv())["type"] == "session.resumed"
+            done = await client.recv_until("response.done")
+            assert done["response"]["status"] == "completed"
+    assert proxy.metric("omni_sidecar_sessions_rejected_total", {"reason": "capacity"}) == 1
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
+
+
+async def test_a_resume_another_sidecar_holds_goes_to_the_engine_replica_that_has_it(
+    simulator: Any, sidecar: Any
+) -> None:
+    """Two sidecars in front of the same two engines (a fleet whose router sent the
+    resume elsewhere). The session lives on the second engine; the other sidecar
+    does not hold it, so it passes the resume on: to its first replica, which does
+    not know the session, then to the second, which resumes it and replays. The
+    sidecar that held it sees ``session.replaced`` and lets go without closing the
+    engine's session."""
+    from engine_launcher.engine_config import EngineConfig
+
+    args = ("--chunk-ms", "200", "--realtime-factor", "1", "--response-seconds", "2")
+    first, second = await simulator(*args), await simulator(*args)
+    engine = EngineConfig(
+        kind="external", upstreams=(first.ws_url, second.ws_url), health_interval=0.2
+    )
+    holder = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off")
+    other = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off")
+    for proxy in (holder, other):
+        await wait_until(
+            lambda p=proxy: p.sidecar.router.states == ["ready", "ready"],  # type: ignore[misc]
+            what="both engines ready",
+        )
+    async with connect(_url(holder)) as on_first:  # placed on engine 0: the next goes to 1
+        await _open(on_first)
+        async with _dropped_mid_response(holder) as (created, cursor, _):
+            registry = holder.sidecar.state.registry
+            (held,) = [r for r in registry.relays.values() if r.view.detached_at is not None]
+            assert registry.detail(held.key)["engine"] == 1
+            async with connect(_url(other)) as client:
+                await client.send(_resume(created, cursor))
+                resumed = await client.recv()
+                assert resumed["type"] == "session.resumed", resumed
+                done = await client.recv_until("response.done")
+                assert done["response"]["status"] == "completed"
+                seqs = [e["server_event_seq"] for e in client.events if "server_event_seq" in e]
+                assert seqs == list(range(cursor + 1, cursor + 1 + len(seqs))), (cursor, seqs)
+                (moved,) = other.sidecar.state.registry.relays.values()
+                assert other.sidecar.state.registry.detail(moved.key)["engine"] == 1
+                await wait_until(lambda: held.key not in registry.relays, what="holder let go")
+    assert other.metric("omni_sidecar_resumes_total", {"result": "passed_upstream"}) == 1
+    assert await sim_metric(second, "vllm_omni_sim_resumes_total") == 1
+
+
+async def test_a_held_session_ends_when_the_sidecar_drains(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """A drain refuses new connections, resumes too: a session held for one would
+    only hold the drain up until its grace. One held when the drain starts ends at
+    once; one whose client drops during the drain is not held. The engine is
+    asked to close both (nothing stays detached there)."""
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url, client_resume_grace=GRACE, drain_timeout=GRACE
+    )
+    loop = asyncio.get_running_loop()
+    async with _dropped_mid_response(proxy), connect(_url(proxy)) as attached:
+        await _open(attached)
+        started = loop.time()
+        stopping = asyncio.ensure_future(proxy.stop())
+        registry = proxy.sidecar.state.registry
+        await wait_until(lambda: len(registry.relays) == 1, what="the held session ended")
+        abort(attached.ws)  # dropped during the drain
+        assert await stopping == 0
+        stopped = loop.time() - started
+    assert stopped < GRACE / 2, f"the drain waited {stopped:.1f} s for a held session"
+    assert await sim_metric(streaming_sim, "vllm_omni_sim_sessions_detached") == 0
