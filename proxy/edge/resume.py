@@ -31,6 +31,8 @@ from proxy.session.upstream_link import UpstreamLink
 __all__ = ["ResumeRequest", "first_message", "parse_resume", "resume_held", "resume_unknown"]
 
 log = logging.getLogger("omni_sidecar.edge.app")
+#: The access log: one line per session, and one per attachment after the first.
+access_log = logging.getLogger("omni_sidecar.access")
 
 #: What a refused resume gets, whatever the reason (the core's one answer).
 _REFUSED: Final = notices.resume_refused().text
@@ -113,6 +115,8 @@ async def resume_held(
         await _refuse(client, _REFUSED)
         return True
     side = side_for(relay.upstream)
+    previous = relay.side
+    side.follow(previous)
     if not relay.attach(side, request.cursor, secrets.token_urlsafe(24)):
         metrics.resumes.labels("resync_required").inc()
         notice = {
@@ -125,8 +129,28 @@ async def resume_held(
         return True
     metrics.resumes.labels("resumed").inc()
     relay.log.info("session resumed from %s (cursor %d)", side.address or "?", request.cursor)
+    _log_attachment(relay.key, request, previous, side)
     await side.done.wait()
     return True
+
+
+def _log_attachment(
+    key: str, request: ResumeRequest, previous: ClientSide, side: ClientSide
+) -> None:
+    """One access line per attachment after the first: the connection that ended
+    (who, how long, what it was written) and the one that took over."""
+    fields = {
+        "session": key,
+        "engine_session": request.session_id,
+        "client": side.address or "-",
+        "attachment": side.attachment,
+        "cursor": request.cursor,
+        "previous_client": previous.address or "-",
+        "previous_duration_s": round(side.attached_at - previous.attached_at, 3),
+        "previous_events_out": previous.writer.frames_written,
+        "previous_bytes_out": previous.writer.bytes_written,
+    }
+    access_log.info("session resumed", extra=fields)
 
 
 async def _refuse(client: Any, text: str | None) -> None:

@@ -505,8 +505,9 @@ def _log_session_end(relay: Relay, observer: SessionObserver, usage: UsageBook) 
         "duration_s": round(duration, 3),
         "events_in": observer.events_client_to_upstream,
         "bytes_in": observer.c2u_bytes,
-        "events_out": relay.side.writer.frames_written,
-        "bytes_out": relay.side.writer.bytes_written,
+        "events_out": relay.side.frames_written,
+        "bytes_out": relay.side.bytes_written,
+        "attachments": relay.side.attachment,
         "drops": ",".join(f"{k}:{v}" for k, v in sorted(drops.items())) or "none",
         "outcome": outcome,
         # The code the client actually got; "not_sent" when no close frame reached it.

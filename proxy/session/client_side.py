@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import orjson
@@ -55,7 +56,28 @@ class ClientSide:
         self.done = asyncio.Event()
         #: A resume on another connection superseded this one.
         self.replaced = False
+        #: When it became the session's connection (monotonic seconds), and which
+        #: one it is (1: the connection that opened the session).
+        self.attached_at = time.monotonic()
+        self.attachment = 1
+        #: Frames and bytes written to the session's earlier connections.
+        self.earlier_frames = self.earlier_bytes = 0
         self._reader_task: asyncio.Task[None] | None = None
+
+    def follow(self, previous: ClientSide) -> None:
+        """This connection resumes the session ``previous`` served: carry its totals."""
+        self.attachment = previous.attachment + 1
+        self.earlier_frames = previous.earlier_frames + previous.writer.frames_written
+        self.earlier_bytes = previous.earlier_bytes + previous.writer.bytes_written
+
+    @property
+    def frames_written(self) -> int:
+        """Frames written to the client over the session's connections so far."""
+        return self.earlier_frames + self.writer.frames_written
+
+    @property
+    def bytes_written(self) -> int:
+        return self.earlier_bytes + self.writer.bytes_written
 
     def start(self, frames: ClientFrames, tg: asyncio.TaskGroup, name: str) -> None:
         """Start reading the client into ``frames`` (the relay), in the session's TaskGroup."""

@@ -41,6 +41,7 @@ class Relay(Protocol):
     view: SessionView
     started_at: float
     upstream: UpstreamLink
+    side: ClientSide
     timers: SessionTimers
     #: The client dropped and the session is held for a resume.
     detached: bool

@@ -44,7 +44,7 @@ async def test_a_close_frame_that_never_reached_the_client_is_logged_as_such(
     simulator: Any, sidecar: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     sim = await simulator("--realtime-factor", "0")
-    proxy = await sidecar(upstream=sim.ws_url)
+    proxy = await sidecar(upstream=sim.ws_url, client_resume_grace=0)  # not held for a resume
     caplog.set_level(logging.INFO, logger="omni_sidecar.access")
     async with connect(proxy.url) as client:
         await request_response(client, open_session=True)
@@ -56,3 +56,49 @@ async def test_a_close_frame_that_never_reached_the_client_is_logged_as_such(
     (record,) = [r for r in caplog.records if r.name == "omni_sidecar.access"]
     assert vars(record)["close_code"] == "not_sent"
     assert vars(record)["outcome"] == "client_closed"
+
+
+async def test_each_attachment_of_a_resumed_session_has_its_line(
+    simulator: Any, sidecar: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session whose client dropped and resumed: one ``session resumed`` line for
+    the second connection (naming the first, what it was written and how long it
+    lasted), then one ``session end`` counting both connections' output."""
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url, client_resume_grace=30.0)
+    caplog.set_level(logging.INFO, logger="omni_sidecar.access")
+    url = proxy.url + "?duplex=1&autostart=0"
+    async with connect(url) as first:
+        await first.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+        created = await first.recv_until("session.created")
+        await request_response(first)
+        await first.recv_until("response.done")
+        cursor = max(e["server_event_seq"] for e in first.events if "server_event_seq" in e)
+        abort(first.ws)
+    registry = proxy.sidecar.state.registry
+    await wait_until(lambda: registry.detached() == 1, what="the session held")
+    async with connect(url) as second:
+        resume = {
+            "type": "session.resume",
+            "session_id": created["session"]["id"],
+            "resume_token": created["resume_token"],
+            "last_received_server_event_seq": cursor,
+        }
+        await second.send(resume)
+        await second.recv_until("session.resumed")
+        await second.send({"type": "session.close"})
+        await second.recv_until_closed()
+    await wait_until(
+        lambda: any(r.getMessage() == "session end" for r in caplog.records),
+        what="the session end line",
+    )
+    lines = [r for r in caplog.records if r.name == "omni_sidecar.access"]
+    assert [r.getMessage() for r in lines] == ["session resumed", "session end"]
+    resumed, end = (vars(r) for r in lines)
+    assert resumed["session"] == end["session"]
+    assert resumed["attachment"] == 2 and resumed["cursor"] == cursor
+    assert resumed["previous_events_out"] >= len(first.events)  # it read what came in time
+    assert resumed["previous_duration_s"] > 0
+    assert end["attachments"] == 2
+    assert end["events_out"] == resumed["previous_events_out"] + len(second.events)
+    assert end["outcome"] == "client_closed"
