@@ -24,13 +24,21 @@ import asyncio
 import base64
 import contextlib
 import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Self
 
 import pytest
 
-from tests.conftest import DEADLINE, TIMEOUT_FACTOR
-from tests.integration.helpers import SimulatorChild, module_simulator, pcm16_b64, sim_metric
+from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port
+from tests.integration.helpers import (
+    REPO_ROOT,
+    SimulatorChild,
+    module_simulator,
+    pcm16_b64,
+    sim_metric,
+)
 
 if TYPE_CHECKING:
     from tests.integration.vllm_omni_wheel import VllmOmni
@@ -376,3 +384,124 @@ async def test_duplex_client_resumes_through_the_sidecar_when_its_connection_is_
     # The sidecar held and resumed it; the engine never saw the drop.
     assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
     assert await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total") == engine_resumes
+
+
+async def _sidecar_metric(child: Any, name: str) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(f"{child.admin_url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rpartition(" ")[2])
+    return 0.0
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+async def test_duplex_client_resumes_through_the_nginx_example_and_three_sidecars(
+    vllm_omni: VllmOmni, tmp_path: Path
+) -> None:
+    """deploy/nginx/omni-sidecar-lb.conf (ports replaced, a third server line) in front
+    of three sidecars, each with its own engine. The client's URL carries
+    ``affinity``; its first connection (through a relay in front of nginx) is cut
+    mid-response, and its resume, through nginx again, reaches the sidecar that
+    holds the session: resumed there, every event after the cursor once."""
+    from tests.children import SidecarChild
+    from tests.integration.nginx_child import main_config, nginx
+
+    flags = ("--playback-ack", "off", "--client-resume-grace", "30")
+    sidecars = [
+        SidecarChild(
+            *flags,
+            "--engine-simulator-args",
+            " ".join(SIM_ARGS),
+            log_path=tmp_path / f"serve-{n}.log",
+            ready_timeout=3 * DEADLINE,
+            stop_grace=DEADLINE,
+        )
+        for n in range(3)
+    ]
+    listen = free_port()
+    text = (REPO_ROOT / "deploy" / "nginx" / "omni-sidecar-lb.conf").read_text()
+    a, b, c = (s.port for s in sidecars)
+    site = tmp_path / "omni-sidecar-lb.conf"
+    site.write_text(
+        text.replace("server 127.0.0.1:8001 ", f"server 127.0.0.1:{a} ")
+        .replace(
+            "server 127.0.0.1:8002 max_fails=0;",
+            f"server 127.0.0.1:{b} max_fails=0;\n    server 127.0.0.1:{c} max_fails=0;",
+        )
+        .replace("listen 8000;", f"listen 127.0.0.1:{listen};")
+    )
+    duplex = vllm_omni.client
+    received: list[tuple[int, dict[str, Any]]] = []
+    relays: list[CuttableRelay] = []
+
+    class Recorder:
+        def __init__(self, ws: Any, number: int) -> None:
+            self.ws, self.number = ws, number
+
+        async def send(self, data: str) -> None:
+            await self.ws.send(data)
+
+        async def recv(self) -> str | bytes:
+            data = await self.ws.recv()
+            if isinstance(data, str):
+                event = json.loads(data)
+                received.append((self.number, event))
+                if self.number == 1 and event["type"] == AUDIO_DELTA:
+                    relays[0].cut()
+            return data
+
+        async def close(self) -> None:
+            await self.ws.close()
+
+    connections = 0
+
+    async def connect(target: str) -> Recorder:
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            target = target.replace(f":{listen}/", f":{relays[0].port}/")
+        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+
+    import websockets
+
+    with contextlib.ExitStack() as children:
+        for child in sidecars:
+            children.enter_context(child)
+        for child in sidecars:
+            await child.ready()
+        async with (
+            nginx(tmp_path, main_config(tmp_path, site), port=listen, ready_path="/readyz"),
+            CuttableRelay(listen) as relay,
+        ):
+            relays.append(relay)
+            client = duplex.DuplexClient(
+                f"ws://127.0.0.1:{listen}/?affinity=call-7",
+                model=MODEL,
+                heartbeat_interval_s=None,
+                connect=connect,
+            )
+            tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
+            async with asyncio.timeout(DEADLINE * 4), client:
+                responses = client.responses()
+                await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+                await client.commit()
+                async with asyncio.timeout(DEADLINE * 2):
+                    handle = await anext(responses)
+                    await handle.wait()
+            resumed = [
+                await _sidecar_metric(s, 'omni_sidecar_resumes_total{result="resumed"}')
+                for s in sidecars
+            ]
+    assert connections == 2
+    assert sorted(resumed) == [0.0, 0.0, 1.0], "resumed on the sidecar that held it"
+    before = [e for n, e in received if n == 1]
+    after = [e for n, e in received if n == 2]
+    cursor = max(e["server_event_seq"] for e in before if "server_event_seq" in e)
+    assert after[0]["type"] == "session.resumed"
+    seqs = [e["server_event_seq"] for e in after if "server_event_seq" in e]
+    assert seqs == list(range(cursor + 1, cursor + 1 + len(seqs))), (cursor, seqs)
+    assert handle.done_event.raw["response"]["status"] == "completed"
+    assert len([e for _, e in received if e["type"] == AUDIO_DELTA]) == CHUNKS

@@ -208,3 +208,22 @@ async def _count(sidecar: Serve, expected: int) -> bool:
 
 async def _sum_sessions(a: Serve, b: Serve, expected: int) -> bool:
     return await a.sessions() + await b.sessions() == expected
+
+
+def _servers(config: str, upstream: str) -> list[str]:
+    block = config.split(f"upstream {upstream} {{", 1)[1].split("}", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip().startswith("server ")]
+
+
+def test_both_upstream_blocks_list_the_same_sidecars() -> None:
+    # A sidecar missing from the affinity block would get no resumable calls, one
+    # missing from the other no calls without affinity: the two lists are one list.
+    text = LB_EXAMPLE.read_text()
+    assert _servers(text, "omni_sidecars") == _servers(text, "omni_sidecars_by_affinity") != []
+    # The rule itself, broken on purpose: one server line dropped from one block.
+    broken = text.replace(
+        "    server 127.0.0.1:8002 max_fails=0;\n    keepalive 16;\n    keepalive_timeout 5s;\n}",
+        "    keepalive 16;\n    keepalive_timeout 5s;\n}",
+        1,
+    )
+    assert _servers(broken, "omni_sidecars") != _servers(broken, "omni_sidecars_by_affinity")
