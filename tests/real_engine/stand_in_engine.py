@@ -130,13 +130,15 @@ class _Session:
 class StandInEngine:
     """The ``DuplexOmniEngine`` surface ``DuplexOmni`` calls, answered in-process."""
 
-    def __init__(self, pace: Pace = Pace()) -> None:
+    def __init__(self, pace: Pace = Pace(), *, resumable: bool = False) -> None:
         self.pace = pace
         self.duplex_session_config = DuplexSessionRuntimeConfig(max_sessions=16)
+        # resumable: the serving layer issues resume tokens and journals events
+        # (its session_attachment); a resume the sidecar holds never reaches here.
         self.duplex_capabilities = DuplexCapabilities(
             supports_barge_in=True,
             supports_playback_ack=True,
-            supports_session_resume=False,
+            supports_session_resume=resumable,
             chunk_period_ms=pace.chunk_ms,
         )
         self.omni: DuplexOmni | None = None

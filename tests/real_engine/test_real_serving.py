@@ -69,10 +69,8 @@ class RealServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-@pytest.fixture
-async def real_server() -> AsyncIterator[RealServer]:
-    """vLLM-Omni's app (router + duplex handler) on uvicorn, loopback, ephemeral port."""
-    engine = StandInEngine(PACE)
+@contextlib.asynccontextmanager
+async def _serving(engine: StandInEngine) -> AsyncIterator[RealServer]:
     app = build_app(build_omni(engine, model=MODEL))
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
@@ -90,6 +88,21 @@ async def real_server() -> AsyncIterator[RealServer]:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(DEADLINE):
                 await task
+
+
+@pytest.fixture
+async def real_server() -> AsyncIterator[RealServer]:
+    """vLLM-Omni's app (router + duplex handler) on uvicorn, loopback, ephemeral port."""
+    async with _serving(StandInEngine(PACE)) as server:
+        yield server
+
+
+@pytest.fixture
+async def resumable_server() -> AsyncIterator[RealServer]:
+    """The same, its stand-in engine advertising resume: the serving layer's own
+    tokens and journal (``session_attachment``) are in play."""
+    async with _serving(StandInEngine(PACE, resumable=True)) as server:
+        yield server
 
 
 def _client_module() -> Any:
@@ -263,3 +276,81 @@ async def test_openai_ga_client_through_the_sidecar(real_server: RealServer, sid
         assert cancel_ack.truncate is True
     else:
         assert not hasattr(cancel_ack, "truncate")  # 0.30's parser drops the field
+
+
+async def test_duplex_client_resumes_through_the_sidecar_after_a_cut(
+    resumable_server: RealServer, sidecar: Any
+) -> None:
+    """DuplexClient (the installed one, default ReconnectPolicy) through the sidecar
+    to vLLM-Omni's serving layer; its TCP connection is cut after the first audio
+    delta. The sidecar holds the session (the serving layer never sees the drop),
+    the client resumes with the serving layer's own token, and gets every event
+    after its cursor once; the response completes."""
+    import json
+
+    import websockets
+
+    from tests.integration.test_duplex_client import CuttableRelay
+
+    proxy = await sidecar(upstream=resumable_server.ws_url, playback_ack="off")
+    host, port = proxy.sidecar.bound["listen"]
+    received: list[tuple[int, dict[str, Any]]] = []
+    relays: list[CuttableRelay] = []
+
+    class Recorder:
+        def __init__(self, ws: Any, number: int) -> None:
+            self.ws, self.number = ws, number
+
+        async def send(self, data: str) -> None:
+            await self.ws.send(data)
+
+        async def recv(self) -> str | bytes:
+            data = await self.ws.recv()
+            if isinstance(data, str):
+                event = json.loads(data)
+                received.append((self.number, event))
+                if self.number == 1 and event["type"] == AUDIO_DELTA:
+                    relays[0].cut()
+            return data
+
+        async def close(self) -> None:
+            await self.ws.close()
+
+    connections = 0
+
+    async def connect(target: str) -> Recorder:
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            target = target.replace(f":{port}/", f":{relays[0].port}/")
+        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+
+    tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
+    async with CuttableRelay(port) as relay:
+        relays.append(relay)
+        client = _client_module().DuplexClient(
+            f"ws://{host}:{port}", model=MODEL, heartbeat_interval_s=None, connect=connect
+        )
+        async with asyncio.timeout(DEADLINE * 4), client:
+            responses = client.responses()
+            await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+            await client.commit()
+            async with asyncio.timeout(DEADLINE * 2):
+                handle = await anext(responses)
+                await handle.wait()
+    assert connections == 2
+    before = [e for n, e in received if n == 1]
+    after = [e for n, e in received if n == 2]
+    assert before[0]["type"] == "session.created" and before[0].get("resume_token")
+    cursor = max(e["server_event_seq"] for e in before if "server_event_seq" in e)
+    assert after[0]["type"] == "session.resumed"
+    seqs = [e["server_event_seq"] for e in after if "server_event_seq" in e]
+    removed = sum(
+        proxy.metric("omni_sidecar_dropped_events_total", {"reason": reason.value})
+        for reason in DropReason
+    )
+    gaps = set(range(cursor + 1, seqs[-1] + 1)) - set(seqs)
+    assert seqs == sorted(set(seqs)) and min(seqs) > cursor and len(gaps) <= removed
+    assert handle.done_event.raw["response"]["status"] == "completed"
+    assert len([e for _, e in received if e["type"] == AUDIO_DELTA]) == PACE.chunks
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
