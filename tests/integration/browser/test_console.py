@@ -406,3 +406,36 @@ async def test_quota_headroom_is_shown_per_key_name(
     )
     assert secret not in await page.evaluate("document.body.innerText")
     assert page.console_errors() == []
+
+
+async def test_a_session_held_for_a_resume_shows_its_grace(
+    simulator: Any, sidecar: Any, page: Page
+) -> None:
+    """A client that dropped: its row says held and the grace left, and the session's
+    detail says the connection dropped and how long it may still resume."""
+    from tests.aiohttp_private import abort
+
+    sim = await simulator("--realtime-factor", "0")
+    proxy = await sidecar(upstream=sim.ws_url, client_resume_grace=60.0)
+    await open_console(page, proxy)
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(proxy.url + "?duplex=1&autostart=0")
+        await ws.send_str('{"type":"session.update","session":{"modalities":["audio"]}}')
+        created = orjson.loads((await ws.receive(timeout=DEADLINE)).data)
+        assert created["type"] == "session.created"
+        abort(ws)
+        engine_session = created["session"]["id"]
+        held = (
+            f"{rows_with(engine_session)}.filter(tr => tr.children[4].textContent.includes('held'))"
+        )
+        await page.wait_for(f"{held}.length === 1", timeout=APPEAR, what="the held row")
+        state = await page.evaluate(f"{rows_with(engine_session)}[0].children[4].textContent")
+        left = int(state.split("held, ")[1].split(" s left")[0])
+        assert state.startswith("open (held, ") and 50 <= left <= 60, state
+        await page.evaluate(f"{rows_with(engine_session)}[0].click()")
+        await page.wait_for(
+            "document.querySelector('#detail-fields').textContent.includes('held for a resume')",
+            timeout=APPEAR,
+            what="the detail's client connection",
+        )
+    assert page.console_errors() == []

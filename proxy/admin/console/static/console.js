@@ -263,7 +263,7 @@
       tr.appendChild(el("td", s.upstream_session_id || "–", "mono"));
       tr.appendChild(el("td", s.client_address || "–", "mono"));
       tr.appendChild(el("td", duration(s.age_seconds)));
-      tr.appendChild(el("td", s.state, "state-" + s.state));
+      tr.appendChild(el("td", s.state + held(s), "state-" + (s.detached ? "held" : s.state)));
       tr.appendChild(el("td", s.active_response || "–", "mono"));
       tr.appendChild(barCell(s.pending_bytes, budget.pending_bytes, bytes(s.pending_bytes)));
       tr.appendChild(barCell(s.pending_events, budget.pending_events, String(s.pending_events)));
@@ -279,6 +279,11 @@
       th.classList.toggle("sorted-asc", th.dataset.key === key && !state.sortDesc);
       th.classList.toggle("sorted-desc", th.dataset.key === key && state.sortDesc);
     });
+  }
+
+  // A session whose client dropped, held for a resume: how much of its grace is left.
+  function held(s) {
+    return s.detached ? " (held, " + Math.ceil(s.resume_grace_left_seconds) + " s left)" : "";
   }
 
   // -- detail ----------------------------------------------------------------------------
@@ -306,7 +311,10 @@
       ["client", s.client_address || "–"],
       ["started", clock(s.started_at)],
       ["age", duration(s.age_seconds)],
-      ["state", s.state],
+      ["state", s.state + held(s)],
+      ["client connection", s.detached
+        ? "dropped: held for a resume, " + s.resume_grace_left_seconds.toFixed(1) + " s of grace left"
+        : "attached"],
       ["outcome", s.outcome || "–"],
       ["close code", s.close_code === null || s.close_code === undefined ? "–" : s.close_code],
       ["active response", s.active_response || "–"],
