@@ -217,7 +217,7 @@ DEFECTS = [
     ),
     Defect(
         "compat: text pushed while older messages are still queued",
-        "proxy/compat.py",
+        "proxy/compat/internals.py",
         "    if handler is not None and len(queue._buffer):",
         "    if False:",
         "tests/proxy/test_compat.py",

@@ -5,7 +5,7 @@ without a close frame, the port a site bound to port 0 got, the private
 module whose hook the startup check watches. Each one is here, with why it is
 needed; no other module under ``tests/`` or ``bench/`` reaches into aiohttp
 privates (``tests/test_lint.py`` fails when one does). Where the product
-already reaches for the same thing in ``proxy/compat.py`` (its one door into
+already reaches for the same thing in ``proxy/compat/`` (its one door into
 aiohttp, checked against the installed aiohttp when ``serve`` starts), this
 module goes through that helper rather than reaching a second time, so an
 aiohttp that moves the internal breaks the startup check and these tests

@@ -1,7 +1,7 @@
 """The lowest aiohttp that ``pyproject.toml`` allows really runs the proxy.
 
 The proxy reaches into aiohttp internals (every one is named in
-``proxy/compat.py``), and those moved between minor releases: aiohttp 3.10.11
+``proxy/compat/``), and those moved between minor releases: aiohttp 3.10.11
 has no ``ClientWSTimeout`` and no ``send_frame`` writer behind
 ``WebSocketResponse``, and with it every upgrade answered HTTP 500 while the
 old ``aiohttp>=3.9`` pin allowed it. A floor that nobody installs is a guess,
@@ -187,7 +187,7 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
     assert rc == 0, out
     version, missing, package_file = json.loads(out.strip().splitlines()[-1])
     assert version == floor
-    assert missing == [], f"aiohttp {floor} lacks hooks proxy/compat.py needs: {missing}"
+    assert missing == [], f"aiohttp {floor} lacks hooks proxy/compat/ needs: {missing}"
     assert Path(package_file).is_relative_to(env_dir), package_file
 
     log = tmp_path / "serve.log"

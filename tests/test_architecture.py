@@ -399,8 +399,8 @@ def test_checker_sees_imports(source: str, where: str, expected: set[str], tmp_p
 
 # -- no reach into another module's privates (docs/design.md, Code rules (14)) ---------
 
-#: The one door into aiohttp's internals (Code rules (12)): it may reach them all.
-PRIVATE_DOOR = "proxy/compat.py"
+#: The one door into aiohttp's internals (Code rules (12)): its modules may reach them all.
+PRIVATE_DOOR = "proxy/compat/"
 
 #: Underscore names that are public by their owner's documentation: a namedtuple's
 #: methods (``urlsplit(...)._replace``) and ``os._exit`` (exit without cleanup).
@@ -468,7 +468,7 @@ def private_reaches(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
 def test_no_reach_into_another_modules_privates(path: Path) -> None:
     where = str(path.relative_to(ROOT))
-    if where == PRIVATE_DOOR:
+    if where.startswith(PRIVATE_DOOR):
         return
     bad = [
         f"{where}:{line}: {text}"

@@ -10,7 +10,7 @@ them. A test that needs a service runs its own on a free port.
 
 The tests and the benchmarks reach into aiohttp's private parts in one module
 only, ``tests/aiohttp_private.py``, which says why each reach is needed (the
-product's own reaches are ``proxy/compat.py``'s, docs/design.md, Code rules
+product's own reaches are in ``proxy/compat/``, docs/design.md, Code rules
 (12)).
 """
 

@@ -1,33 +1,11 @@
 """The client listener's accept loop: a process out of file descriptors says so.
 
-With uvloop (the sidecar's event loop) libuv accepts and at once closes every
-connection it has no file descriptor for, and tells no one; asyncio's own loop
-logs one ERROR per failed ``accept()`` and stops accepting for a second. Either
-way clients failed while the sidecar's metrics and log stayed quiet. So the
-client listener accepts its connections itself (:class:`EdgeSite`, in place of
-aiohttp's ``TCPSite``):
-
-- It binds as ``loop.create_server`` does (every address of the host, ``SO_REUSEADDR``,
-  IPv6 sockets v6-only) and listens with a backlog of :data:`BACKLOG` connections.
-- Each accepted socket is handed to the loop with aiohttp's connection factory
-  (``loop.connect_accepted_socket``), which is all ``create_server`` does with it.
-- When ``accept()`` fails for lack of descriptors (EMFILE: the process's
-  ``RLIMIT_NOFILE``; ENFILE: the system's), the listener gives up the one
-  descriptor it keeps in reserve (``/dev/null``), accepts and at once closes the
-  connections waiting in the backlog (each client sees its connection closed,
-  instead of hanging in the backlog until its own timeout), then takes the
-  reserve back. Each is counted in
-  ``omni_sidecar_rejected_connections_total{reason="fd_limit"}``. One WARNING
-  says so at once, then at most one every :data:`FD_LIMIT_LOG_INTERVAL` seconds
-  with the count since the previous line.
-- Without its reserve (taken meanwhile), or when ``accept()`` fails for lack of
-  memory (ENOBUFS, ENOMEM), the listener stops accepting for
-  :data:`ACCEPT_RETRY_DELAY` seconds (the kernel keeps the connections in the
-  backlog meanwhile, up to :data:`BACKLOG`; beyond it they are refused by the
-  kernel), logged the same rate-limited way.
-
-Nothing here touches aiohttp's internals: ``web.BaseSite`` and
-``BaseRunner.server`` are its public API.
+:class:`EdgeSite` (in place of aiohttp's ``TCPSite``) binds as
+``loop.create_server`` does, accepts each connection itself and hands it to
+aiohttp's connection factory. When ``accept()`` fails for lack of descriptors it
+spends the one it keeps in reserve to close the waiting connections at once,
+counts each (``rejected_connections_total{reason="fd_limit"}``) and logs at a
+bounded rate; see docs/design.md, Routes and listeners.
 """
 
 from __future__ import annotations

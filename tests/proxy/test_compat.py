@@ -12,6 +12,7 @@ import pytest
 from aiohttp import base_protocol, client_ws, web_runner, web_ws
 
 from proxy import compat
+from proxy.compat import check
 from tests.aiohttp_private import websocket_helpers
 
 TEXT_PUSH_HOOK = (
@@ -71,9 +72,9 @@ def test_a_text_push_that_the_parser_does_not_reach_is_a_missing_hook(
 
 def test_hooks_that_read_attributes_set_in_constructors_see_them() -> None:
     # Attributes assigned in __init__ are checked through the constructor's code.
-    assert compat._assigns(client_ws.ClientWebSocketResponse.__init__, "_writer", "_reader")
-    assert compat._assigns(web_runner.BaseSite.__init__, "_server")
-    assert not compat._assigns(web_runner.BaseSite.__init__, "_no_such_attribute")
+    assert check._assigns(client_ws.ClientWebSocketResponse.__init__, "_writer", "_reader")
+    assert check._assigns(web_runner.BaseSite.__init__, "_server")
+    assert not check._assigns(web_runner.BaseSite.__init__, "_no_such_attribute")
 
 
 def test_serve_exits_2_with_one_line_when_a_hook_is_missing() -> None:
