@@ -3,14 +3,15 @@
 #                  front of the built-in simulator (Ctrl-C stops both)
 #   make test    - the same set-up if missing, then `make lint`, then the whole suite
 # Others:
-#   make setup   - (re)install the project and its test extra into .venv
+#   make setup   - (re)install the project and its test extra into .venv; with a C
+#                  compiler the core and the per-event shell are compiled (mypyc)
 #   make lint    - ruff check + ruff format --check on the whole tree, mypy --strict
 #                  on the product (tests/test_lint.py runs the same checks)
 #   make pytest  - only the test suite
 #   make test-loaded - the whole suite with every core kept busy beside it
 #                  (scripts/cpu_hog.py): what a loaded CI machine does to timing
-#   make native  - compile the I/O-free core (proxy/core) with mypyc: ~13 % less
-#                  sidecar CPU per event; `make pure` goes back to the Python core
+#   make native  - recompile after editing a compiled module (the import refuses a
+#                  stale one); `make pure` removes them: the checkout runs as Python
 # Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/proxy"`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +22,7 @@ PYTEST_ARGS ?=
 #: Two fit the 2-core CI machine: many tests wait on child processes, not on a core.
 PYTEST_WORKERS ?= 2
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
-LINT_PATHS := proxy engine_launcher metrics tests bench scripts
+LINT_PATHS := proxy engine_launcher metrics tests bench scripts setup.py
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 
@@ -64,10 +65,10 @@ bench: $(BIN)/omni-sidecar
 	$(BIN)/python -m bench all
 
 native: $(BIN)/omni-sidecar
-	$(BIN)/python scripts/native_core.py build
+	$(BIN)/python -m pip install --no-deps -e .
 
-pure: $(BIN)/omni-sidecar
-	$(BIN)/python scripts/native_core.py clean
+pure:
+	find proxy \( -name '*.so' -o -name '*.pyd' \) -delete
 
 # The heavier tier against the real vLLM-Omni serving layer (own venv per release, ~9 GB):
 #   make test-real-engine [VLLM_OMNI=0.32.0rc1]
@@ -75,4 +76,5 @@ include mk/real-engine.mk
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
-	rm -f proxy/core/*.so
+	rm -rf build
+	find proxy \( -name '*.so' -o -name '*.pyd' \) -delete

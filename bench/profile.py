@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -31,10 +32,14 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^:()]+)(?::(?P<line>\d+))?\)$")
 
 
 def _short(path: str) -> str:
-    for marker in ("site-packages/", "/work/main/", "python3.11/"):
+    for marker in ("site-packages/", "python3.11/"):
         i = path.find(marker)
         if i >= 0:
             return path[i + len(marker) :]
+    for package in ("/proxy/", "/metrics/", "/engine_launcher/"):  # this tree or a baseline's
+        i = path.rfind(package)
+        if i >= 0:
+            return path[i + 1 :]
     return path
 
 
@@ -70,11 +75,14 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
 
 def profile(ns: argparse.Namespace) -> None:
     pyspy = shutil.which("py-spy") or str(Path(python()).with_name("py-spy"))
-    report = Report("profile", "profile: the sidecar's hot path at real-time pace (py-spy)")
+    # --baseline-tree: profile that checkout's sidecar instead (a before/after pair).
+    config = "sidecar" if ns.baseline_tree is None else "baseline"
+    name = ns.profile_name
+    report = Report(name, f"{name}: the sidecar's hot path at real-time pace (py-spy)")
     from bench.scen_realtime import PROFILES
 
     kind = PROFILES[ns.profile_kind]
-    with Stack(configs=("sidecar",)) as st:
+    with Stack(configs=(config,), baseline_tree=ns.baseline_tree) as st:
         sessions = ns.profile_sessions
         warmup = 4.0
         argv = [
@@ -82,7 +90,7 @@ def profile(ns: argparse.Namespace) -> None:
             "-m",
             "bench.loadclient",
             "--url",
-            st.url("sidecar", kind["query"]),
+            st.url(config, kind["query"]),
             "-c",
             str(sessions),
             "--warmup",
@@ -93,7 +101,7 @@ def profile(ns: argparse.Namespace) -> None:
             str(kind["up_ms"]),
             "--stats-url",
             st.stats_url(),
-            *st.watch_args("sidecar"),
+            *st.watch_args(config),
             "--max-seconds",
             str(int(ns.profile_seconds + 60)),
         ]
@@ -101,9 +109,9 @@ def profile(ns: argparse.Namespace) -> None:
             argv.append("--ack")
         client = start("client", argv, cpu=LOAD_CPU)
         time.sleep(warmup + 1)
-        out = RESULTS_DIR / "profile.txt"
+        out = RESULTS_DIR / f"{name}.txt"
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        log(f"py-spy on sidecar pid {st.procs['sidecar'].pid} for {ns.profile_seconds:g} s")
+        log(f"py-spy on {config} pid {st.procs[config].pid} for {ns.profile_seconds:g} s")
         prefix = ["nice", "-n", str(common.NICE)] if common.NICE else []
         subprocess.run(
             [
@@ -114,7 +122,7 @@ def profile(ns: argparse.Namespace) -> None:
                 pyspy,
                 "record",
                 "--pid",
-                str(st.procs["sidecar"].pid),
+                str(st.procs[config].pid),
                 "--duration",
                 str(int(ns.profile_seconds)),
                 "--rate",
@@ -133,6 +141,14 @@ def profile(ns: argparse.Namespace) -> None:
         client.wait_exit(timeout=ns.profile_seconds + 90)
         result_line = client.log_path.read_text().strip().splitlines()[-1]
     result = __import__("json").loads(result_line)
+    if ns.baseline_tree is None:
+        from proxy.native import CORE_BUILD
+
+        build = f"this checkout, {CORE_BUILD}"
+    else:
+        build = f"the checkout at {ns.baseline_tree} (run as Python)"
+    mode = "--native" if ns.profile_native else "--nonblocking"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     summary = summarize(out.read_text())
     report.raw["summary"] = summary
     report.raw["load"] = result
@@ -142,9 +158,9 @@ def profile(ns: argparse.Namespace) -> None:
         f"{sessions} sessions through the sidecar, {kind['label']}: "
         f"{result['relayed_events'] / result['window_s']:.0f} relayed events/s, sidecar "
         f"{result['cpu_pct'].get('proxy', 0):.0f} % CPU, {us:.1f} µs per relayed event), "
-        f"`py-spy record --rate 200 --nonblocking` for {ns.profile_seconds:g} s: "
+        f"`py-spy record --rate 200 {mode}` for {ns.profile_seconds:g} s: "
         f"{summary['total']} samples (idle time is not sampled, so shares are of busy time). "
-        "Raw collapsed stacks: profile.txt."
+        f"Raw collapsed stacks: {name}.txt. Build: {build}. Load average before: {load}."
     )
     report.para("## Own time (the function itself was running)")
     report.table(
@@ -162,5 +178,8 @@ def profile(ns: argparse.Namespace) -> None:
     )
     path = report.write(
         f"python -m bench profile --profile-sessions {sessions} --profile-kind {ns.profile_kind}"
+        + (" --profile-native" if ns.profile_native else "")
+        + (f" --profile-name {name}" if name != "profile" else "")
+        + (f" --baseline-tree {ns.baseline_tree}" if ns.baseline_tree is not None else "")
     )
     log(f"wrote {path}")

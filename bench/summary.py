@@ -227,7 +227,7 @@ def write_summary(results: dict[str, Any], elapsed: float, command: str) -> str:
         "",
         (
             f"`{command}` took {elapsed / 60:.1f} min, with the sidecar's core built as "
-            f"`{CORE_BUILD}` (`make native` compiles it) and its default engine link (picows). "
+            f"`{CORE_BUILD}` (the install compiles it) and its default engine link (picows). "
             "*Previous round*: the same figure before this round's performance work (aiohttp "
             "engine link, Python core). Details, per-run tables and plots: the other files here."
         ),

@@ -427,7 +427,7 @@ class SidecarMetrics:
         )
         self.usage_keys: set[str] = set()
         self.build = Info(f"{p}_build", "Build information.", registry=registry)
-        # core: "mypyc" (make native) or "python"; both values are ours.
+        # core: "mypyc" (compiled at install) or "python"; both values are ours.
         self.build.info({"version": version, "core": core_build})
         self._init_series()
 

@@ -128,7 +128,7 @@ LINGER_OUTCOMES: Final = (
     "shutdown",
 )
 OVERFLOW_POLICIES: Final = ("close_session", "fail_response", "process_total")
-#: build_info's ``core``: the mypyc-compiled core (make native) or the Python one.
+#: build_info's ``core``: the compiled build (mypyc, at install) or pure Python.
 CORE_BUILDS: Final = ("mypyc", "python")
 ENGINE_STATES: Final = (
     "starting",

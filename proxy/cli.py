@@ -25,6 +25,7 @@ from engine_launcher.preflight import (
 from proxy import probe
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
+from proxy.native import CORE_BUILD
 from proxy.settings import (
     CONFIG_PATH_ENV,
     LoadedSettings,
@@ -87,7 +88,9 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="omni-sidecar",
         description="Backpressure- and cancellation-aware proxy for vLLM-Omni realtime engines.",
     )
-    parser.add_argument("--version", action="version", version=f"omni-sidecar {version()}")
+    parser.add_argument(
+        "--version", action="version", version=f"omni-sidecar {version()} ({CORE_BUILD} build)"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",

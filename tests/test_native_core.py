@@ -1,11 +1,11 @@
-"""The mypyc-compiled core (make native): same behaviour, refused when stale.
+"""Both builds stay tested: the compiled one (the default install) and pure Python.
 
-The rest of the suite runs whichever core the checkout holds (a clean one:
-Python). This file builds the compiled core in a copy of the working tree and
-runs the tests of the core and of the proxy parts that call it (the session's
-shell and the edge: ``tests/proxy/core``, ``session``, ``edge``) against it, so
-both builds stay tested; and checks the import guard that refuses a compiled
-module older than its source.
+The suite runs whichever build the checkout holds: after ``make setup`` with a C
+compiler, the compiled one (``setup.py`` compiles ``COMPILED_MODULES`` with
+mypyc). This file runs the core's and the session shell's tests once more on the
+other build, in a copy of the tree (docs/development.md, The compiled build),
+and checks the import guard that refuses a compiled module older than its
+source or a build that lacks some of its modules.
 """
 
 from __future__ import annotations
@@ -18,58 +18,73 @@ from pathlib import Path
 
 import pytest
 
-from proxy.native import StaleNativeCore, core_build
+from proxy.native import COMPILED_MODULES, CORE_BUILD, StaleNativeCore, core_build
 
 ROOT = Path(__file__).resolve().parent.parent
 _SO = ".cpython-311-x86_64-linux-gnu.so"
-#: What runs against the compiled core: the core's tests and those of its callers' shells.
-NATIVE_TESTS = ("tests/proxy/core", "tests/proxy/session", "tests/proxy/edge")
+#: What runs on the other build: the core's tests and those of the per-event shell.
+OTHER_BUILD_TESTS = ("tests/proxy/core", "tests/proxy/session")
+MODULES = ("proxy.core.buffer", "proxy.session.relay")
 
 
 def _touch(path: Path, mtime: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"")
     os.utime(path, (mtime, mtime))
 
 
-def test_a_directory_without_compiled_modules_is_the_python_core(tmp_path: Path) -> None:
-    _touch(tmp_path / "session.py", 100.0)
-    assert core_build(str(tmp_path)) == "python"
+def _tree(root: Path, sources: float, compiled: dict[str, float]) -> None:
+    for name in MODULES:
+        _touch(root / (name.replace(".", "/") + ".py"), sources)
+    for name, mtime in compiled.items():
+        _touch(root / (name.replace(".", "/") + _SO), mtime)
 
 
-def test_compiled_modules_newer_than_their_sources_are_the_mypyc_core(tmp_path: Path) -> None:
-    _touch(tmp_path / "session.py", 100.0)
-    _touch(tmp_path / f"session{_SO}", 200.0)
-    # mypyc's runtime part has no source of its own.
-    _touch(tmp_path / f"session__mypyc{_SO}", 50.0)
-    assert core_build(str(tmp_path)) == "mypyc"
+def test_a_tree_without_compiled_modules_is_the_pure_build(tmp_path: Path) -> None:
+    _tree(tmp_path, 100.0, {})
+    assert core_build(str(tmp_path), MODULES) == "python"
+
+
+def test_every_module_compiled_after_its_source_is_the_compiled_build(tmp_path: Path) -> None:
+    _tree(tmp_path, 100.0, dict.fromkeys(MODULES, 200.0))
+    # mypyc's shared runtime library has no source of its own.
+    _touch(tmp_path / "proxy" / f"_native__mypyc{_SO}", 50.0)
+    assert core_build(str(tmp_path), MODULES) == "mypyc"
 
 
 def test_a_source_edited_after_the_build_is_refused_with_the_fix(tmp_path: Path) -> None:
-    _touch(tmp_path / "buffer.py", 100.0)
-    _touch(tmp_path / f"buffer{_SO}", 200.0)
-    _touch(tmp_path / "session.py", 300.0)
-    _touch(tmp_path / f"session{_SO}", 200.0)
-    with pytest.raises(StaleNativeCore, match=r"proxy/core/session\.py changed .*make native"):
-        core_build(str(tmp_path))
+    _tree(tmp_path, 100.0, dict.fromkeys(MODULES, 200.0))
+    _touch(tmp_path / "proxy" / "session" / "relay.py", 300.0)
+    with pytest.raises(StaleNativeCore, match=r"proxy/session/relay\.py changed .*make native"):
+        core_build(str(tmp_path), MODULES)
 
 
-def _compiled(root: Path) -> dict[str, float]:
-    return {p.name: p.stat().st_mtime for p in (root / "proxy" / "core").glob("*.so")}
+def test_a_build_missing_some_of_its_modules_is_refused(tmp_path: Path) -> None:
+    _tree(tmp_path, 100.0, {"proxy.core.buffer": 200.0})
+    with pytest.raises(StaleNativeCore, match=r"lacks 1 of its modules \(proxy/session/relay"):
+        core_build(str(tmp_path), MODULES)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (.ci/run installs gcc)")
-def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> None:
+def test_the_compiled_list_names_modules_that_exist() -> None:
+    for name in COMPILED_MODULES:
+        assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+
+
+def _copy_tree(tree: Path) -> None:
+    """The checkout's product and tests without extension modules or caches."""
+    skip = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
+    for name in ("proxy", "engine_launcher", "metrics", "tests"):
+        shutil.copytree(ROOT / name, tree / name, ignore=skip)
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, tree / name)
+
+
+@pytest.mark.timeout(900)
+def test_the_other_build_passes_the_core_and_shell_tests(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
-    for name in ("proxy", "engine_launcher", "metrics", "scripts"):
-        shutil.copytree(
-            ROOT / name, tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__")
-        )
-    # The whole test tree: the tests run import conftest.py, the child-process harness
-    # and each other's helpers, wherever those live.
-    shutil.copytree(ROOT / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(ROOT / "pyproject.toml", tree / "pyproject.toml")
+    _copy_tree(tree)
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("OMNI_SIDECAR_PURE_BUILD", None)
 
     def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -82,21 +97,21 @@ def test_the_compiled_core_passes_the_core_and_shell_tests(tmp_path: Path) -> No
             check=False,
         )
 
-    # --installed: the proxy package this interpreter imports (the copy, on PYTHONPATH),
-    # as in a service venv after `pip install .`, not the checkout the script is in.
-    script = str(ROOT / "scripts" / "native_core.py")
-    checkout_before = _compiled(ROOT)
-    build = run(script, "build", "--installed", timeout=400)
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
-    assert run(script, "status", "--installed").stdout.strip() == "mypyc"
-    assert _compiled(ROOT) == checkout_before, "the checkout the script lives in is untouched"
-    where = run(
-        "-c",
-        "import proxy.core.session_core as s, proxy.core.buffer as b; print(s.__file__, b.__file__)",
+    if CORE_BUILD == "mypyc":
+        expected = "python"
+    else:
+        if shutil.which("cc") is None:
+            pytest.skip("no C compiler to build the compiled build with (.ci/run installs gcc)")
+        expected = "mypyc"
+        build = run("setup.py", "-q", "build_ext", "--inplace", timeout=600)
+        assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    which = run("-c", "import proxy.native as n; print(n.CORE_BUILD, n.__file__)")
+    assert which.stdout.split() == [expected, str(tree / "proxy" / "native.py")], (
+        which.stdout + which.stderr
     )
-    assert where.stdout.count(".so") == 2, where.stdout + where.stderr
     tests = run(
-        "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *NATIVE_TESTS, timeout=400
+        "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+        *OTHER_BUILD_TESTS, timeout=600,
     )  # fmt: skip
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    print(f"\ncompiled core: {tests.stdout.strip().splitlines()[-1]}")
+    print(f"\n{expected} build: {tests.stdout.strip().splitlines()[-1]}")

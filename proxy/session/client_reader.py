@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import aiohttp
 
 from proxy import compat
+from proxy.session.frames import ControlPayload
 
 if TYPE_CHECKING:
     from proxy.session.upstream_link import UpstreamLink
@@ -41,7 +42,7 @@ class ClientSocket(Protocol):
 
     async def receive(self) -> aiohttp.WSMessage: ...
 
-    async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
+    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool: ...
 
 
 class ClientFrames(Protocol):
@@ -53,7 +54,7 @@ class ClientFrames(Protocol):
     def client_binary(self, size: int) -> None:
         """One binary frame (refused: the protocol is JSON text)."""
 
-    def client_ping(self, payload: bytes) -> None:
+    def client_ping(self, payload: ControlPayload) -> None:
         """A ping (answered by the writer; counted against the output budget)."""
 
     def client_control(self) -> None:

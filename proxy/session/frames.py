@@ -20,6 +20,7 @@ __all__ = [
     "OP_PING",
     "OP_PONG",
     "OP_TEXT",
+    "ControlPayload",
     "FrameHeaders",
     "close_payload",
     "frame_header",
@@ -34,6 +35,10 @@ OP_PONG: Final = 0xA
 
 #: Control frames carry at most 125 bytes (RFC 6455 §5.5).
 MAX_CONTROL_PAYLOAD: Final = 125
+
+#: A control frame's payload as aiohttp hands it over: a ping's is a ``bytearray``
+#: (the stubs say ``bytes``; compiled code checks the real type).
+ControlPayload = bytes | bytearray
 
 _FIN: Final = 0x80
 _MASKED: Final = 0x80

@@ -26,6 +26,7 @@ from proxy.core.view import PlaybackTotals, SessionView
 __all__ = [
     "LIFECYCLE_EVENTS",
     "Registry",
+    "RelayObserver",
     "SessionObserver",
     "SessionTracer",
     "Tracing",
@@ -90,6 +91,33 @@ class Registry(Protocol):
     def capabilities(self) -> _Capabilities: ...
 
     def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None: ...
+
+
+class RelayObserver(Protocol):
+    """What the relay reports to (:class:`SessionObserver`; a fake in the shell's tests).
+
+    A Protocol, not the class: the compiled relay checks a concrete type on
+    every call, and the shell's tests hand it a stand-in.
+    """
+
+    @property
+    def tracer(self) -> SessionTracer | None: ...
+
+    def watch(self, view: SessionView) -> None: ...
+
+    def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None: ...
+
+    def upstream_event(self, event: UpstreamEvent) -> None: ...
+
+    def upstream_invalid(self, size: int) -> None: ...
+
+    def delivered(self, entries: Sequence[Entry], written_at: float) -> None: ...
+
+    def after_drain(self, out: Drain) -> None: ...
+
+    def may_hold(self) -> bool: ...
+
+    def session_end(self) -> None: ...
 
 
 _C2U = "client_to_upstream"

@@ -22,6 +22,7 @@ from proxy.core.lifecycle import EndReason, Outcome, SessionState
 from proxy.core.session_core import SessionCore, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
+from proxy.session.frames import ControlPayload
 from proxy.session.limits import RelayLimits
 from proxy.session.tasks import first_set
 from proxy.session.timers import LoopScheduler, Scheduler, SessionTimers, Side
@@ -29,7 +30,7 @@ from proxy.session.upstream_link import UpstreamLink
 from proxy.session.upstream_side import UpstreamSide
 
 if TYPE_CHECKING:
-    from proxy.session.observer import SessionObserver
+    from proxy.session.observer import RelayObserver
 
 __all__ = ["Relay"]
 
@@ -58,7 +59,7 @@ class Relay:
         side: ClientSide,
         upstream: UpstreamLink,
         settings: SessionSettings,
-        observer: SessionObserver,
+        observer: RelayObserver,
         limits: RelayLimits,
         capabilities: EngineCapabilities | None = None,
         scheduler: Scheduler | None = None,
@@ -230,7 +231,7 @@ class Relay:
         self._observer.client_event(size, forwarded=False)
         self._send(self._after(now))
 
-    def client_ping(self, payload: bytes) -> None:
+    def client_ping(self, payload: ControlPayload) -> None:
         now = self._clock()
         self.timers.last_client_frame = now
         writer = self.side.writer

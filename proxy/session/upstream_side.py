@@ -42,12 +42,16 @@ class UpstreamSide:
         self._intake = tg.create_task(self._run(relay), name=name)
 
     async def _run(self, relay: UpstreamEnds) -> None:
-        clean: bool | None = None
+        # Not one try/finally: compiled, the finally block would take ``clean`` as the
+        # bool the try narrowed it to, and a cancelled run has none.
         try:
             clean = await self.link.run(relay)
-        finally:
+        except BaseException:
             self.gone.set()
-            relay.upstream_ended(clean)
+            relay.upstream_ended(None)
+            raise
+        self.gone.set()
+        relay.upstream_ended(clean)
 
     async def close(self, session_close_timeout: float, close_timeout: float) -> None:
         """After ``session.close`` went: wait for the engine's answer, then close the link.

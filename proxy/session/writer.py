@@ -22,6 +22,7 @@ from proxy.session.frames import (
     OP_PING,
     OP_PONG,
     OP_TEXT,
+    ControlPayload,
     close_payload,
     frame_header,
 )
@@ -44,7 +45,7 @@ class ClientFrameWriter:
         self._protocol = protocol
         self._bound = write_buffer_bytes
         #: Payload of the latest unanswered ping, while the transport was paused.
-        self._pending_pong: bytes | None = None
+        self._pending_pong: ControlPayload | None = None
         self.close_sent = False
         #: The close code we sent (None until then); what the client actually got.
         self.close_code_sent: int | None = None
@@ -146,11 +147,11 @@ class ClientFrameWriter:
                 payload = text.encode("utf-8")
                 transport.write(frame_header(OP_TEXT, len(payload)) + payload)
 
-    def ping(self, payload: bytes = b"") -> None:
+    def ping(self, payload: ControlPayload = b"") -> None:
         """Write a ping at once (keepalive)."""
         self._write_control(OP_PING, payload[:MAX_CONTROL_PAYLOAD])
 
-    def pong(self, payload: bytes) -> bool:
+    def pong(self, payload: ControlPayload) -> bool:
         """Answer a client's ping; above the mark, keep only the latest (RFC 6455 §5.5.3).
 
         Returns:
@@ -184,7 +185,7 @@ class ClientFrameWriter:
         self.close_code_sent = code
         return True
 
-    def _write_control(self, opcode: int, payload: bytes) -> None:
+    def _write_control(self, opcode: int, payload: ControlPayload) -> None:
         if self.close_sent:
             return
         transport = compat.client_transport(self._protocol)
@@ -206,7 +207,9 @@ class ClientFrameWriter:
 
     # -- aiohttp's writer interface (installed as WebSocketResponse._writer) ----------------------
 
-    async def send_frame(self, message: bytes, opcode: int, compress: int | None = None) -> None:
+    async def send_frame(
+        self, message: ControlPayload, opcode: int, compress: int | None = None
+    ) -> None:
         """aiohttp's ``WebSocketWriter.send_frame``: route its frames through us."""
         if opcode == OP_PING:
             self.ping(message)
@@ -214,7 +217,7 @@ class ClientFrameWriter:
             self.pong(message)
         elif opcode == OP_CLOSE:
             code = int.from_bytes(message[:2], "big") if len(message) >= 2 else 1000
-            self.close(code, message[2:])
+            self.close(code, bytes(message[2:]))
         elif opcode in (OP_TEXT, OP_BINARY) and not self.close_sent:
             transport = compat.client_transport(self._protocol)
             if transport is not None and not transport.is_closing():
@@ -244,7 +247,9 @@ class AiohttpWriterAdapter:
     def transport(self) -> Any:
         return self._writer.transport
 
-    async def send_frame(self, message: bytes, opcode: int, compress: int | None = None) -> None:
+    async def send_frame(
+        self, message: ControlPayload, opcode: int, compress: int | None = None
+    ) -> None:
         await self._writer.send_frame(message, opcode, compress)
 
     async def close(self, code: int = 1000, message: bytes | str = b"") -> None:

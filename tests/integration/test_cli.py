@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -29,6 +30,7 @@ from proxy.cli import (
     EXIT_STATUSES,
     version,
 )
+from proxy.native import CORE_BUILD
 from proxy.probe import ProbeOptions, run_probe
 from tests.children import SidecarChild
 from tests.conftest import DEADLINE, free_port, http_ok
@@ -135,6 +137,12 @@ async def test_serve_expects_the_behaviour_of_the_release_preflight_found(tmp_pa
     assert 'omni_sidecar_engine_info{source="preflight",version="0.32"} 1.0' in text
     assert summary["engine_capabilities"]["truncate_needs_audio_item"] is True
     assert "engine behaviour: vLLM-Omni 0.32 from preflight" in srv.log()
+    # Which build runs, said the same way everywhere (docs/design.md, Performance).
+    assert re.search(rf'omni_sidecar_build_info{{core="{CORE_BUILD}",version="[^"]+"}} 1.0', text)
+    assert summary["build"] == CORE_BUILD
+    assert f"(core: {CORE_BUILD};" in srv.log()
+    pure_line = "runs the pure-Python build" in srv.log()
+    assert pure_line is (CORE_BUILD == "python"), srv.log_tail()
 
 
 async def test_print_config_shows_values_and_their_sources(tmp_path: Path) -> None:
@@ -258,7 +266,7 @@ async def test_cli_and_server_agree_on_exit_statuses() -> None:
 async def test_version() -> None:
     rc, out, err = await run_cli("--version")
     assert rc == 0, err
-    assert out.strip() == f"omni-sidecar {version()}"
+    assert out.strip() == f"omni-sidecar {version()} ({CORE_BUILD} build)"
 
 
 async def test_python_dash_m_omni_sidecar_is_the_same_command() -> None:
@@ -270,7 +278,7 @@ async def test_python_dash_m_omni_sidecar_is_the_same_command() -> None:
     async with asyncio.timeout(DEADLINE):
         out, err = await process.communicate()
     assert process.returncode == 0, err.decode()
-    assert out.decode().strip() == f"omni-sidecar {version()}"
+    assert out.decode().strip() == f"omni-sidecar {version()} ({CORE_BUILD} build)"
 
 
 async def test_print_config_round_trips_through_config(tmp_path: Path) -> None:

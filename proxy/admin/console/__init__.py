@@ -16,6 +16,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
 from metrics import DIRECTIONS, DROP_REASONS, OVERFLOW_POLICIES, REJECT_REASONS
+from proxy.native import CORE_BUILD
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -159,6 +160,8 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         "time": time.time(),
         "monotonic": time.monotonic(),
         "uptime_seconds": round(time.monotonic() - started, 3),
+        # docs/design.md, Performance: the compiled build ("mypyc") or pure Python.
+        "build": CORE_BUILD,
         "ready": refusal is None,
         "not_ready_reason": None if refusal is None else refusal[1],
         "engines": engine_entries(state),

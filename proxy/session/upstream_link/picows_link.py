@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import picows
+import picows.picows  # mypyc loads the listener's base class from here
+from mypy_extensions import mypyc_attr
 
 from proxy.session.frames import OP_TEXT
 from proxy.session.upstream_link.frame_outbox import Outbox
@@ -37,6 +39,32 @@ _PING: Final = picows.WSMsgType.PING
 _PONG: Final = picows.WSMsgType.PONG
 
 
+class _Frame(Protocol):
+    """What the link reads of a ``picows.WSFrame``.
+
+    Its flags are C integers that the stubs call ``bool``; read as ``int`` so
+    that compiled code does not insist on a ``bool``.
+    """
+
+    @property
+    def msg_type(self) -> picows.WSMsgType: ...
+
+    @property
+    def fin(self) -> int: ...
+
+    @property
+    def last_in_buffer(self) -> int: ...
+
+    @property
+    def payload_size(self) -> int: ...
+
+    def get_payload_as_utf8_text(self) -> str: ...
+
+    def get_payload_as_bytes(self) -> bytes: ...
+
+    def get_close_code(self) -> picows.WSCloseCode: ...
+
+
 class _FramesWaiting:
     """The picows link's ``backlog``: 1 while more frames of the current read wait."""
 
@@ -49,6 +77,9 @@ class _FramesWaiting:
         return self.waiting
 
 
+# A Python class whose methods are compiled: mypyc cannot lay out a native
+# subclass of picows' Cython listener.
+@mypyc_attr(native_class=False)
 class PicowsUpstreamLink(picows.WSListener):
     """:class:`UpstreamLink` over picows (frames by callback, masking in C).
 
@@ -129,7 +160,7 @@ class PicowsUpstreamLink(picows.WSListener):
         self._underlying = transport.underlying_transport
         self._outbox.transport = self._underlying
 
-    def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
+    def on_ws_frame(self, transport: picows.WSTransport, frame: _Frame) -> None:
         if self._failed:
             return  # we failed the connection: nothing more is processed (RFC 6455 §7.1.7)
         handler = self._handler
@@ -181,7 +212,7 @@ class PicowsUpstreamLink(picows.WSListener):
 
     # -- frames off the hot path ----------------------------------------------------------
 
-    def _other_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
+    def _other_frame(self, transport: picows.WSTransport, frame: _Frame) -> None:
         kind = frame.msg_type
         if kind == _CLOSE:
             # A flexible IntEnum (any code); 0 when the frame carries none.
@@ -222,7 +253,7 @@ class PicowsUpstreamLink(picows.WSListener):
             return
         self._message(kind, payload)
 
-    def _add_fragment(self, frame: picows.WSFrame) -> None:
+    def _add_fragment(self, frame: _Frame) -> None:
         assert self._fragments is not None
         self._fragment_bytes += frame.payload_size
         if self._fragment_bytes > self._max_message:

@@ -1,0 +1,120 @@
+"""The build hook: compile the core and the per-event shell with mypyc when it can.
+
+``pip install .``, ``pip install -e .`` and ``make setup`` run this through
+setuptools. With a C compiler and the Python headers, the modules named in
+``COMPILED_MODULES`` (``proxy/native.py``) become extension modules, one
+shared library for all of them (``proxy/_native__mypyc``); an editable
+install puts them next to their sources. Without a compiler, or with
+``OMNI_SIDECAR_PURE_BUILD=1``, the install is pure Python and says why;
+``serve`` says so again at start (docs/design.md, Performance).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shlex
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from setuptools import Distribution, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
+
+ROOT = Path(__file__).resolve().parent
+#: Set (to anything but "" or "0") to install pure Python even where a compiler exists.
+PURE_ENV = "OMNI_SIDECAR_PURE_BUILD"
+#: The one shared library the compiled modules live in (``proxy/_native__mypyc...so``).
+GROUP = "proxy._native"
+
+
+def compiled_modules() -> tuple[str, ...]:
+    """``COMPILED_MODULES`` of ``proxy/native.py``, read without importing ``proxy``."""
+    tree = ast.parse((ROOT / "proxy" / "native.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == "COMPILED_MODULES":
+            assert node.value is not None
+            return tuple(ast.literal_eval(node.value))
+    raise SystemExit("proxy/native.py has no COMPILED_MODULES")
+
+
+def why_pure(environ: Any = os.environ) -> str | None:
+    """Why this build is pure Python, or None when it compiles."""
+    if environ.get(PURE_ENV, "") not in ("", "0"):
+        return f"{PURE_ENV} is set"
+    try:
+        import mypyc.build  # noqa: F401  (the build requirement mypy ships it)
+    except ImportError:
+        return "mypyc is not installed (a build without build isolation needs mypy)"
+    compiler = environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    program = shlex.split(compiler)[0] if compiler.strip() else "cc"
+    if shutil.which(program, path=environ.get("PATH")) is None:
+        return f"no C compiler ({program} not found)"
+    include = sysconfig.get_paths()["include"]
+    if not Path(include, "Python.h").is_file():
+        return f"no Python headers ({include}/Python.h not found)"
+    return None
+
+
+def _say(message: str) -> None:
+    print(f"omni-sidecar build: {message}", file=sys.stderr, flush=True)
+
+
+class CompiledDistribution(Distribution):
+    """A distribution with extension modules exactly when this build compiles."""
+
+    def has_ext_modules(self) -> bool:
+        return WHY_PURE is None
+
+
+class BuildCompiled(build_ext):
+    """``build_ext`` that asks mypyc for the extensions only when it runs.
+
+    So reading the metadata never type-checks or generates C, and a failed
+    compile falls back to the pure build instead of failing the install.
+    """
+
+    def finalize_options(self) -> None:
+        if WHY_PURE is None and not self.distribution.ext_modules:
+            from mypyc.build import mypycify
+
+            sources = [name.replace(".", "/") + ".py" for name in compiled_modules()]
+            here = os.getcwd()
+            os.chdir(ROOT)  # mypyc names the modules by their paths from here
+            try:
+                self.distribution.ext_modules = mypycify(
+                    sources,
+                    opt_level="3",
+                    group_name=GROUP,
+                    target_dir=str(ROOT / "build" / "mypyc"),
+                )
+            finally:
+                os.chdir(here)
+        super().finalize_options()
+
+    def run(self) -> None:
+        if WHY_PURE is not None:
+            return
+        _say(f"compiling {len(compiled_modules())} modules with mypyc (a minute or two)")
+        try:
+            super().run()
+        except (CCompilerError, CompileError, ExecError, LinkError, PlatformError, OSError) as exc:
+            # A compiler that fails: the pure build still works.
+            _say(f"compiling failed ({exc}); installing pure Python")
+            self.extensions = []
+            return
+        _say("compiled")
+
+
+WHY_PURE = why_pure()
+
+if __name__ == "__main__":
+    if WHY_PURE is not None:
+        _say(f"pure Python: {WHY_PURE}")
+    setup(distclass=CompiledDistribution, cmdclass={"build_ext": BuildCompiled})
