@@ -69,6 +69,7 @@ native: $(BIN)/omni-sidecar
 
 pure:
 	find proxy \( -name '*.so' -o -name '*.pyd' \) -delete
+	rm -f proxy/_native_sources.txt
 
 # The heavier tier against the real vLLM-Omni serving layer (own venv per release, ~9 GB):
 #   make test-real-engine [VLLM_OMNI=0.32.0rc1]
@@ -76,5 +77,5 @@ include mk/real-engine.mk
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
-	rm -rf build
+	rm -rf build proxy/_native_sources.txt
 	find proxy \( -name '*.so' -o -name '*.pyd' \) -delete

@@ -12,6 +12,7 @@ install puts them next to their sources. Without a compiler, or with
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import shlex
 import shutil
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parent
 PURE_ENV = "OMNI_SIDECAR_PURE_BUILD"
 #: The one shared library the compiled modules live in (``proxy/_native__mypyc...so``).
 GROUP = "proxy._native"
+#: proxy/native.py's SOURCES_MANIFEST (read without importing proxy).
+SOURCES_MANIFEST = "_native_sources.txt"
 
 
 def compiled_modules() -> tuple[str, ...]:
@@ -42,6 +45,15 @@ def compiled_modules() -> tuple[str, ...]:
             assert node.value is not None
             return tuple(ast.literal_eval(node.value))
     raise SystemExit("proxy/native.py has no COMPILED_MODULES")
+
+
+def manifest() -> str:
+    """Each compiled module and the sha256 of its source, as ``proxy/native.py`` checks."""
+    lines = []
+    for name in compiled_modules():
+        source = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        lines.append(f"{name} {hashlib.sha256(source.read_bytes()).hexdigest()}\n")
+    return "".join(lines)
 
 
 def why_pure(environ: Any = os.environ) -> str | None:
@@ -109,6 +121,10 @@ class BuildCompiled(build_ext):
             _say(f"compiling failed ({exc}); installing pure Python")
             self.extensions = []
             return
+        # The import's stale-build guard compares each source with what was compiled
+        # (proxy/native.py): the manifest goes next to the shared library.
+        library = Path(self.get_ext_fullpath(GROUP + "__mypyc"))
+        (library.parent / SOURCES_MANIFEST).write_text(manifest(), encoding="utf-8")
         _say("compiled")
 
 

@@ -3,14 +3,15 @@
 ``COMPILED_MODULES`` is what the install compiles with mypyc when a C compiler
 is there (``setup.py`` reads it): the I/O-free core and the shell's per-event
 modules. :data:`CORE_BUILD` says which build imports: ``"mypyc"`` or
-``"python"``. A compiled module older than its source, or a build missing
-some of its modules, is refused when ``proxy`` is imported, naming the fix, so
+``"python"``. A compiled module whose source changed after the build (by
+digest), or a build missing some of its modules, is refused when ``proxy`` is imported, naming the fix, so
 nobody measures or ships code that is not the code they read
 (docs/design.md, Performance).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Final
 
@@ -19,8 +20,10 @@ __all__ = [
     "CORE_BUILD",
     "PURE_BUILD_ENV",
     "PURE_BUILD_HINT",
+    "SOURCES_MANIFEST",
     "StaleNativeCore",
     "core_build",
+    "source_digest",
 ]
 
 #: The modules a compiled build compiles: the core whole, and what each relayed
@@ -73,54 +76,71 @@ PURE_BUILD_HINT: Final = (
 
 
 class StaleNativeCore(ImportError):
-    """A compiled module is older than its source, or the compiled build is incomplete."""
+    """A compiled module's source changed after the build, or the build is incomplete."""
+
+
+#: Written by the build next to the compiled modules' shared library: one line per
+#: compiled module, ``<module> <sha256 of the source it was compiled from>``.
+SOURCES_MANIFEST: Final = "_native_sources.txt"
+
+_FIX: Final = "run `make native` (pip install -e .) again, or `make pure` to run it as Python"
+
+
+def source_digest(path: str) -> str:
+    """The sha256 of a source file, as the build records it."""
+    with open(path, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
+
+
+def _source(root: str, module: str) -> str:
+    return os.path.join(root, *module.split(".")) + ".py"
+
+
+def _compiled(root: str, module: str) -> bool:
+    package, _, stem = module.rpartition(".")
+    directory = os.path.join(root, *package.split("."))
+    with os.scandir(directory) as entries:
+        return any(
+            entry.name.startswith(stem + ".") and entry.name.endswith((".so", ".pyd"))
+            for entry in entries
+        )
 
 
 def core_build(root: str, modules: tuple[str, ...] = COMPILED_MODULES) -> str:
     """Which build the package tree under ``root`` holds: "mypyc" or "python".
+
+    A compiled build is each of ``modules`` compiled, and each source the same
+    as the one the build compiled (by digest: an install does not keep file
+    times in order, an edit after the build changes the digest).
 
     Args:
         root: the directory that holds the ``proxy`` package.
         modules: the modules a compiled build has (dotted names under ``root``).
 
     Raises:
-        StaleNativeCore: a compiled module is older than its source, or only
-            some of ``modules`` are compiled.
+        StaleNativeCore: a compiled module's source changed after the build,
+            or only some of ``modules`` are compiled.
     """
-    by_dir: dict[str, list[str]] = {}
-    for name in modules:
-        package, _, module = name.rpartition(".")
-        by_dir.setdefault(os.path.join(root, *package.split(".")), []).append(module)
-    compiled: dict[str, float] = {}
-    sources: dict[str, float] = {}
-    for directory, names in by_dir.items():
-        wanted = set(names)
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                stem, _, suffix = entry.name.partition(".")
-                if stem not in wanted:
-                    continue
-                path = os.path.join(directory, stem)
-                if suffix.endswith(("so", "pyd")):
-                    compiled[path] = entry.stat().st_mtime
-                elif suffix == "py":
-                    sources[path] = entry.stat().st_mtime
+    compiled = [name for name in modules if _compiled(root, name)]
     if not compiled:
         return "python"
-    for path, built_at in compiled.items():
-        if sources.get(path, 0.0) > built_at:
-            where = os.path.relpath(path, root)
-            raise StaleNativeCore(
-                f"omni-sidecar: {where}.py changed after its compiled module was built; "
-                "run `make native` (pip install -e .) again, or `make pure` to run it as Python"
-            )
     if len(compiled) < len(modules):
-        missing = sorted(set(sources) - set(compiled))
+        missing = [name for name in modules if name not in compiled]
         raise StaleNativeCore(
             f"omni-sidecar: the compiled build lacks {len(missing)} of its modules "
-            f"({os.path.relpath(missing[0], root) if missing else '?'}, ...); "
-            "run `make native` (pip install -e .) again, or `make pure` to run it as Python"
+            f"({missing[0]}, ...); {_FIX}"
         )
+    try:
+        with open(os.path.join(root, "proxy", SOURCES_MANIFEST), encoding="utf-8") as handle:
+            built = dict(line.split(" ", 1) for line in handle.read().splitlines() if line)
+    except OSError:
+        built = {}
+    for name in modules:
+        if built.get(name) != source_digest(_source(root, name)):
+            where = os.path.relpath(_source(root, name), root)
+            raise StaleNativeCore(
+                f"omni-sidecar: {where} changed after its compiled module was built; {_FIX}"
+            )
     return "mypyc"
 
 

@@ -5,7 +5,7 @@ compiler, the compiled one (``setup.py`` compiles ``COMPILED_MODULES`` with
 mypyc). This file runs the core's and the session shell's tests once more on the
 other build, in a copy of the tree (docs/development.md, The compiled build),
 and checks the import guard that refuses a compiled module older than its
-source or a build that lacks some of its modules.
+source (by digest) or a build that lacks some of its modules.
 """
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from proxy.native import COMPILED_MODULES, CORE_BUILD, StaleNativeCore, core_build
+from proxy.native import (
+    COMPILED_MODULES,
+    CORE_BUILD,
+    SOURCES_MANIFEST,
+    StaleNativeCore,
+    core_build,
+    source_digest,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 _SO = ".cpython-311-x86_64-linux-gnu.so"
@@ -27,41 +35,53 @@ OTHER_BUILD_TESTS = ("tests/proxy/core", "tests/proxy/session")
 MODULES = ("proxy.core.buffer", "proxy.session.relay")
 
 
-def _touch(path: Path, mtime: float) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"")
-    os.utime(path, (mtime, mtime))
-
-
-def _tree(root: Path, sources: float, compiled: dict[str, float]) -> None:
+def _tree(root: Path, compiled: tuple[str, ...], manifest: bool = True) -> None:
+    """Sources of MODULES, extensions of ``compiled``, and the build's manifest of them."""
+    lines = []
     for name in MODULES:
-        _touch(root / (name.replace(".", "/") + ".py"), sources)
-    for name, mtime in compiled.items():
-        _touch(root / (name.replace(".", "/") + _SO), mtime)
+        source = root / (name.replace(".", "/") + ".py")
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text(f"# {name}\n")
+        lines.append(f"{name} {source_digest(str(source))}\n")
+    for name in compiled:
+        (root / (name.replace(".", "/") + _SO)).write_bytes(b"")
+    if manifest:
+        (root / "proxy" / SOURCES_MANIFEST).write_text("".join(lines))
 
 
 def test_a_tree_without_compiled_modules_is_the_pure_build(tmp_path: Path) -> None:
-    _tree(tmp_path, 100.0, {})
+    _tree(tmp_path, (), manifest=False)
     assert core_build(str(tmp_path), MODULES) == "python"
 
 
-def test_every_module_compiled_after_its_source_is_the_compiled_build(tmp_path: Path) -> None:
-    _tree(tmp_path, 100.0, dict.fromkeys(MODULES, 200.0))
+def test_every_module_compiled_from_its_source_is_the_compiled_build(tmp_path: Path) -> None:
+    _tree(tmp_path, MODULES)
     # mypyc's shared runtime library has no source of its own.
-    _touch(tmp_path / "proxy" / f"_native__mypyc{_SO}", 50.0)
+    (tmp_path / "proxy" / f"_native__mypyc{_SO}").write_bytes(b"")
+    # File times say nothing (an install writes files in any order): a source
+    # newer than its extension is still the source that was compiled.
+    source = tmp_path / "proxy" / "core" / "buffer.py"
+    os.utime(source, (time.time() + 60, time.time() + 60))
     assert core_build(str(tmp_path), MODULES) == "mypyc"
 
 
 def test_a_source_edited_after_the_build_is_refused_with_the_fix(tmp_path: Path) -> None:
-    _tree(tmp_path, 100.0, dict.fromkeys(MODULES, 200.0))
-    _touch(tmp_path / "proxy" / "session" / "relay.py", 300.0)
+    _tree(tmp_path, MODULES)
+    relay = tmp_path / "proxy" / "session" / "relay.py"
+    relay.write_text(relay.read_text() + "x = 1\n")
     with pytest.raises(StaleNativeCore, match=r"proxy/session/relay\.py changed .*make native"):
         core_build(str(tmp_path), MODULES)
 
 
+def test_a_build_without_its_manifest_is_refused(tmp_path: Path) -> None:
+    _tree(tmp_path, MODULES, manifest=False)
+    with pytest.raises(StaleNativeCore, match=r"proxy/core/buffer\.py changed"):
+        core_build(str(tmp_path), MODULES)
+
+
 def test_a_build_missing_some_of_its_modules_is_refused(tmp_path: Path) -> None:
-    _tree(tmp_path, 100.0, {"proxy.core.buffer": 200.0})
-    with pytest.raises(StaleNativeCore, match=r"lacks 1 of its modules \(proxy/session/relay"):
+    _tree(tmp_path, ("proxy.core.buffer",))
+    with pytest.raises(StaleNativeCore, match=r"lacks 1 of its modules \(proxy\.session\.relay"):
         core_build(str(tmp_path), MODULES)
 
 
@@ -72,7 +92,7 @@ def test_the_compiled_list_names_modules_that_exist() -> None:
 
 def _copy_tree(tree: Path) -> None:
     """The checkout's product and tests without extension modules or caches."""
-    skip = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
+    skip = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", SOURCES_MANIFEST)
     for name in ("proxy", "engine_launcher", "metrics", "tests"):
         shutil.copytree(ROOT / name, tree / name, ignore=skip)
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
