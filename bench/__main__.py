@@ -4,7 +4,9 @@ Scenarios: stale-audio, realtime-latency, throughput, slow-client, capacity
 (``all`` runs them in this order and writes bench/results/summary.md), plus
 ``profile`` (py-spy profile of the sidecar under real-time load) and
 ``soak`` (``bench/soak.py``, when present) and ``barge-in`` (old answer heard
-after an interruption, history vs. heard; not part of ``all``). See bench/README.md.
+after an interruption, history vs. heard; not part of ``all``) and ``memory``
+(RSS per idle and per streaming session, sidecar vs. bare relay; not part of
+``all``). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ SCENARIOS = ("stale-audio", "realtime-latency", "throughput", "slow-client", "ca
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("scenario", choices=(*SCENARIOS, "all", "profile", "soak", "barge-in"))
+    p.add_argument("scenario", choices=(*SCENARIOS, "all", "profile", "soak", "barge-in", "memory"))
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians)")
     p.add_argument(
         "--nice",
@@ -43,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="realtime-latency: also run the sidecar of this checkout (e.g. a git worktree "
-        "of an earlier commit) as path 'baseline', side by side in the same run",
+        "of an earlier commit) as path 'baseline', side by side in the same run; profile: "
+        "profile that checkout's sidecar instead of this one's",
     )
     g.add_argument("--rt-warmup", type=float, default=1.5)
     g.add_argument("--rt-window", type=float, default=4.0)
@@ -63,9 +66,27 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-sessions", type=int, default=500)
     g.add_argument("--profile-kind", choices=("nemotron", "minicpmo"), default="nemotron")
     g.add_argument(
-        "--profile-native", action="store_true", help="py-spy --native: C frames (uvloop) too"
+        "--profile-native",
+        action="store_true",
+        help="py-spy --native: C frames too (uvloop, and the compiled build's functions)",
+    )
+    g.add_argument(
+        "--profile-name",
+        default="profile",
+        help="profile: the results' file name (bench/results/NAME.md, .txt), e.g. profile-before",
     )
     g.add_argument("--bargein-sessions", type=int, default=100)
+    g.add_argument(
+        "--memory-sessions",
+        default="1,100,1000",
+        help="memory: session counts, each measured idle and then streaming",
+    )
+    g.add_argument(
+        "--memory-hold",
+        type=float,
+        default=5.0,
+        help="memory: seconds of RSS samples per phase (idle, streaming) and session count",
+    )
     return p
 
 
@@ -93,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.scen_bargein import barge_in
     from bench.scen_burst import throughput
     from bench.scen_cancel import stale_audio
+    from bench.scen_memory import memory
     from bench.scen_realtime import capacity, realtime_latency
     from bench.scen_slow import slow_client
     from bench.stack import ensure_nginx
@@ -108,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "slow-client": slow_client,
         "capacity": capacity,
         "barge-in": barge_in,
+        "memory": memory,
     }
     if ns.scenario == "profile":
         from bench.profile import profile
