@@ -25,7 +25,7 @@ import base64
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Self
 
@@ -189,56 +189,75 @@ class CuttableRelay:
             tg.create_task(pipe(up_reader, writer))
 
 
+def _first_audio(event: dict[str, Any]) -> bool:
+    return bool(event["type"] == AUDIO_DELTA)
+
+
+class FirstConnectionCut:
+    """A DuplexClient's ``connect``: its first connection goes through ``relay``, which is
+    cut (mid-response) at the first event ``cut_at`` accepts; every event each way is
+    recorded, in order, with the number of the connection it went on (1, 2, ...)."""
+
+    def __init__(
+        self, listen_port: int, cut_at: Callable[[dict[str, Any]], bool] = _first_audio
+    ) -> None:
+        self.listen_port = listen_port
+        self.cut_at = cut_at
+        self.relay: CuttableRelay | None = None
+        self.received: list[tuple[int, dict[str, Any]]] = []
+        self.sent: list[tuple[int, dict[str, Any]]] = []
+        self.connections = 0
+
+    async def connect(self, target: str) -> _RecordedConnection:
+        import websockets
+
+        assert self.relay is not None, "set .relay before the client connects"
+        self.connections += 1
+        if self.connections == 1:  # only the first connection goes through the relay
+            target = target.replace(f":{self.listen_port}/", f":{self.relay.port}/")
+        ws = await websockets.connect(target, max_size=64 << 20)
+        return _RecordedConnection(self, ws, self.connections)
+
+
+class _RecordedConnection:
+    def __init__(self, cut: FirstConnectionCut, ws: Any, number: int) -> None:
+        self.cut, self.ws, self.number = cut, ws, number
+
+    async def send(self, data: str) -> None:
+        self.cut.sent.append((self.number, json.loads(data)))
+        await self.ws.send(data)
+
+    async def recv(self) -> str | bytes:
+        data = await self.ws.recv()
+        if isinstance(data, str):
+            event = json.loads(data)
+            self.cut.received.append((self.number, event))
+            if self.number == 1 and self.cut.cut_at(event):
+                assert self.cut.relay is not None
+                self.cut.relay.cut()
+        return data
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
 async def test_duplex_client_resumes_when_its_connection_is_cut_mid_response(
     vllm_omni: VllmOmni, duplex_sim: SimulatorChild
 ) -> None:
     """The client's first TCP connection runs through a relay that is cut after the
     first audio delta; its ReconnectPolicy resumes straight to the simulator."""
-    import websockets
-
     duplex = vllm_omni.client
-    received: list[tuple[int, dict[str, Any]]] = []  # (connection number, event), in order
-    sent: list[tuple[int, dict[str, Any]]] = []
-    relay_ready: list[CuttableRelay] = []
-
-    class Recorder:
-        def __init__(self, ws: Any, number: int) -> None:
-            self.ws, self.number = ws, number
-
-        async def send(self, data: str) -> None:
-            sent.append((self.number, json.loads(data)))
-            await self.ws.send(data)
-
-        async def recv(self) -> str | bytes:
-            data = await self.ws.recv()
-            if isinstance(data, str):
-                event = json.loads(data)
-                received.append((self.number, event))
-                if self.number == 1 and event["type"] == AUDIO_DELTA:
-                    relay_ready[0].cut()  # mid-response: four more deltas to come
-            return data
-
-        async def close(self) -> None:
-            await self.ws.close()
-
-    connections = 0
-
-    async def connect(target: str) -> Recorder:
-        nonlocal connections
-        connections += 1
-        if connections == 1:  # only the first connection goes through the relay
-            target = target.replace(f":{duplex_sim.port}/", f":{relay_ready[0].port}/")
-        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+    cut = FirstConnectionCut(duplex_sim.port)
+    received, sent = cut.received, cut.sent
 
     tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
-    async with CuttableRelay(duplex_sim.port) as relay:
-        relay_ready.append(relay)
+    async with CuttableRelay(duplex_sim.port) as cut.relay:
         client = duplex.DuplexClient(
             duplex_sim.ws_url.removesuffix("/v1/realtime"),
             model=MODEL,
             reconnect=duplex.ReconnectPolicy(max_attempts=5, backoff_s=(0.05, 0.2)),
             heartbeat_interval_s=None,
-            connect=connect,
+            connect=cut.connect,
         )
         async with asyncio.timeout(DEADLINE * 4), client:
             responses = client.responses()
@@ -250,7 +269,7 @@ async def test_duplex_client_resumes_when_its_connection_is_cut_mid_response(
                 await handle.wait()
         assert client._closed_marker is not None and client._closed_marker.expected
 
-    assert connections == 2
+    assert cut.connections == 2
     first = [e for n, e in received if n == 1]
     second = [e for n, e in received if n == 2]
     cursor = max(e["server_event_seq"] for e in first if "server_event_seq" in e)
@@ -283,52 +302,23 @@ async def test_duplex_client_resumes_through_the_sidecar_when_its_connection_is_
     sidecar holds the session, the client resumes with ``session.resume``, and
     the sidecar replays what it missed: every event after its cursor once, the
     response completes, and nothing of the cancelled response comes after."""
-    import websockets
-
     proxy = await sidecar(upstream=duplex_sim.ws_url, playback_ack="off", client_resume_grace=30)
     host, port = proxy.sidecar.bound["listen"]
     engine_resumes = await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total")
     duplex = vllm_omni.client
-    received: list[tuple[int, dict[str, Any]]] = []  # (connection number, event), in order
-    sent: list[tuple[int, dict[str, Any]]] = []
     cancelled: list[str] = []
-    relays: list[CuttableRelay] = []
 
-    class Recorder:
-        def __init__(self, ws: Any, number: int) -> None:
-            self.ws, self.number = ws, number
+    def second_response_audio(event: dict[str, Any]) -> bool:
+        second = event.get("response_id") not in (None, *cancelled)
+        return bool(event["type"] == AUDIO_DELTA and second and cancelled)
 
-        async def send(self, data: str) -> None:
-            sent.append((self.number, json.loads(data)))
-            await self.ws.send(data)
-
-        async def recv(self) -> str | bytes:
-            data = await self.ws.recv()
-            if isinstance(data, str):
-                event = json.loads(data)
-                received.append((self.number, event))
-                second = event.get("response_id") not in (None, *cancelled)
-                if self.number == 1 and event["type"] == AUDIO_DELTA and second and cancelled:
-                    relays[0].cut()  # mid-response: four more deltas to come
-            return data
-
-        async def close(self) -> None:
-            await self.ws.close()
-
-    connections = 0
-
-    async def connect(target: str) -> Recorder:
-        nonlocal connections
-        connections += 1
-        if connections == 1:  # only the first connection goes through the relay
-            target = target.replace(f":{port}/", f":{relays[0].port}/")
-        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+    cut = FirstConnectionCut(port, cut_at=second_response_audio)
+    received, sent = cut.received, cut.sent
 
     tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
-    async with CuttableRelay(port) as relay:
-        relays.append(relay)
+    async with CuttableRelay(port) as cut.relay:
         client = duplex.DuplexClient(
-            f"ws://{host}:{port}", model=MODEL, heartbeat_interval_s=None, connect=connect
+            f"ws://{host}:{port}", model=MODEL, heartbeat_interval_s=None, connect=cut.connect
         )
         async with asyncio.timeout(DEADLINE * 4), client:
             responses = client.responses()
@@ -348,7 +338,7 @@ async def test_duplex_client_resumes_through_the_sidecar_when_its_connection_is_
                 await handle.wait()
         assert client._closed_marker is not None and client._closed_marker.expected
 
-    assert connections == 2, "one cut, one resume"
+    assert cut.connections == 2, "one cut, one resume"
     before = [e for n, e in received if n == 1]
     after = [e for n, e in received if n == 2]
     cursor = max(e["server_event_seq"] for e in before if "server_event_seq" in e)
@@ -434,38 +424,8 @@ async def test_duplex_client_resumes_through_the_nginx_example_and_three_sidecar
         .replace("listen 8000;", f"listen 127.0.0.1:{listen};")
     )
     duplex = vllm_omni.client
-    received: list[tuple[int, dict[str, Any]]] = []
-    relays: list[CuttableRelay] = []
-
-    class Recorder:
-        def __init__(self, ws: Any, number: int) -> None:
-            self.ws, self.number = ws, number
-
-        async def send(self, data: str) -> None:
-            await self.ws.send(data)
-
-        async def recv(self) -> str | bytes:
-            data = await self.ws.recv()
-            if isinstance(data, str):
-                event = json.loads(data)
-                received.append((self.number, event))
-                if self.number == 1 and event["type"] == AUDIO_DELTA:
-                    relays[0].cut()
-            return data
-
-        async def close(self) -> None:
-            await self.ws.close()
-
-    connections = 0
-
-    async def connect(target: str) -> Recorder:
-        nonlocal connections
-        connections += 1
-        if connections == 1:
-            target = target.replace(f":{listen}/", f":{relays[0].port}/")
-        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
-
-    import websockets
+    cut = FirstConnectionCut(listen)
+    received = cut.received
 
     with contextlib.ExitStack() as children:
         for child in sidecars:
@@ -474,14 +434,13 @@ async def test_duplex_client_resumes_through_the_nginx_example_and_three_sidecar
             await child.ready()
         async with (
             nginx(tmp_path, main_config(tmp_path, site), port=listen, ready_path="/readyz"),
-            CuttableRelay(listen) as relay,
+            CuttableRelay(listen) as cut.relay,
         ):
-            relays.append(relay)
             client = duplex.DuplexClient(
                 f"ws://127.0.0.1:{listen}/?affinity=call-7",
                 model=MODEL,
                 heartbeat_interval_s=None,
-                connect=connect,
+                connect=cut.connect,
             )
             tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
             async with asyncio.timeout(DEADLINE * 4), client:
@@ -495,7 +454,7 @@ async def test_duplex_client_resumes_through_the_nginx_example_and_three_sidecar
                 await _sidecar_metric(s, 'omni_sidecar_resumes_total{result="resumed"}')
                 for s in sidecars
             ]
-    assert connections == 2
+    assert cut.connections == 2
     assert sorted(resumed) == [0.0, 0.0, 1.0], "resumed on the sidecar that held it"
     before = [e for n, e in received if n == 1]
     after = [e for n, e in received if n == 2]

@@ -286,50 +286,17 @@ async def test_duplex_client_resumes_through_the_sidecar_after_a_cut(
     delta. The sidecar holds the session (the serving layer never sees the drop),
     the client resumes with the serving layer's own token, and gets every event
     after its cursor once; the response completes."""
-    import json
-
-    import websockets
-
-    from tests.integration.test_duplex_client import CuttableRelay
+    from tests.integration.test_duplex_client import CuttableRelay, FirstConnectionCut
 
     proxy = await sidecar(upstream=resumable_server.ws_url, playback_ack="off")
     host, port = proxy.sidecar.bound["listen"]
-    received: list[tuple[int, dict[str, Any]]] = []
-    relays: list[CuttableRelay] = []
-
-    class Recorder:
-        def __init__(self, ws: Any, number: int) -> None:
-            self.ws, self.number = ws, number
-
-        async def send(self, data: str) -> None:
-            await self.ws.send(data)
-
-        async def recv(self) -> str | bytes:
-            data = await self.ws.recv()
-            if isinstance(data, str):
-                event = json.loads(data)
-                received.append((self.number, event))
-                if self.number == 1 and event["type"] == AUDIO_DELTA:
-                    relays[0].cut()
-            return data
-
-        async def close(self) -> None:
-            await self.ws.close()
-
-    connections = 0
-
-    async def connect(target: str) -> Recorder:
-        nonlocal connections
-        connections += 1
-        if connections == 1:
-            target = target.replace(f":{port}/", f":{relays[0].port}/")
-        return Recorder(await websockets.connect(target, max_size=64 << 20), connections)
+    cut = FirstConnectionCut(port)
+    received = cut.received
 
     tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
-    async with CuttableRelay(port) as relay:
-        relays.append(relay)
+    async with CuttableRelay(port) as cut.relay:
         client = _client_module().DuplexClient(
-            f"ws://{host}:{port}", model=MODEL, heartbeat_interval_s=None, connect=connect
+            f"ws://{host}:{port}", model=MODEL, heartbeat_interval_s=None, connect=cut.connect
         )
         async with asyncio.timeout(DEADLINE * 4), client:
             responses = client.responses()
@@ -338,7 +305,7 @@ async def test_duplex_client_resumes_through_the_sidecar_after_a_cut(
             async with asyncio.timeout(DEADLINE * 2):
                 handle = await anext(responses)
                 await handle.wait()
-    assert connections == 2
+    assert cut.connections == 2
     before = [e for n, e in received if n == 1]
     after = [e for n, e in received if n == 2]
     assert before[0]["type"] == "session.created" and before[0].get("resume_token")
