@@ -5,16 +5,21 @@ compiler, the compiled one (``setup.py`` compiles ``COMPILED_MODULES`` with
 mypyc). This file runs the core's and the session shell's tests once more on the
 other build, in a copy of the tree (docs/development.md, The compiled build),
 and checks the import guard that refuses a compiled module older than its
-source (by digest) or a build that lacks some of its modules.
+source (by digest) or a build that lacks some of its modules, and that the
+build's own environment holds every package the compile type-checks against.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -88,6 +93,85 @@ def test_a_build_missing_some_of_its_modules_is_refused(tmp_path: Path) -> None:
 def test_the_compiled_list_names_modules_that_exist() -> None:
     for name in COMPILED_MODULES:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+
+
+#: The product's packages: mypy follows their imports from a compiled module.
+FIRST_PARTY = ("proxy", "engine_launcher", "metrics")
+
+
+def _third_party_reached_by_the_compile() -> dict[str, str]:
+    """Each third-party import mypy meets from COMPILED_MODULES -> a module importing it.
+
+    mypyc type-checks the compiled modules and every first-party module they
+    import (TYPE_CHECKING blocks and function bodies included), so a package
+    imported anywhere on that walk must be installed in the build's environment.
+    """
+    reached: dict[str, str] = {}
+    seen: set[str] = set()
+    todo = list(COMPILED_MODULES)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        base = ROOT.joinpath(*name.split("."))
+        source = (
+            base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        )
+        if not source.is_file():
+            continue  # a name imported from a module, not a module
+        package = name if source.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join([*parts, module] if module else parts)
+                imported = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for dotted in imported:
+                top = dotted.split(".")[0]
+                if top in FIRST_PARTY:
+                    todo.append(dotted)
+                elif top not in sys.stdlib_module_names and top != "__future__":
+                    reached.setdefault(top, name)
+    return reached
+
+
+def _by_name(requirements: list[str]) -> dict[str, str]:
+    """Requirement strings keyed by their normalised distribution name."""
+    return {
+        re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", text, maxsplit=1)[0]).lower(): text
+        for text in requirements
+    }
+
+
+def test_the_build_environment_holds_every_package_the_compile_checks_against() -> None:
+    """pip builds in a fresh environment: without aiohttp there, mypyc's type check
+    fails and so does every install (what a clean CI checkout once showed)."""
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        project = tomllib.load(handle)
+    build = _by_name(project["build-system"]["requires"])
+    runtime = _by_name(project["project"]["dependencies"])
+    distributions = packages_distributions()
+    reached = _third_party_reached_by_the_compile()
+    assert {"aiohttp", "orjson"} <= reached.keys(), reached  # the walk finds what it must
+    for top, importer in sorted(reached.items()):
+        (distribution,) = {re.sub(r"[-_.]+", "-", d).lower() for d in distributions[top]}
+        if distribution == "mypy-extensions":
+            assert "mypy" in build  # mypy depends on it
+            continue
+        assert distribution in build, (
+            f"{importer} imports {top}: add {runtime.get(distribution, distribution)!r} "
+            "to [build-system] requires in pyproject.toml"
+        )
+        assert build[distribution] == runtime[distribution], (
+            f"{distribution}: the build requires {build[distribution]!r}, "
+            f"the install {runtime[distribution]!r}"
+        )
 
 
 def _copy_tree(tree: Path) -> None:
