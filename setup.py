@@ -18,6 +18,7 @@ import shlex
 import shutil
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -99,21 +100,50 @@ class BuildCompiled(build_ext):
             sources = [name.replace(".", "/") + ".py" for name in compiled_modules()]
             here = os.getcwd()
             os.chdir(ROOT)  # mypyc names the modules by their paths from here
+            target = ROOT / "build" / "mypyc"
             try:
+                # multi_file: one C file per module instead of one of 18 MB, so the
+                # compiler runs on all cores (build_extension) and each file is
+                # small: 62 s on 2 cores against 127 s, the same µs per event.
                 self.distribution.ext_modules = mypycify(
                     sources,
                     opt_level="3",
                     group_name=GROUP,
-                    target_dir=str(ROOT / "build" / "mypyc"),
+                    target_dir=str(target),
+                    multi_file=True,
                 )
             finally:
                 os.chdir(here)
+            # With a dotted group name mypyc writes the group's headers one level
+            # down (build/mypyc/proxy/) from the C files that include them.
+            header_dir = str(target / GROUP.rpartition(".")[0].replace(".", "/"))
+            for extension in self.distribution.ext_modules:
+                extension.include_dirs.append(header_dir)
         super().finalize_options()
+
+    def build_extension(self, ext: Any) -> None:
+        """Compile an extension's C files on every core, then link as usual."""
+        jobs = min(len(ext.sources), os.cpu_count() or 1)
+        if jobs < 2:
+            super().build_extension(ext)
+            return
+        compile_serially = self.compiler.compile
+
+        def compile_in_parallel(sources: list[str], *args: Any, **kwargs: Any) -> list[str]:
+            with ThreadPoolExecutor(jobs) as pool:  # each thread waits on its compiler
+                batches = pool.map(lambda one: compile_serially([one], *args, **kwargs), sources)
+                return [name for objects in batches for name in objects]
+
+        self.compiler.compile = compile_in_parallel
+        try:
+            super().build_extension(ext)
+        finally:
+            del self.compiler.compile  # the class's method again
 
     def run(self) -> None:
         if WHY_PURE is not None:
             return
-        _say(f"compiling {len(compiled_modules())} modules with mypyc (a minute or two)")
+        _say(f"compiling {len(compiled_modules())} modules with mypyc (about a minute on two cores)")
         try:
             super().run()
         except (CCompilerError, CompileError, ExecError, LinkError, PlatformError, OSError) as exc:
