@@ -95,8 +95,60 @@ class ChildNotReady(AssertionError):
     """A child exited or missed its readiness deadline (an assertion: the test fails)."""
 
 
+#: How many ports below the kernel's ephemeral range :func:`free_port` hands out.
+PORT_POOL_SIZE: Final = 12000
+_EPHEMERAL_RANGE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_next_port: list[int] = []
+
+
+def port_pool(
+    worker: str | None = None, workers: str | None = None, ephemeral: str | None = None
+) -> range:
+    """The ports this process's :func:`free_port` hands out (empty: ask the kernel).
+
+    A port the kernel picks (``bind(0)``) comes from its ephemeral range, the
+    range every outgoing connection takes its source port from: between the
+    test's pick and the child's bind, any client's connect may take it, and the
+    child then exits with "Address already in use". So ports come from the
+    ``PORT_POOL_SIZE`` ports below that range instead, which no connect takes,
+    and each pytest-xdist worker has its own slice, so two workers never pick
+    the same one. Arguments default to ``PYTEST_XDIST_WORKER`` ("gw1"),
+    ``PYTEST_XDIST_WORKER_COUNT`` and the kernel's range.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") if worker is None else worker
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") if workers is None else workers
+    try:
+        text = _EPHEMERAL_RANGE.read_text() if ephemeral is None else ephemeral
+        low = int(text.split()[0])
+        index, total = int(worker.removeprefix("gw")), int(count)
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    start = max(1024, low - PORT_POOL_SIZE)
+    width = (low - start) // max(1, total)
+    if width < 50 or not 0 <= index < total:
+        return range(0)
+    return range(start + index * width, start + (index + 1) * width)
+
+
 def free_port() -> int:
-    """A loopback port free right now (the child binds it a moment later)."""
+    """A loopback port free right now that no outgoing connection will take.
+
+    The next port of :func:`port_pool` (starting at a place of this process's
+    own) that binds, so a port is not handed out again until the pool wraps;
+    the kernel's pick where there is no pool. The child binds it a moment later.
+    """
+    pool = port_pool()
+    if not _next_port:
+        _next_port.append(os.getpid() % max(1, len(pool)))
+    for _ in range(len(pool)):
+        port = pool[_next_port[0] % len(pool)]
+        _next_port[0] += 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or TIME_WAIT of an earlier test's listener
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -5,7 +5,8 @@ a Python one-liner) and checks what the harness promises its callers: a
 failure names what it waited on and quotes the child's log (and nginx's error
 log); stop is the stop signal, then SIGKILL after the grace, the child is
 reaped, nothing of its process group is left behind, and no other process is
-signalled.
+signalled. Ports come from below the kernel's ephemeral range, one slice per
+worker, so no client's connect takes a port between the pick and the bind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from tests.children import (
     SimulatorChild,
     child_pids,
     free_port,
+    port_pool,
 )
 from tests.conftest import DEADLINE, wait_until
 
@@ -191,3 +194,32 @@ async def test_redis_is_ready_when_it_answers_ping(tmp_path: Path) -> None:
         assert await asyncio.wait_for(reader.readline(), DEADLINE) == b"+PONG\r\n"
         writer.close()
     assert redis.returncode == 0
+
+
+def test_ports_come_from_below_the_ephemeral_range_one_slice_per_worker() -> None:
+    """The ephemeral range is where every connect takes its source port: a port
+    picked there can be taken before the child binds it ("Address already in use")."""
+    first = port_pool("gw0", "2", "32768\t60999\n")
+    second = port_pool("gw1", "2", "32768\t60999\n")
+    assert first.start >= 1024 and first.stop <= second.start and second.stop <= 32768
+    assert len(first) == len(second) >= 1000
+    assert port_pool("gw0", "1", "32768 60999").stop == 32768
+    # no room below the range, or no reading: the kernel's pick
+    assert len(port_pool("gw0", "1", "1030 60999")) == 0
+    assert len(port_pool("gw0", "1", "")) == 0
+    assert len(port_pool("gw5", "2", "32768 60999")) == 0
+
+
+def test_free_port_hands_out_this_workers_ports_that_bind_and_not_twice() -> None:
+    pool = port_pool()
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == len(ports)
+    if len(pool):
+        assert all(port in pool for port in ports)
+    held = []
+    for port in ports:  # each was free when handed out, and still is
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        held.append(sock)
+    for sock in held:
+        sock.close()

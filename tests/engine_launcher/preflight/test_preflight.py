@@ -36,6 +36,7 @@ from engine_launcher.preflight import (
     scan_deploy_yaml,
 )
 from proxy.settings import EngineConfig, load
+from tests.children import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKES = ROOT / "tests" / "fakes" / "preflight_modules"
@@ -44,12 +45,6 @@ STAND_INS = ("torch", "torch.cuda", "vllm", "vllm_omni")
 GIB = 1024**3
 PASS, FAIL, SKIP, WARN = CheckStatus.PASS, CheckStatus.FAIL, CheckStatus.SKIP, CheckStatus.WARN
 NAMES = ["port", "deploy_config", "model", "vllm", "gpus", "gpu_memory"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def minicpmo(**overrides: Any) -> EngineConfig:
