@@ -20,7 +20,11 @@ ARGS ?=
 PYTEST_ARGS ?=
 #: pytest-xdist workers for `make pytest`/`make test` (0: one process, no workers).
 #: Two fit the 2-core CI machine: many tests wait on child processes, not on a core.
+#: Work stealing: each worker starts on its half of the suite and takes tests from
+#: the other's when it runs out (xdist's default hands out whole chunks and once
+#: left one worker idle for minutes while the other ran 400 integration tests).
 PYTEST_WORKERS ?= 2
+PYTEST_DIST ?= worksteal
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
 LINT_PATHS := proxy engine_launcher metrics tests bench scripts setup.py
 #: The product, type-checked with mypy --strict.
@@ -55,10 +59,10 @@ lint: $(BIN)/omni-sidecar
 	$(BIN)/python -m mypy --strict $(TYPED_PATHS)
 
 pytest: $(BIN)/omni-sidecar
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
 
 test-loaded: $(BIN)/omni-sidecar
-	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
 
 bench: $(BIN)/omni-sidecar
 	$(BIN)/python -m pip install -e '.[test,bench]'
