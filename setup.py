@@ -143,7 +143,7 @@ class BuildCompiled(build_ext):
     def run(self) -> None:
         if WHY_PURE is not None:
             return
-        _say(f"compiling {len(compiled_modules())} modules with mypyc (about a minute on two cores)")
+        _say(f"compiling {len(compiled_modules())} modules with mypyc (about a minute)")
         try:
             super().run()
         except (CCompilerError, CompileError, ExecError, LinkError, PlatformError, OSError) as exc:
