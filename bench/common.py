@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from tests.children import ChildProcess
+from tests.children import ChildProcess, free_port
 
 __all__ = [
     "BENCH_DIR",
@@ -108,12 +107,6 @@ def pin_self() -> None:
     if NICE:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, NICE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc(ChildProcess):
