@@ -83,18 +83,6 @@ class ClientSide:
         """Start reading the client into ``frames`` (the relay), in the session's TaskGroup."""
         self._reader_task = tg.create_task(self.reader.run(frames), name=name)
 
-    async def reader_verdict(self, timeout: float) -> None:
-        """A connection the writer found lost: wait (at most ``timeout``) for the reader
-        to end, which says how it ended (a drop, held for a resume, or a close frame).
-
-        Either may notice a lost connection first; deciding on the writer's word
-        alone would end a session a drop should hold.
-        """
-        if self.writer.gone and not self.ended.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self.ended.wait()
-
     async def close(self, code: int, message: bytes, timeout: float) -> None:
         """Close the connection with ``code`` after what was written (at most ``timeout``)."""
         writer = self.writer

@@ -86,8 +86,9 @@ class Relay:
         self.timers = SessionTimers(self._scheduler, self, limits)
         self.started_at = self.timers.started_at
         self._wake, self._attached = asyncio.Event(), asyncio.Event()
-        #: Flags: upstream ping due, flush at the end of the tick, the last drain took events,
-        #: held for a resume, shutdown began (a drop now is not held), engine link's run over.
+        #: Flags: an upstream ping is due, a flush waits for the end of the tick, the last
+        #: drain took events, the client dropped and the session is held, shutdown began
+        #: (a client that drops now is not held), the engine link's run is over.
         self._ping_upstream = self._flush_soon = self._took = self.detached = False
         self._shutting_down = self._upstream_ended = False
         #: The core deadline the timer is armed for (None: not armed).
@@ -108,7 +109,6 @@ class Relay:
                     side = self.side
                     side.start(self, tg, f"{self.key}:client")
                     await self._deliver(side)
-                    await side.reader_verdict(self._limits.close_timeout)
                     if not (side.replaced or self.detached):  # a dropped one is left be
                         await side.close(*self.core.close_frame(), self._limits.close_timeout)
                     side.done.set()
