@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import os
 import signal
 import socket
@@ -98,7 +100,8 @@ class ChildNotReady(AssertionError):
 #: How many ports below the kernel's ephemeral range :func:`free_port` hands out.
 PORT_POOL_SIZE: Final = 12000
 _EPHEMERAL_RANGE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_next_port: list[int] = []
+#: Where in its pool this process's next :func:`free_port` looks (its own start).
+_cursor: Final = itertools.count(os.getpid())
 
 
 def port_pool(
@@ -130,6 +133,12 @@ def port_pool(
     return range(start + index * width, start + (index + 1) * width)
 
 
+@functools.cache
+def _this_process_pool() -> range:
+    """:func:`port_pool` read once: the worker and the kernel's range do not change."""
+    return port_pool()
+
+
 def free_port() -> int:
     """A loopback port free right now that no outgoing connection will take.
 
@@ -137,12 +146,9 @@ def free_port() -> int:
     own) that binds, so a port is not handed out again until the pool wraps;
     the kernel's pick where there is no pool. The child binds it a moment later.
     """
-    pool = port_pool()
-    if not _next_port:
-        _next_port.append(os.getpid() % max(1, len(pool)))
+    pool = _this_process_pool()
     for _ in range(len(pool)):
-        port = pool[_next_port[0] % len(pool)]
-        _next_port[0] += 1
+        port = pool[next(_cursor) % len(pool)]
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))

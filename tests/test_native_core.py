@@ -141,11 +141,15 @@ def _third_party_reached_by_the_compile() -> dict[str, str]:
     return reached
 
 
+def _normalised(distribution: str) -> str:
+    """A distribution name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
 def _by_name(requirements: list[str]) -> dict[str, str]:
     """Requirement strings keyed by their normalised distribution name."""
     return {
-        re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", text, maxsplit=1)[0]).lower(): text
-        for text in requirements
+        _normalised(re.split(r"[<>=!~;\[ ]", text, maxsplit=1)[0]): text for text in requirements
     }
 
 
@@ -160,7 +164,7 @@ def test_the_build_environment_holds_every_package_the_compile_checks_against() 
     reached = _third_party_reached_by_the_compile()
     assert {"aiohttp", "orjson"} <= reached.keys(), reached  # the walk finds what it must
     for top, importer in sorted(reached.items()):
-        (distribution,) = {re.sub(r"[-_.]+", "-", d).lower() for d in distributions[top]}
+        (distribution,) = {_normalised(d) for d in distributions[top]}
         if distribution == "mypy-extensions":
             assert "mypy" in build  # mypy depends on it
             continue
