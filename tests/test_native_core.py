@@ -95,6 +95,44 @@ def test_the_compiled_list_names_modules_that_exist() -> None:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
 
 
+#: The one async context manager compiled code may use: its exit never suspends.
+NON_SUSPENDING_ASYNC_WITH = ("asyncio.timeout",)
+
+
+def _suspends_while_handling(module: str) -> list[str]:
+    """Where compiled ``module`` could suspend while it handles an exception.
+
+    A mypyc coroutine that suspends there leaves the exception set as the
+    thread's current one, where later compiled code of any session raises it
+    again (docs/design.md, Performance): an ``await`` in ``except`` or
+    ``finally``, or an ``async with`` whose exit awaits (a TaskGroup's).
+    """
+    path = ROOT / (module.replace(".", "/") + ".py")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AsyncWith):
+            for item in node.items:
+                call = item.context_expr
+                name = ast.unparse(call.func) if isinstance(call, ast.Call) else ""
+                if name not in NON_SUSPENDING_ASYNC_WITH:
+                    found.append(f"{module}:{node.lineno}: async with {ast.unparse(call)}")
+        if isinstance(node, ast.Try):
+            handlers = [node.finalbody, *(handler.body for handler in node.handlers)]
+            for statement in (s for body in handlers for s in body):
+                for inner in ast.walk(statement):
+                    if isinstance(inner, ast.Await | ast.AsyncWith | ast.AsyncFor):
+                        found.append(f"{module}:{inner.lineno}: awaits in except/finally")
+    return found
+
+
+def test_no_compiled_coroutine_suspends_while_it_handles_an_exception() -> None:
+    found = [where for module in COMPILED_MODULES for where in _suspends_while_handling(module)]
+    assert not found, "move it to an interpreted module (proxy/session/lifetime.py):\n" + (
+        "\n".join(found)
+    )
+
+
 #: The product's packages: mypy follows their imports from a compiled module.
 FIRST_PARTY = ("proxy", "engine_launcher", "metrics")
 

@@ -16,7 +16,8 @@ from typing import Any
 import orjson
 
 from proxy.session.client_reader import ClientFrames, ClientReader, ClientSocket, TextPush
-from proxy.session.tasks import cancel_and_wait
+from proxy.session.tasks import cancel_and_wait, first_set
+from proxy.session.timers import Scheduler
 from proxy.session.upstream_link import UpstreamLink
 from proxy.session.writer import ClientFrameWriter
 
@@ -82,6 +83,22 @@ class ClientSide:
     def start(self, frames: ClientFrames, tg: asyncio.TaskGroup, name: str) -> None:
         """Start reading the client into ``frames`` (the relay), in the session's TaskGroup."""
         self._reader_task = tg.create_task(self.reader.run(frames), name=name)
+
+    async def reader_verdict(self, scheduler: Scheduler, timeout: float) -> None:
+        """A connection the writer found lost: wait (at most ``timeout``) for the reader
+        to end, which says how it ended (a drop, held for a resume, or a close frame).
+
+        Either may notice a lost connection first; deciding on the writer's word
+        alone would end a session a drop should hold.
+        """
+        if not self.writer.gone or self.ended.is_set():
+            return
+        expired = asyncio.Event()
+        timer = scheduler.call_at(scheduler.time() + timeout, expired.set)
+        try:
+            await first_set(self.ended, expired)
+        finally:
+            timer.cancel()
 
     async def close(self, code: int, message: bytes, timeout: float) -> None:
         """Close the connection with ``code`` after what was written (at most ``timeout``)."""

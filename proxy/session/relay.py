@@ -9,7 +9,6 @@ outlives its client connection (docs/design.md, Resume).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from proxy.core.session_core import SessionCore, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
 from proxy.session.frames import ControlPayload
+from proxy.session.lifetime import run_session
 from proxy.session.limits import RelayLimits
 from proxy.session.tasks import first_set
 from proxy.session.timers import LoopScheduler, Scheduler, SessionTimers, Side
@@ -41,15 +41,12 @@ _CLOSED = SessionState.CLOSED
 
 
 class Relay:
-    """One client session and its upstream connection.
-
-    Args:
-        side: the client connection; ``upstream``: the engine link.
-        settings, capabilities, resuming: the session's policy (the relay builds its
-            core; ``resuming``: the client's ``session.resume`` went upstream already).
-        observer: metrics, registry and tracing (it reads ``view``).
-        limits: the shell's bounds and deadlines; ``scheduler`` and
-            ``call_soon``: the running loop's unless given (tests).
+    """One client session and its upstream connection: ``side`` the client connection,
+    ``upstream`` the engine link; ``settings``, ``capabilities``, ``resuming`` the
+    session's policy (the relay builds its core; ``resuming``: the client's
+    ``session.resume`` went upstream already); ``observer`` metrics, registry and
+    tracing (it reads ``view``); ``limits`` the shell's bounds and deadlines;
+    ``scheduler`` and ``call_soon``: the running loop's unless given (tests).
     """
 
     def __init__(
@@ -79,16 +76,15 @@ class Relay:
         #: What reporters may read of the session.
         self.view: SessionView = self.core
         self._observer = observer
-        self._limits = limits
+        self.limits = limits
         self._scheduler = scheduler if scheduler is not None else LoopScheduler()
         self._clock = self._scheduler.time
         self._call_soon = call_soon or asyncio.get_running_loop().call_soon
         self.timers = SessionTimers(self._scheduler, self, limits)
         self.started_at = self.timers.started_at
         self._wake, self._attached = asyncio.Event(), asyncio.Event()
-        #: Flags: an upstream ping is due, a flush waits for the end of the tick, the last
-        #: drain took events, the client dropped and the session is held, shutdown began
-        #: (a client that drops now is not held), the engine link's run is over.
+        #: Flags: upstream ping due, flush at the end of the tick, the last drain took events,
+        #: held for a resume, shutdown began (a drop now is not held), engine link's run over.
         self._ping_upstream = self._flush_soon = self._took = self.detached = False
         self._shutting_down = self._upstream_ended = False
         #: The core deadline the timer is armed for (None: not armed).
@@ -101,38 +97,43 @@ class Relay:
 
     async def run(self) -> None:
         """Relay until both sides are closed. Never raises for peer behaviour."""
+        await run_session(self)  # interpreted: it handles the exceptions (its docstring)
+
+    async def serve(self, tg: asyncio.TaskGroup) -> None:
+        """Relay in ``tg`` until the client is gone for good, then close upstream."""
         self.timers.start()
-        try:
-            async with asyncio.TaskGroup() as tg:
-                self._upstream.start(self, tg, f"{self.key}:intake")
-                while True:
-                    side = self.side
-                    side.start(self, tg, f"{self.key}:client")
-                    await self._deliver(side)
-                    if not (side.replaced or self.detached):  # a dropped one is left be
-                        await side.close(*self.core.close_frame(), self._limits.close_timeout)
-                    side.done.set()
-                    if self.side is side and not await self._held():
-                        break
-                if self.core.state is not _CLOSED:
-                    self.core.client_gone()  # over: session.close goes to the engine
-                self._send(self._after(self._clock()))
-                limits = self._limits
-                await self._upstream.close(limits.upstream_close_timeout, limits.close_timeout)
-        except Exception:
-            self.log.exception("session %s failed", self.key)
-            self.core.failed()
-        finally:
-            self.side.done.set()
-            self.timers.cancel()
-            self.core.finish()
-            self._observer.after_drain(self.core.drain(self._clock(), 0))
-            self._observer.session_end()
-            with contextlib.suppress(Exception):  # whatever is still open, bounded
-                async with asyncio.timeout(self._limits.close_timeout):
-                    if not self.side.client.closed:
-                        await self.side.client.close(code=self.core.close_frame()[0])
-                    await self.upstream.close()
+        self._upstream.start(self, tg, f"{self.key}:intake")
+        while True:
+            side = self.side
+            side.start(self, tg, f"{self.key}:client")
+            await self._deliver(side)
+            await side.reader_verdict(self._scheduler, self.limits.close_timeout)
+            if not (side.replaced or self.detached):  # a dropped one is left be
+                await side.close(*self.core.close_frame(), self.limits.close_timeout)
+            side.done.set()
+            if self.side is side and not await self._held():
+                break
+        if self.core.state is not _CLOSED:
+            self.core.client_gone()  # over: session.close goes to the engine
+        self._send(self._after(self._clock()))
+        await self._upstream.close(self.limits.upstream_close_timeout, self.limits.close_timeout)
+
+    def failed(self) -> None:
+        self.core.failed()
+
+    def finish(self) -> None:
+        """The session is over: stop its timers, settle its outcome and report it."""
+        self.side.done.set()
+        self.timers.cancel()
+        self.core.finish()
+        self._observer.after_drain(self.core.drain(self._clock(), 0))
+        self._observer.session_end()
+
+    async def close_connections(self) -> None:
+        """Close whatever is still open of the client and the engine link."""
+        if not self.side.client.closed:
+            await self.side.client.close(code=self.core.close_frame()[0])
+        await self.upstream.close()
 
     def shutdown(self) -> None:
         """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
@@ -152,8 +153,7 @@ class Relay:
         """The supervisor saw the engine die: fail this session now."""
         self.core.upstream_lost(self._clock())
         self._send(self._after(self._clock()))
-        # The engine socket may linger half-open; stop waiting for its session.closed.
-        self._upstream.session_closed.set()
+        self._upstream.session_closed.set()  # its socket may linger: stop waiting for it
 
     def _end(self, reason: EndReason, message: str = "") -> None:
         if self.core.state is _OPEN:
@@ -216,7 +216,7 @@ class Relay:
             audio = kind is ClientKind.AUDIO_APPEND
             observer.client_event(event.size, forwarded=decision.forward, audio=audio)
             if kind is ClientKind.SESSION_CLOSE and decision.forward:
-                timers.arm_upstream_close(self._limits.upstream_close_timeout)
+                timers.arm_upstream_close(self.limits.upstream_close_timeout)
             if (event.cancels or kind is ClientKind.RESPONSE_CREATE) and observer.tracer:
                 observer.tracer.client_event(event)  # before the drain's report of the cancel
         self._send(self._after(now))

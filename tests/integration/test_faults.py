@@ -403,6 +403,7 @@ async def test_client_disconnects_while_its_buffer_is_full(simulator, sidecar, c
         max_pending_output_bytes=16 * MIB,
         client_write_buffer_bytes=16 * 1024,
         upstream_close_timeout=0.5,
+        client_resume_grace=0,  # its buffer is freed now, not held for a resume
     )
     await warm_up(proxy.url)
     await no_sessions(proxy)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from websockets.frames import Opcode
 from proxy.core.buffer import Entry
 from proxy.core.drain import Drain
 from proxy.core.events import UpstreamEvent
+from proxy.core.lifecycle import SessionState
 from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.session_core import ACK_RIDE_WAIT, OverflowPolicy, SessionSettings
 from proxy.core.view import SessionView
@@ -70,6 +72,9 @@ class Observer:
 
     def after_drain(self, out: Drain) -> None:
         pass
+
+    def may_hold(self) -> bool:
+        return True  # not draining
 
     def session_end(self) -> None:
         self.ended = True
@@ -715,3 +720,49 @@ async def test_a_full_engine_link_pauses_reading_the_client_until_it_drains() ->
     s.upstream.on_drained()
     assert not s.transport.reading_paused
     await _end(s)
+
+
+# -- a lost connection: the reader says whether the client dropped ----------------------------
+
+
+async def test_a_drop_the_writer_sees_before_the_reader_is_still_held_for_a_resume(
+    session_factory: Any,
+) -> None:
+    """Under load the writer may find the transport lost before the reader reads its
+    end: the session waits for the reader's word and is held, not ended."""
+    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
+    s = await session_factory(core_settings=settings)
+    created = {
+        "type": "session.created",
+        "event_id": "event_sc",
+        "session": {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}},
+        "resume_token": "engine-token",
+    }
+    s.upstream.feed(json.dumps(created))
+    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
+    s.transport.on_lost.remove(s.client.lose)  # the reader hears of it later
+    s.transport.abort()
+    s.upstream.feed(response_created("r1"))  # the writer finds the connection gone
+    await s.settle()
+    assert s.core.state is SessionState.OPEN, "ended on the writer's word"
+    s.client.lose()
+    await wait_until(lambda: s.relay.detached, what="held for a resume")
+    assert s.core.state is SessionState.OPEN
+    assert s.core.resume.detached_at is not None
+
+
+async def test_a_cancelled_session_leaves_no_exception_set_for_the_code_after_it(
+    session_factory: Any,
+) -> None:
+    """A relay cancelled mid-session (the task's top coroutine compiled in the
+    compiled build) handles the cancellation without leaving it as the thread's
+    current exception, where the next session's compiled code would raise it."""
+    s = await session_factory()
+    s.upstream.feed(response_created("r1"))
+    await s.settle()
+    assert s.task is not None
+    s.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await s.task
+    assert s.task.cancelled()
+    assert sys.exc_info() == (None, None, None)
