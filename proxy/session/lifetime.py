@@ -12,15 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
+import logging
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from proxy.session.relay import Relay
+from proxy.session.limits import RelayLimits
 
-__all__ = ["run_session"]
+__all__ = ["SessionRelay", "run_session"]
 
 
-async def run_session(relay: Relay) -> None:
+class SessionRelay(Protocol):
+    """What a session's lifetime needs of its relay (``proxy.session.relay.Relay``)."""
+
+    key: str
+    limits: RelayLimits
+    log: logging.LoggerAdapter[Any]
+
+    async def serve(self, tg: asyncio.TaskGroup) -> None: ...
+    def failed(self) -> None: ...
+    def finish(self) -> None: ...
+    async def close_connections(self) -> None: ...
+
+
+async def run_session(relay: SessionRelay) -> None:
     """Run ``relay`` in the session's TaskGroup; a failure is logged and ends it as
     failed; cleanup is bounded by ``close_timeout``. Never raises for peer behaviour."""
     try:
