@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST_DIST ?= worksteal
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
-LINT_PATHS := proxy engine_launcher metrics tests bench scripts setup.py
+LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 

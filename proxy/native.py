@@ -1,7 +1,7 @@
 """Which build this process runs, compiled or pure Python, and the stale-build guard.
 
 ``COMPILED_MODULES`` is what the install compiles with mypyc when a C compiler
-is there (``setup.py`` reads it): the I/O-free core and the shell's per-event
+is there (``scripts/build_backend.py`` reads it): the I/O-free core and the shell's per-event
 modules. :data:`CORE_BUILD` says which build imports: ``"mypyc"`` or
 ``"python"``. A compiled module whose source changed after the build (by
 digest), or a build missing some of its modules, is refused when ``proxy`` is imported, naming the fix, so
@@ -65,7 +65,7 @@ COMPILED_MODULES: Final = (
     "proxy.session.upstream_link.picows_link",
 )
 
-#: Set at install time (to anything but "" or "0") for the pure-Python build (setup.py).
+#: Set at install time (to anything but "" or "0") for the pure-Python build (the build backend).
 PURE_BUILD_ENV: Final = "OMNI_SIDECAR_PURE_BUILD"
 
 #: What to do about a pure-Python build (the start-up line and the refusals say it).

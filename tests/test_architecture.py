@@ -191,8 +191,6 @@ def test_the_top_level_is_the_cards() -> None:
     tracked = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
     card = {"pyproject.toml", "proxy", "engine_launcher", "metrics", "configs", "tests"}
     card |= {"deploy", "README.md", "docs", "scripts", "bench", "mk", "LICENSE", "Makefile"}
-    # The build hook that compiles the core and the per-event shell (docs/development.md).
-    card.add("setup.py")
     # Build and environment leftovers are not part of the tree (.gitignore).
     leftovers = {p for p in tracked - card if p.endswith(".egg-info") or p in {"build"}}
     assert tracked - leftovers == card, sorted((tracked - leftovers) ^ card)

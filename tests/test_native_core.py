@@ -1,7 +1,7 @@
 """Both builds stay tested: the compiled one (the default install) and pure Python.
 
 The suite runs whichever build the checkout holds: after ``make setup`` with a C
-compiler, the compiled one (``setup.py`` compiles ``COMPILED_MODULES`` with
+compiler, the compiled one (``scripts/build_backend.py`` compiles ``COMPILED_MODULES`` with
 mypyc). This file runs the core's and the session shell's tests once more on the
 other build, in a copy of the tree (docs/development.md, The compiled build),
 and checks the import guard that refuses a compiled module older than its
@@ -221,7 +221,8 @@ def _copy_tree(tree: Path) -> None:
     skip = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", SOURCES_MANIFEST)
     for name in ("proxy", "engine_launcher", "metrics", "tests"):
         shutil.copytree(ROOT / name, tree / name, ignore=skip)
-    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "scripts/build_backend.py"):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)
 
 
@@ -249,7 +250,7 @@ def test_the_other_build_passes_the_core_and_shell_tests(tmp_path: Path) -> None
         if shutil.which("cc") is None:
             pytest.skip("no C compiler to build the compiled build with (.ci/run installs gcc)")
         expected = "mypyc"
-        build = run("setup.py", "-q", "build_ext", "--inplace", timeout=600)
+        build = run("scripts/build_backend.py", "-q", "build_ext", "--inplace", timeout=600)
         assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
     which = run("-c", "import proxy.native as n; print(n.CORE_BUILD, n.__file__)")
     assert which.stdout.split() == [expected, str(tree / "proxy" / "native.py")], (

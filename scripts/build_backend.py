@@ -1,7 +1,10 @@
-"""The build hook: compile the core and the per-event shell with mypyc when it can.
+"""The install's build backend: setuptools, compiling the core with mypyc when it can.
 
-``pip install .``, ``pip install -e .`` and ``make setup`` run this through
-setuptools. With a C compiler and the Python headers, the modules named in
+``pip install .``, ``pip install -e .`` and ``make setup`` load it (pyproject.toml:
+``build-backend``, ``backend-path = ["scripts"]``); it is setuptools' own backend
+with this module's ``setup()`` in place of a ``setup.py`` at the top level, and
+``python scripts/build_backend.py build_ext --inplace`` runs the same build by
+hand. With a C compiler and the Python headers, the modules named in
 ``COMPILED_MODULES`` (``proxy/native.py``) become extension modules, one
 shared library for all of them (``proxy/_native__mypyc``); an editable
 install puts them next to their sources. Without a compiler, or with
@@ -22,11 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from setuptools import Distribution, setup
+from setuptools import Distribution, build_meta, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 #: Set (to anything but "" or "0") to install pure Python even where a compiler exists.
 PURE_ENV = "OMNI_SIDECAR_PURE_BUILD"
 #: The one shared library the compiled modules live in (``proxy/_native__mypyc...so``).
@@ -160,7 +163,34 @@ class BuildCompiled(build_ext):
 
 WHY_PURE = why_pure()
 
-if __name__ == "__main__":
+
+def run_setup() -> None:
+    """What a ``setup.py`` would do: setuptools' ``setup()`` with the compiled build."""
     if WHY_PURE is not None:
         _say(f"pure Python: {WHY_PURE}")
     setup(distclass=CompiledDistribution, cmdclass={"build_ext": BuildCompiled})
+
+
+class _Backend(build_meta._BuildMetaBackend):
+    """setuptools' PEP 517 backend; where it would run ``setup.py``, ``run_setup()``."""
+
+    def run_setup(self, setup_script: str = "setup.py") -> None:
+        try:
+            run_setup()
+        except SystemExit as exc:  # as setuptools treats a setup script's exit
+            if exc.code:
+                raise
+
+
+_BACKEND = _Backend()
+get_requires_for_build_wheel = _BACKEND.get_requires_for_build_wheel
+get_requires_for_build_sdist = _BACKEND.get_requires_for_build_sdist
+get_requires_for_build_editable = _BACKEND.get_requires_for_build_editable
+prepare_metadata_for_build_wheel = _BACKEND.prepare_metadata_for_build_wheel
+prepare_metadata_for_build_editable = _BACKEND.prepare_metadata_for_build_editable
+build_wheel = _BACKEND.build_wheel
+build_sdist = _BACKEND.build_sdist
+build_editable = _BACKEND.build_editable
+
+if __name__ == "__main__":
+    run_setup()
