@@ -27,6 +27,7 @@ from typing import Any
 
 from setuptools import Distribution, build_meta, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.sdist import sdist
 from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,6 +162,14 @@ class BuildCompiled(build_ext):
         _say("compiled")
 
 
+class SourceDistribution(sdist):
+    """``sdist`` that carries this backend: an install from the archive needs it."""
+
+    def make_release_tree(self, base_dir: str, files: list[str]) -> None:
+        backend = Path(__file__).resolve().relative_to(ROOT).as_posix()
+        super().make_release_tree(base_dir, [*files, backend])
+
+
 WHY_PURE = why_pure()
 
 
@@ -168,7 +177,10 @@ def run_setup() -> None:
     """What a ``setup.py`` would do: setuptools' ``setup()`` with the compiled build."""
     if WHY_PURE is not None:
         _say(f"pure Python: {WHY_PURE}")
-    setup(distclass=CompiledDistribution, cmdclass={"build_ext": BuildCompiled})
+    setup(
+        distclass=CompiledDistribution,
+        cmdclass={"build_ext": BuildCompiled, "sdist": SourceDistribution},
+    )
 
 
 class _Backend(build_meta._BuildMetaBackend):

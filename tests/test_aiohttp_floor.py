@@ -121,12 +121,17 @@ def _copy_checkout(target: Path) -> Path:
     """The files a wheel is built from, copied so that building never writes into the tree.
 
     An in-tree build would leave ``build/`` and ``*.egg-info`` in a checkout
-    that other runs may be using.
+    that other runs may be using. The build backend comes along from where
+    pyproject.toml says it is (``backend-path``), so the install is the default
+    one: compiled where a C compiler is present.
     """
-    setuptools = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["tool"]["setuptools"]
-    patterns = setuptools["packages"]["find"]["include"]
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
+    patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    build = project["build-system"]
+    backend = [f"{where}/{build['build-backend']}.py" for where in build["backend-path"]]
     target.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", *backend):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, target / name)
     for pattern in patterns:
         for package in ROOT.glob(pattern):
@@ -174,21 +179,24 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
     source = _copy_checkout(tmp_path / "src")
     await _pip(
         python, "install", "--quiet", "--no-deps", str(source),
-        cwd=tmp_path, what="install the checkout",
+        cwd=tmp_path, what="install the checkout", timeout=int(PIP_TIMEOUT),
     )  # fmt: skip
 
     # What serve's startup check sees in that venv (and that the copy, not the tree, is used).
     rc, out = await _run(
         python, "-c",
-        "import json, aiohttp, proxy, proxy.compat as c;"
-        "print(json.dumps([aiohttp.__version__, c.missing_hooks(), proxy.__file__]))",
+        "import json, aiohttp, proxy, proxy.compat as c, proxy.native as n;"
+        "print(json.dumps([aiohttp.__version__, c.missing_hooks(), proxy.__file__,"
+        " n.CORE_BUILD]))",
         cwd=tmp_path, timeout=DEADLINE,
     )  # fmt: skip
     assert rc == 0, out
-    version, missing, package_file = json.loads(out.strip().splitlines()[-1])
+    version, missing, package_file, build = json.loads(out.strip().splitlines()[-1])
     assert version == floor
     assert missing == [], f"aiohttp {floor} lacks hooks proxy/compat/ needs: {missing}"
     assert Path(package_file).is_relative_to(env_dir), package_file
+    if shutil.which("cc") is not None:  # the default install: compiled against the floor
+        assert build == "mypyc", "the checkout installed pure Python where a compiler is"
 
     log = tmp_path / "serve.log"
     serve = SidecarChild(

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 from importlib.metadata import packages_distributions
@@ -93,6 +94,29 @@ def test_a_build_missing_some_of_its_modules_is_refused(tmp_path: Path) -> None:
 def test_the_compiled_list_names_modules_that_exist() -> None:
     for name in COMPILED_MODULES:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+
+
+def test_the_source_archive_carries_the_build_backend(tmp_path: Path) -> None:
+    """An install from the sdist runs the backend pyproject.toml names, so it is in it."""
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]
+    backend = [f"{where}/{build['build-backend']}.py" for where in build["backend-path"]]
+    tree = tmp_path / "tree"
+    _copy_tree(tree)
+    code = "import sys, build_backend as b; print(b.build_sdist(sys.argv[1]))"
+    made = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "dist")],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree / "scripts"), "OMNI_SIDECAR_PURE_BUILD": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    archive = tmp_path / "dist" / made.stdout.split()[-1]
+    with tarfile.open(archive) as sdist:
+        inside = {name.partition("/")[2] for name in sdist.getnames()}
+    assert set(backend) <= inside, sorted(inside)
 
 
 #: The one async context manager compiled code may use: its exit never suspends.
