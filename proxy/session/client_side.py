@@ -89,9 +89,10 @@ class ClientSide:
         to end, which says how it ended (a drop, held for a resume, or a close frame).
 
         Either may notice a lost connection first; deciding on the writer's word
-        alone would end a session a drop should hold.
+        alone would end a session a drop should hold. A reader cut off for
+        flooding reads nothing more and its session is ending: nothing to wait for.
         """
-        if not self.writer.gone or self.ended.is_set():
+        if not self.writer.gone or self.ended.is_set() or self.reader.cut_off:
             return
         expired = asyncio.Event()
         timer = scheduler.call_at(scheduler.time() + timeout, expired.set)

@@ -766,3 +766,16 @@ async def test_a_cancelled_session_leaves_no_exception_set_for_the_code_after_it
         await s.task
     assert s.task.cancelled()
     assert sys.exc_info() == (None, None, None)
+
+
+async def test_a_lost_connection_whose_reader_was_cut_off_ends_without_waiting(
+    session_factory: Any,
+) -> None:
+    """A reader cut off for flooding reads nothing more, so it never reports the
+    loss: the session ends at once, not after waiting for the reader."""
+    s = await session_factory()
+    s.relay.side.reader.cut()
+    s.transport.abort()  # the reader is told, but reads nothing any more
+    s.upstream.feed(response_created("r1"))  # the writer finds the connection gone
+    await s.finished()  # the manual clock never runs out a wait
+    assert s.observer.ended
