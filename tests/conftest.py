@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import os
 import time
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,6 +31,7 @@ __all__ = [
     "MS",
     "TIMEOUT_FACTOR",
     "RunningSidecar",
+    "build_backend_files",
     "free_port",
     "http_ok",
     "monotonic",
@@ -39,6 +42,13 @@ TIMEOUT_FACTOR = float(os.environ.get("OMNI_SIDECAR_TESTS_TIMEOUT_FACTOR", "1"))
 MS = 0.001 * TIMEOUT_FACTOR
 #: Default deadline for anything a test waits on.
 DEADLINE = 10_000 * MS
+
+
+def build_backend_files(pyproject: Path) -> list[str]:
+    """The build backend's files, where ``pyproject`` says they are (``backend-path``):
+    a copy of the checkout that is built or installed needs them."""
+    build = tomllib.loads(pyproject.read_text(encoding="utf-8"))["build-system"]
+    return [f"{where}/{build['build-backend']}.py" for where in build["backend-path"]]
 
 
 #: Test modules that take minutes (an image build, a venv of another aiohttp,

@@ -33,7 +33,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.children import SidecarChild
-from tests.conftest import DEADLINE
+from tests.conftest import DEADLINE, build_backend_files
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 PYPROJECT: Final = ROOT / "pyproject.toml"
@@ -125,12 +125,10 @@ def _copy_checkout(target: Path) -> Path:
     pyproject.toml says it is (``backend-path``), so the install is the default
     one: compiled where a C compiler is present.
     """
-    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
-    patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    build = project["build-system"]
-    backend = [f"{where}/{build['build-backend']}.py" for where in build["backend-path"]]
+    setuptools = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["tool"]["setuptools"]
+    patterns = setuptools["packages"]["find"]["include"]
     target.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE", *backend):
+    for name in ("pyproject.toml", "README.md", "LICENSE", *build_backend_files(PYPROJECT)):
         (target / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, target / name)
     for pattern in patterns:

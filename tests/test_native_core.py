@@ -33,6 +33,7 @@ from proxy.native import (
     core_build,
     source_digest,
 )
+from tests.conftest import build_backend_files
 
 ROOT = Path(__file__).resolve().parent.parent
 _SO = ".cpython-311-x86_64-linux-gnu.so"
@@ -98,8 +99,7 @@ def test_the_compiled_list_names_modules_that_exist() -> None:
 
 def test_the_source_archive_carries_the_build_backend(tmp_path: Path) -> None:
     """An install from the sdist runs the backend pyproject.toml names, so it is in it."""
-    build = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]
-    backend = [f"{where}/{build['build-backend']}.py" for where in build["backend-path"]]
+    backend = build_backend_files(ROOT / "pyproject.toml")
     tree = tmp_path / "tree"
     _copy_tree(tree)
     code = "import sys, build_backend as b; print(b.build_sdist(sys.argv[1]))"
@@ -245,7 +245,12 @@ def _copy_tree(tree: Path) -> None:
     skip = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", SOURCES_MANIFEST)
     for name in ("proxy", "engine_launcher", "metrics", "tests"):
         shutil.copytree(ROOT / name, tree / name, ignore=skip)
-    for name in ("pyproject.toml", "README.md", "LICENSE", "scripts/build_backend.py"):
+    for name in (
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        *build_backend_files(ROOT / "pyproject.toml"),
+    ):
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)
 
