@@ -5,10 +5,14 @@ The proxy reaches into aiohttp internals (every one is named in
 has no ``ClientWSTimeout`` and no ``send_frame`` writer behind
 ``WebSocketResponse``, and with it every upgrade answered HTTP 500 while the
 old ``aiohttp>=3.9`` pin allowed it. A floor that nobody installs is a guess,
-so this test installs exactly the declared floor into a clean scratch venv,
-with the product's other runtime dependencies as declared, installs a copy of
-the checkout there without dependencies, and runs one proxied session through
-it with real ``omni-sidecar serve`` and ``omni-sidecar probe`` children.
+so this test installs exactly the declared floor, with the product's other
+runtime dependencies as declared, into a clean scratch venv and runs one
+proxied session through it with real ``serve`` and ``probe`` children.
+
+The product comes from this checkout (a ``.pth`` line), as the suite runs it:
+compiled where the suite's install compiled it, so the compiled core and shell
+meet the floor's aiohttp at run time. Compiling once more inside the scratch
+venv took two of this test's three minutes and checked nothing the run does not.
 
 The floor is parsed from ``pyproject.toml``, so the test follows the pin. It
 needs PyPI (pip's cache makes repeat runs fast) and skips, naming the pip
@@ -22,8 +26,8 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
+import sys
 import tomllib
 import venv
 from pathlib import Path
@@ -32,8 +36,9 @@ from typing import Final
 import pytest
 from packaging.requirements import Requirement
 
+from proxy.native import CORE_BUILD
 from tests.children import SidecarChild
-from tests.conftest import DEADLINE, build_backend_files
+from tests.conftest import DEADLINE
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 PYPROJECT: Final = ROOT / "pyproject.toml"
@@ -46,7 +51,7 @@ NETWORK_ERROR: Final = re.compile(
     r"Max retries exceeded",
     re.IGNORECASE,
 )
-#: A cold pip cache downloads a few MB and builds the checkout's wheel once.
+#: A cold pip cache downloads a few MB of wheels.
 PIP_TIMEOUT: Final = 240.0
 #: The built-in simulator, unpaced: one response of 3 audio chunks.
 FAST_SIMULATOR: Final = "--realtime-factor 0 --chunk-ms 200 --response-seconds 0.6"
@@ -101,13 +106,16 @@ async def _run(*argv: str | Path, cwd: Path, timeout: float) -> tuple[int, str]:
 async def _pip(
     python: Path, *args: str, cwd: Path, what: str, retries: int = 2, timeout: int = 30
 ) -> None:
-    """``python -m pip ARGS``; skip when no index answers, fail on any other error.
+    """``pip --python PYTHON ARGS``; skip when no index answers, fail on any other error.
 
-    ``retries`` and ``timeout`` are pip's (per request), so an unreachable index
-    is told apart in seconds rather than after pip's default minutes.
+    The suite's own pip installs into the scratch venv, which then needs none of its
+    own (seeding one took longer than the installs). ``retries`` and ``timeout`` are
+    pip's (per request), so an unreachable index is told apart in seconds rather than
+    after pip's default minutes.
     """
     rc, out = await _run(
-        python, "-m", "pip", *args, "--retries", str(retries), "--timeout", str(timeout),
+        sys.executable, "-m", "pip", "--python", python, *args,
+        "--retries", str(retries), "--timeout", str(timeout),
         cwd=cwd, timeout=PIP_TIMEOUT,
     )  # fmt: skip
     if rc == 0:
@@ -115,29 +123,6 @@ async def _pip(
     if NETWORK_ERROR.search(out):
         pytest.skip(f"PyPI unreachable while trying to {what}: {out.strip()[-600:]}")
     pytest.fail(f"pip could not {what} (exit {rc}):\n{out[-3000:]}")
-
-
-def _copy_checkout(target: Path) -> Path:
-    """The files a wheel is built from, copied so that building never writes into the tree.
-
-    An in-tree build would leave ``build/`` and ``*.egg-info`` in a checkout
-    that other runs may be using. The build backend comes along from where
-    pyproject.toml says it is (``backend-path``), so the install is the default
-    one: compiled where a C compiler is present.
-    """
-    setuptools = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["tool"]["setuptools"]
-    patterns = setuptools["packages"]["find"]["include"]
-    target.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE", *build_backend_files(PYPROJECT)):
-        (target / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, target / name)
-    for pattern in patterns:
-        for package in ROOT.glob(pattern):
-            if (package / "__init__.py").is_file():
-                shutil.copytree(
-                    package, target / package.name, ignore=shutil.ignore_patterns("__pycache__")
-                )
-    return target
 
 
 def test_the_declared_range_holds_the_tested_version() -> None:
@@ -162,44 +147,41 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
     floor = declared_floor()
     others = [str(r) for r in _dependencies() if r.name != "aiohttp"]
     env_dir = tmp_path / "venv"
-    await asyncio.to_thread(venv.EnvBuilder(with_pip=True, clear=True).create, env_dir)
+    await asyncio.to_thread(venv.EnvBuilder(with_pip=False, clear=True).create, env_dir)
     python = env_dir / "bin" / "python"
-    cli = env_dir / "bin" / "omni-sidecar"
 
     await _pip(
         python, "download", "--no-deps", "--dest", str(tmp_path / "dl"), f"aiohttp=={floor}",
         cwd=tmp_path, what=f"download aiohttp=={floor}", retries=1, timeout=15,
     )  # fmt: skip
     await _pip(
-        python, "install", "--quiet", f"aiohttp=={floor}", *others,
+        python, "install", "--quiet", "--no-compile", f"aiohttp=={floor}", *others,
         cwd=tmp_path, what=f"install aiohttp=={floor} and {others}",
     )  # fmt: skip
-    source = _copy_checkout(tmp_path / "src")
-    await _pip(
-        python, "install", "--quiet", "--no-deps", str(source),
-        cwd=tmp_path, what="install the checkout", timeout=int(PIP_TIMEOUT),
-    )  # fmt: skip
+    # The product from this checkout, after the venv's own packages on sys.path.
+    (site_packages,) = (env_dir / "lib").glob("python3*/site-packages")
+    (site_packages / "omni_sidecar_checkout.pth").write_text(f"{ROOT}\n", encoding="utf-8")
 
-    # What serve's startup check sees in that venv (and that the copy, not the tree, is used).
+    # What serve's startup check sees in that venv: the floor's aiohttp, this checkout's build.
     rc, out = await _run(
         python, "-c",
         "import json, aiohttp, proxy, proxy.compat as c, proxy.native as n;"
-        "print(json.dumps([aiohttp.__version__, c.missing_hooks(), proxy.__file__,"
-        " n.CORE_BUILD]))",
+        "print(json.dumps([aiohttp.__version__, aiohttp.__file__, c.missing_hooks(),"
+        " proxy.__file__, n.CORE_BUILD]))",
         cwd=tmp_path, timeout=DEADLINE,
     )  # fmt: skip
     assert rc == 0, out
-    version, missing, package_file, build = json.loads(out.strip().splitlines()[-1])
+    version, aiohttp_file, missing, package_file, build = json.loads(out.strip().splitlines()[-1])
     assert version == floor
+    assert Path(aiohttp_file).is_relative_to(env_dir), aiohttp_file
     assert missing == [], f"aiohttp {floor} lacks hooks proxy/compat/ needs: {missing}"
-    assert Path(package_file).is_relative_to(env_dir), package_file
-    if shutil.which("cc") is not None:  # the default install: compiled against the floor
-        assert build == "mypyc", "the checkout installed pure Python where a compiler is"
+    assert Path(package_file).is_relative_to(ROOT), package_file
+    assert build == CORE_BUILD, f"the floor venv runs the {build} build, the suite the {CORE_BUILD}"
 
     log = tmp_path / "serve.log"
     serve = SidecarChild(
         "--log-level", "info", "--engine-simulator-args", FAST_SIMULATOR,
-        command=[str(cli)], base_env=_child_env(), cwd=tmp_path, log_path=log,
+        command=[str(python), "-m", "proxy"], base_env=_child_env(), cwd=tmp_path, log_path=log,
         ready_timeout=DEADLINE * 3, stop_grace=DEADLINE,
     )  # fmt: skip
     serve.start()
@@ -208,7 +190,7 @@ async def test_one_proxied_session_on_the_declared_aiohttp_floor(tmp_path: Path)
         await serve.ready()
 
         rc, out = await _run(
-            cli, "probe", f"ws://127.0.0.1:{port}/v1/realtime", "--json", "--no-realtime",
+            python, "-m", "proxy", "probe", f"ws://127.0.0.1:{port}/v1/realtime", "--json", "--no-realtime",
             "--input-seconds", "0.2", "--timeout", str(DEADLINE * 2),
             cwd=tmp_path, timeout=DEADLINE * 3,
         )  # fmt: skip
