@@ -25,6 +25,11 @@ PYTEST_ARGS ?=
 #: left one worker idle for minutes while the other ran 400 integration tests).
 PYTEST_WORKERS ?= 2
 PYTEST_DIST ?= worksteal
+#: The suite starts hundreds of sidecar and simulator children, each importing the
+#: checkout: with PYTHONDONTWRITEBYTECODE set (many container images set it) every
+#: one compiled every module from source again, a third of a sidecar's start-up.
+#: The test run writes its bytecode (__pycache__/ is ignored by git and the image build).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 #: Everything ruff checks and formats; keep in step with tests/test_lint.py.
 LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
@@ -59,10 +64,10 @@ lint: $(BIN)/omni-sidecar
 	$(BIN)/python -m mypy --strict $(TYPED_PATHS)
 
 pytest: $(BIN)/omni-sidecar
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
 
 test-loaded: $(BIN)/omni-sidecar
-	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
+	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(PYTEST) -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
 
 bench: $(BIN)/omni-sidecar
 	$(BIN)/python -m pip install -e '.[test,bench]'

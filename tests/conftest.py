@@ -24,6 +24,8 @@ import pytest
 
 from proxy.settings import EngineConfig, Settings
 from tests.children import SimulatorChild, free_port
+from tests.integration import container_image
+from tests.integration.container_image import CacheWarmup
 
 #: ``free_port`` is re-exported: the tests import it from here.
 __all__ = [
@@ -51,21 +53,47 @@ def build_backend_files(pyproject: Path) -> list[str]:
     return [f"{where}/{build['build-backend']}.py" for where in build["backend-path"]]
 
 
-#: Test modules that take minutes (an image build, a venv of another aiohttp,
-#: the other build's run): collected first, so that pytest-xdist's work stealing
-#: (``make pytest``: ``--dist worksteal``) starts them at once and both workers
-#: end together instead of one waiting on the other's last long test.
+#: Test modules that take the longest (a venv of another aiohttp, the other
+#: build's run): collected first, so that pytest-xdist's work stealing (``make
+#: pytest``: ``--dist worksteal``) starts them at once and both workers end
+#: together instead of one waiting on the other's last long test.
 RUN_FIRST = (
-    "tests/integration/test_container_image.py",
     "tests/test_aiohttp_floor.py",
     "tests/test_native_core.py",
 )
+#: The container tier, collected last: its image is built in the background
+#: from the start of the run (``CacheWarmup``), so the later its tests come, the
+#: more of a cold build the rest of the suite has overlapped.
+RUN_LAST = ("tests/integration/test_container_image.py",)
+_WARMUP = pytest.StashKey[CacheWarmup]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules of ``RUN_FIRST`` first, in that order; the rest as collected."""
+    """The modules of ``RUN_FIRST`` first, those of ``RUN_LAST`` last, the rest as collected."""
     rank = {module: n for n, module in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+    rank |= {module: len(RUN_FIRST) + 1 + n for n, module in enumerate(RUN_LAST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(RUN_FIRST)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the container image when the run has tests of its tier.
+
+    Under pytest-xdist every worker collects; the first one to ask starts it.
+    """
+    tier = RUN_LAST[0]
+    if session.config.option.collectonly or container_image.missing_tools() is not None:
+        return
+    if any(item.nodeid.partition("::")[0] == tier for item in session.items):
+        warmup = CacheWarmup.start(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
+        if warmup is not None:
+            session.config.stash[_WARMUP] = warmup
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the image build of ``pytest_collection_finish`` if it is still running."""
+    warmup = session.config.stash.get(_WARMUP, None)
+    if warmup is not None:
+        warmup.stop()
 
 
 async def wait_until(

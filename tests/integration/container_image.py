@@ -27,10 +27,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -285,5 +288,106 @@ def build_image(target: str = "sidecar", log_dir: Path | None = None) -> BuiltIm
 
 
 def remove_image(image: BuiltImage) -> None:
-    """Untag and remove this run's image (the build's cached layers stay)."""
-    image.podman.run("rmi", "--force", image.tag, check=False, timeout=120)
+    """Untag and remove this run's image (the build's cached layers stay).
+
+    Under the cache lock: an image another build has just found in its cache has
+    the same ID as this one, and removing it while that build runs takes its
+    build containers with it ("identifier is not a container").
+    """
+    with cache_lock():
+        image.podman.run("rmi", "--force", image.tag, check=False, timeout=120)
+
+
+#: How long the suite's end waits for a warm-up it asks to stop (it cleans up first).
+WARM_STOP_TIMEOUT: Final = 60.0
+
+
+class CacheWarmup:
+    """The image built once in a child process while the rest of the suite runs.
+
+    A cold build is minutes of downloads and package installs, mostly waiting on
+    the network and the disk. Started when the suite is collected, it overlaps
+    with the other tests; the tier's own ``build_image`` then waits on the cache
+    lock and finds every layer cached. It is only a head start: when it fails,
+    the tier's build runs again and reports the error. The process that started
+    it stops it at the suite's end if it is still running (SIGTERM: it unmounts
+    what debootstrap mounted and removes its scratch tree), and after
+    ``WARM_STOP_TIMEOUT`` kills what is left of its process group.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], marker: Path | None) -> None:
+        self.proc = proc
+        self.marker = marker
+
+    @classmethod
+    def start(
+        cls, run_id: str | None, command: Sequence[str] | None = None, cache: Path = CACHE
+    ) -> CacheWarmup | None:
+        """Start it unless another process of this run (a pytest-xdist worker sharing
+        ``run_id``) already has; None then. ``command`` replaces the build (tests)."""
+        cache.mkdir(parents=True, exist_ok=True)
+        marker = None
+        if run_id is not None:
+            marker = cache / f"warmup-{run_id}.started"
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return None
+        if command is None:
+            command = [sys.executable, "-m", "tests.integration.container_image", "warm"]
+        with open(cache / "warmup.log", "wb") as log:
+            proc = subprocess.Popen(
+                command,
+                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        return cls(proc, marker)
+
+    def stop(self, timeout: float = WARM_STOP_TIMEOUT) -> int:
+        """Its exit status; a warm-up still running is stopped first (SIGTERM, then
+        after ``timeout`` seconds SIGKILL to its group).
+
+        It is waited for without being reaped until its process group has been
+        killed: until then its pid, and so its group id, cannot be anyone else's.
+        """
+        if self.proc.returncode is None:
+            still_running = (
+                os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+            )
+            if still_running:
+                os.kill(self.proc.pid, signal.SIGTERM)  # not Popen.terminate: it would reap
+                self._exited(timeout)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        returncode = self.proc.wait()
+        if self.marker is not None:
+            self.marker.unlink(missing_ok=True)
+        return returncode
+
+    def _exited(self, timeout: float) -> bool:
+        """True once it has exited (within ``timeout`` seconds); it stays unreaped."""
+        exited = threading.Event()
+
+        def watch() -> None:
+            with contextlib.suppress(ChildProcessError):  # reaped by stop() meanwhile
+                os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+            exited.set()
+
+        threading.Thread(target=watch, name="warmup-exit", daemon=True).start()
+        return exited.wait(timeout)
+
+
+def _warm() -> int:
+    """Build the image into the cache and untag it: what ``CacheWarmup`` runs."""
+    # SIGTERM as an exception, so that the cleanup in debian_base's finally runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    started = time.monotonic()
+    remove_image(build_image("sidecar"))
+    print(f"image cache warm in {time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["warm"]:
+        sys.exit(f"usage: {sys.executable} -m tests.integration.container_image warm")
+    sys.exit(_warm())

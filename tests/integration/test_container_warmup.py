@@ -1,0 +1,103 @@
+"""The container tier's background image build (``CacheWarmup``): one per run, stopped
+with everything it started.
+
+It runs on every machine, podman or not: the build is replaced by small Python
+children, since what is checked is the harness's promise to the suite (one
+build per pytest-xdist run, a stop that leaves nothing of its process group and
+signals no one else), not the image.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEADLINE, wait_until
+from tests.integration.container_image import REPO_ROOT, CacheWarmup
+
+#: Says its pid and idles; SIGTERM ends it (Python's default).
+_IDLE = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+#: Ignores SIGTERM: only the SIGKILL to its group after the timeout ends it.
+_STUBBORN = (
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print(os.getpid(), flush=True); time.sleep(60)"
+)
+#: Starts a stubborn child in its own process group, says the child's pid, then idles.
+_LEAVES_A_CHILD = (
+    "import subprocess, sys, time;"
+    f"c = subprocess.Popen([sys.executable, '-c', {_STUBBORN!r}], stdout=subprocess.PIPE);"
+    "print(c.stdout.readline().decode().strip(), flush=True); time.sleep(60)"
+)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _first_line(log: Path) -> int:
+    await wait_until(lambda: log.exists() and log.read_text().endswith("\n"), what="a pid")
+    return int(log.read_text().splitlines()[0])
+
+
+async def test_one_warmup_per_run_and_its_stop_ends_it(tmp_path: Path) -> None:
+    """The second worker of a run starts none; stop is SIGTERM, reaped, marker removed."""
+    command = [sys.executable, "-c", _IDLE]
+    first = CacheWarmup.start("run-1", command, cache=tmp_path)
+    assert first is not None
+    try:
+        assert CacheWarmup.start("run-1", command, cache=tmp_path) is None
+        await _first_line(tmp_path / "warmup.log")
+    finally:
+        status = first.stop(timeout=DEADLINE)
+    assert status == -signal.SIGTERM
+    assert list(tmp_path.glob("warmup-*.started")) == []
+    other = CacheWarmup.start("run-2", [sys.executable, "-c", "pass"], cache=tmp_path)
+    assert other is not None, "another run starts its own"
+    await wait_until(lambda: other.proc.poll() is not None, what="a warm-up done by itself")
+    assert other.stop(timeout=DEADLINE) == 0
+
+
+async def test_stop_kills_what_the_warmup_left_in_its_group(tmp_path: Path) -> None:
+    """A child of the build that ignores SIGTERM is killed with the group, nothing else is."""
+    bystander = CacheWarmup.start(None, [sys.executable, "-c", _IDLE], cache=tmp_path / "b")
+    warmup = CacheWarmup.start(None, [sys.executable, "-c", _LEAVES_A_CHILD], cache=tmp_path)
+    assert bystander is not None and warmup is not None
+    try:
+        child = await _first_line(tmp_path / "warmup.log")
+        assert os.getpgid(child) == warmup.proc.pid
+        assert warmup.stop(timeout=DEADLINE) == -signal.SIGTERM
+        await wait_until(lambda: not _alive(child), what="the warm-up's child gone")
+        assert bystander.proc.poll() is None, "a process outside the group was signalled"
+    finally:
+        warmup.stop(timeout=0)
+        bystander.stop(timeout=DEADLINE)
+
+
+@pytest.mark.timeout(DEADLINE * 3)
+async def test_a_warmup_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path) -> None:
+    warmup = CacheWarmup.start(None, [sys.executable, "-c", _STUBBORN], cache=tmp_path)
+    assert warmup is not None
+    await _first_line(tmp_path / "warmup.log")
+    assert warmup.stop(timeout=0.2) == -signal.SIGKILL
+
+
+def test_the_build_context_leaves_out_what_a_test_run_writes_beside_the_sources() -> None:
+    """Bytecode and compiled modules in the checkout would change the COPY layers' keys,
+    and every run of the suite (which writes bytecode) would rebuild the install layer."""
+    ignore = REPO_ROOT / ".dockerignore"
+    patterns = {
+        line.strip()
+        for line in ignore.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    }
+    missing = {"**/__pycache__", "**/*.so", ".venv*", ".cache"} - patterns
+    assert not missing, f"{ignore.name} lets the build see {sorted(missing)}"
