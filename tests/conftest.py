@@ -54,25 +54,62 @@ def build_backend_files(pyproject: Path) -> list[str]:
 
 
 #: Test modules that take the longest (a venv of another aiohttp, the other
-#: build's run): collected first, so that pytest-xdist's work stealing (``make
-#: pytest``: ``--dist worksteal``) starts them at once and both workers end
-#: together instead of one waiting on the other's last long test.
+#: build's run): started first, one on each pytest-xdist worker where there are
+#: two, so that both workers end together instead of one waiting on the other's
+#: last long test.
 RUN_FIRST = (
     "tests/test_aiohttp_floor.py",
     "tests/test_native_core.py",
 )
-#: The container tier, collected last: its image is built in the background
-#: from the start of the run (``CacheWarmup``), so the later its tests come, the
-#: more of a cold build the rest of the suite has overlapped.
+#: The container tier, run last on every worker: its image is built in the
+#: background from the start of the run (``CacheWarmup``), so the later its tests
+#: come, the more of a cold build the rest of the suite has overlapped.
 RUN_LAST = ("tests/integration/test_container_image.py",)
 _WARMUP = pytest.StashKey[CacheWarmup]()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules of ``RUN_FIRST`` first, those of ``RUN_LAST`` last, the rest as collected."""
-    rank = {module: n for n, module in enumerate(RUN_FIRST)}
-    rank |= {module: len(RUN_FIRST) + 1 + n for n, module in enumerate(RUN_LAST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(RUN_FIRST)))
+def xdist_queues(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """``items`` ordered so that each worker's first queue starts with its share of
+    ``RUN_FIRST`` and ends with its share of ``RUN_LAST``, the rest dealt round.
+
+    pytest-xdist (``make pytest``: ``--dist worksteal``) hands worker k the k-th
+    contiguous slice of the collection (``len // workers`` of what is left), and
+    an idle worker later takes the second half of the longest queue. Sorted as
+    collected, one slice was the integration tests and the other the unit tests:
+    the worker with the unit tests reached the container tier within a minute and
+    sat on the cold image build for four.
+    """
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.partition("::")[0]
+
+    first = [i for i in items if module(i) in RUN_FIRST]
+    last = [i for i in items if module(i) in RUN_LAST]
+    rest = [i for i in items if module(i) not in RUN_FIRST and module(i) not in RUN_LAST]
+    sizes, left = [], len(items)
+    for k in range(workers):
+        sizes.append(left // (workers - k))
+        left -= sizes[-1]
+    heads: list[list[pytest.Item]] = [[] for _ in sizes]
+    tails: list[list[pytest.Item]] = [[] for _ in sizes]
+    for n, item in enumerate(first):
+        heads[n % workers].append(item)
+    for n, item in enumerate(last):
+        tails[n % workers].append(item)
+    middles: list[list[pytest.Item]] = [[] for _ in sizes]
+    k = 0
+    for item in rest:  # round, skipping queues already full
+        while len(heads[k]) + len(middles[k]) + len(tails[k]) >= sizes[k]:
+            k = (k + 1) % workers
+        middles[k].append(item)
+        k = (k + 1) % workers
+    return [item for k in range(workers) for item in heads[k] + middles[k] + tails[k]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``RUN_FIRST`` first and ``RUN_LAST`` last, in each worker's queue."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = xdist_queues(items, max(workers, 1))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -89,11 +126,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             session.config.stash[_WARMUP] = warmup
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Stop the image build of ``pytest_collection_finish`` if it is still running."""
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Let the image build of ``pytest_collection_finish`` end, or stop it when the run
+    was cut short. Under pytest-xdist a worker with nothing left to take finishes
+    while the other may still run the container tier, which needs that build."""
     warmup = session.config.stash.get(_WARMUP, None)
-    if warmup is not None:
-        warmup.stop()
+    if warmup is None:
+        return
+    if exitstatus != pytest.ExitCode.INTERRUPTED and not session.shouldstop:
+        warmup.wait(container_image.DEBOOTSTRAP_TIMEOUT + container_image.BUILD_TIMEOUT)
+    warmup.stop()
 
 
 async def wait_until(

@@ -343,6 +343,10 @@ class CacheWarmup:
             )  # fmt: skip
         return cls(proc, marker)
 
+    def wait(self, timeout: float) -> bool:
+        """True once it has ended by itself, within ``timeout`` seconds."""
+        return self.proc.returncode is not None or self._exited(timeout)
+
     def stop(self, timeout: float = WARM_STOP_TIMEOUT) -> int:
         """Its exit status; a warm-up still running is stopped first (SIGTERM, then
         after ``timeout`` seconds SIGKILL to its group).

@@ -13,10 +13,12 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
-from tests.conftest import DEADLINE, wait_until
+from tests.conftest import DEADLINE, RUN_FIRST, RUN_LAST, wait_until, xdist_queues
 from tests.integration.container_image import REPO_ROOT, CacheWarmup
 
 #: Says its pid and idles; SIGTERM ends it (Python's default).
@@ -101,3 +103,39 @@ def test_the_build_context_leaves_out_what_a_test_run_writes_beside_the_sources(
     }
     missing = {"**/__pycache__", "**/*.so", ".venv*", ".cache"} - patterns
     assert not missing, f"{ignore.name} lets the build see {sorted(missing)}"
+
+
+async def test_wait_is_true_once_the_warmup_ended_by_itself(tmp_path: Path) -> None:
+    running = CacheWarmup.start(None, [sys.executable, "-c", _IDLE], cache=tmp_path / "r")
+    done = CacheWarmup.start(None, [sys.executable, "-c", "pass"], cache=tmp_path / "d")
+    assert running is not None and done is not None
+    try:
+        assert done.wait(DEADLINE)
+        assert not running.wait(0.1)
+    finally:
+        assert done.stop() == 0
+        running.stop(timeout=DEADLINE)
+
+
+@pytest.mark.parametrize(("workers", "others"), [(1, 7), (2, 7), (2, 40), (3, 11)])
+def test_each_workers_first_queue_starts_long_and_ends_with_the_container_tier(
+    workers: int, others: int
+) -> None:
+    """xdist gives worker k the k-th slice (``len // workers`` of what is left): every
+    slice begins with its share of RUN_FIRST and ends with its share of RUN_LAST."""
+    first = [f"{RUN_FIRST[n % len(RUN_FIRST)]}::test_{n}" for n in range(2)]
+    last = [f"{RUN_LAST[0]}::test_{n}" for n in range(5)]
+    rest = [f"tests/proxy/test_unit.py::test_{n}" for n in range(others)]
+    items = [SimpleNamespace(nodeid=name) for name in [*rest[:3], *last, *first, *rest[3:]]]
+    ordered = [item.nodeid for item in xdist_queues(cast(list[pytest.Item], items), workers)]
+    assert sorted(ordered) == sorted(item.nodeid for item in items)
+    slices, left, start = [], len(ordered), 0
+    for k in range(workers):
+        size = left // (workers - k)
+        slices.append(ordered[start : start + size])
+        start, left = start + size, left - size
+    for queue in slices:
+        kinds = ["first" if n in first else "last" if n in last else "rest" for n in queue]
+        assert kinds == sorted(kinds, key=["first", "rest", "last"].index), queue
+    assert {n for queue in slices for n in queue[:1]} <= set(first) or workers > len(first)
+    assert all(any(n in last for n in queue) for queue in slices), slices
