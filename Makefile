@@ -2,6 +2,7 @@
 #   make serve   - create and fill .venv if it is missing, then run the sidecar in
 #                  front of the built-in simulator (Ctrl-C stops both)
 #   make test    - the same set-up if missing, then `make lint`, then the whole suite
+#                  (with the container tier's image build started first, beside them)
 # Others:
 #   make setup   - (re)install the project and its test extra into .venv; with a C
 #                  compiler the core and the per-event shell are compiled (mypyc)
@@ -37,7 +38,7 @@ LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 
-.PHONY: help setup serve test test-loaded lint pytest bench native pure clean
+.PHONY: help setup serve test test-steps test-loaded lint pytest bench native pure clean
 
 help:
 	@sed -n '1,/^PYTHON/p' Makefile | sed '$$d'
@@ -56,7 +57,18 @@ setup:
 serve: $(BIN)/omni-sidecar
 	$(BIN)/omni-sidecar serve $(ARGS)
 
-test: $(BIN)/omni-sidecar
+# The whole suite (no PYTEST_ARGS) needs the container tier's image: its build starts
+# first, beside the install, lint and suite (warm-during in
+# tests/integration/container_image.py; a cold build is minutes of debootstrap and
+# packages). Without podman, or with PYTEST_ARGS, the steps run alone.
+test:
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PYTHON) -m tests.integration.container_image warm-during -- $(MAKE) test-steps
+else
+	$(MAKE) test-steps
+endif
+
+test-steps: $(BIN)/omni-sidecar
 	$(MAKE) lint
 	$(MAKE) pytest
 

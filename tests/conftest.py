@@ -120,6 +120,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tier = RUN_LAST[0]
     if session.config.option.collectonly or container_image.missing_tools() is not None:
         return
+    if os.environ.get(container_image.WARMUP_ENV):  # make test started it before the install
+        return
     if any(item.nodeid.partition("::")[0] == tier for item in session.items):
         warmup = CacheWarmup.start(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
         if warmup is not None:

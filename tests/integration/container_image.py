@@ -298,6 +298,8 @@ def remove_image(image: BuiltImage) -> None:
         image.podman.run("rmi", "--force", image.tag, check=False, timeout=120)
 
 
+#: Set for the suite by ``warm-during``: a build is already under way, start none.
+WARMUP_ENV: Final = "OMNI_SIDECAR_TESTS_IMAGE_WARMUP"
 #: How long the suite's end waits for a warm-up it asks to stop (it cleans up first).
 WARM_STOP_TIMEOUT: Final = 60.0
 
@@ -391,7 +393,44 @@ def _warm() -> int:
     return 0
 
 
+def warm_during(
+    command: Sequence[str], warmup_command: Sequence[str] | None = None, cache: Path = CACHE
+) -> int:
+    """Run ``command`` with the image build started beside it; its exit status.
+
+    ``make test`` runs the install, lint and suite this way, so a cold build
+    (minutes of debootstrap and packages) starts before the install rather than
+    after collection. The suite, told by ``WARMUP_ENV``, starts no build of its
+    own. A build still running when ``command`` ends (the tier deselected, or a
+    run stopped early) is stopped; SIGTERM is passed on to ``command``.
+    ``warmup_command`` replaces the build (tests).
+    """
+    if warmup_command is None and missing_tools() is not None:
+        return subprocess.call(command)
+    warmup = CacheWarmup.start(None, warmup_command, cache=cache)
+    assert warmup is not None
+    try:
+        with subprocess.Popen(command, env={**os.environ, WARMUP_ENV: "1"}) as proc:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # the terminal's Ctrl-C reached proc as well
+                proc.wait()
+                return 128 + signal.SIGINT
+    finally:
+        warmup.stop()
+
+
+USAGE: Final = (
+    f"usage: {sys.executable} -m tests.integration.container_image warm | warm-during -- COMMAND..."
+)
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["warm"]:
-        sys.exit(f"usage: {sys.executable} -m tests.integration.container_image warm")
-    sys.exit(_warm())
+    match sys.argv[1:]:
+        case ["warm"]:
+            sys.exit(_warm())
+        case ["warm-during", "--", *command] if command:
+            sys.exit(warm_during(command))
+        case _:
+            sys.exit(USAGE)

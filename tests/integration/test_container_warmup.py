@@ -9,6 +9,7 @@ signals no one else), not the image.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ from typing import cast
 import pytest
 
 from tests.conftest import DEADLINE, RUN_FIRST, RUN_LAST, wait_until, xdist_queues
-from tests.integration.container_image import REPO_ROOT, CacheWarmup
+from tests.integration.container_image import REPO_ROOT, WARMUP_ENV, CacheWarmup, warm_during
 
 #: Says its pid and idles; SIGTERM ends it (Python's default).
 _IDLE = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
@@ -139,3 +140,28 @@ def test_each_workers_first_queue_starts_long_and_ends_with_the_container_tier(
         assert kinds == sorted(kinds, key=["first", "rest", "last"].index), queue
     assert {n for queue in slices for n in queue[:1]} <= set(first) or workers > len(first)
     assert all(any(n in last for n in queue) for queue in slices), slices
+
+
+async def test_make_test_runs_its_steps_beside_the_build_and_stops_it_after(
+    tmp_path: Path,
+) -> None:
+    """warm-during (``make test``): the steps' exit status, the suite told that a build
+    runs, and a build still running when the steps end is stopped."""
+    log = tmp_path / "warmup.log"
+    # The steps first wait for the build to have said its pid, so the check below
+    # means something, then exit 3 if they were told that a build runs (4 if not).
+    steps = (
+        "import os, pathlib, sys, time\n"
+        f"while not pathlib.Path({str(log)!r}).read_text():\n"
+        "    time.sleep(0.01)\n"
+        f"sys.exit(3 if os.environ.get({WARMUP_ENV!r}) == '1' else 4)\n"
+    )
+    status = await asyncio.to_thread(
+        warm_during,
+        [sys.executable, "-c", steps],
+        [sys.executable, "-c", _IDLE],
+        tmp_path,
+    )
+    assert status == 3
+    pid = int(log.read_text().split()[0])
+    assert not _alive(pid), "the build outlived make test's steps"
