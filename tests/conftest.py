@@ -68,6 +68,10 @@ RUN_LAST = ("tests/integration/test_container_image.py",)
 _WARMUP = pytest.StashKey[CacheWarmup]()
 
 
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.partition("::")[0]
+
+
 def xdist_queues(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
     """``items`` ordered so that each worker's first queue starts with its share of
     ``RUN_FIRST`` and ends with its share of ``RUN_LAST``, the rest dealt round.
@@ -80,12 +84,9 @@ def xdist_queues(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
     sat on the cold image build for four.
     """
 
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.partition("::")[0]
-
-    first = [i for i in items if module(i) in RUN_FIRST]
-    last = [i for i in items if module(i) in RUN_LAST]
-    rest = [i for i in items if module(i) not in RUN_FIRST and module(i) not in RUN_LAST]
+    first = [i for i in items if _module(i) in RUN_FIRST]
+    last = [i for i in items if _module(i) in RUN_LAST]
+    rest = [i for i in items if _module(i) not in RUN_FIRST and _module(i) not in RUN_LAST]
     sizes, left = [], len(items)
     for k in range(workers):
         sizes.append(left // (workers - k))
@@ -117,12 +118,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     Under pytest-xdist every worker collects; the first one to ask starts it.
     """
-    tier = RUN_LAST[0]
     if session.config.option.collectonly or container_image.missing_tools() is not None:
         return
     if os.environ.get(container_image.WARMUP_ENV):  # make test started it before the install
         return
-    if any(item.nodeid.partition("::")[0] == tier for item in session.items):
+    if any(_module(item) in RUN_LAST for item in session.items):
         warmup = CacheWarmup.start(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
         if warmup is not None:
             session.config.stash[_WARMUP] = warmup

@@ -307,10 +307,11 @@ WARM_STOP_TIMEOUT: Final = 60.0
 class CacheWarmup:
     """The image built once in a child process while the rest of the suite runs.
 
-    A cold build is minutes of downloads and package installs, mostly waiting on
-    the network and the disk. Started when the suite is collected, it overlaps
-    with the other tests; the tier's own ``build_image`` then waits on the cache
-    lock and finds every layer cached. It is only a head start: when it fails,
+    A cold build is minutes of downloads, package installs and the compile (about
+    300 s of CPU on 2 cores). Started by ``make test`` before the install
+    (``warm_during``), or by the suite once it is collected, it overlaps with the
+    rest; the tier's own ``build_image`` then waits on the cache lock and finds
+    every layer cached. It is only a head start: when it fails,
     the tier's build runs again and reports the error. The process that started
     it stops it at the suite's end if it is still running (SIGTERM: it unmounts
     what debootstrap mounted and removes its scratch tree), and after
