@@ -80,6 +80,7 @@ __all__ = [
     "cli_argv",
     "free_port",
     "group_members",
+    "is_alive",
 ]
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[1]
@@ -196,6 +197,15 @@ def _live_stats() -> Iterator[tuple[int, list[str]]]:
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) >= 3 and fields[0] != "Z":
             yield int(entry.name), fields
+
+
+def is_alive(pid: int) -> bool:
+    """``pid`` is a live process (not a zombie): read from ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def child_pids(pid: int) -> list[int]:

@@ -29,6 +29,7 @@ from tests.children import (
     SimulatorChild,
     child_pids,
     free_port,
+    is_alive,
     port_pool,
 )
 from tests.conftest import DEADLINE, wait_until
@@ -93,15 +94,6 @@ _PARENT = (
 )
 
 
-def _alive(pid: int) -> bool:
-    """``pid`` is a live process (not a zombie): read from /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
-
-
 def _helper_pid(child: ChildProcess) -> int:
     for line in child.log().splitlines():
         if line.startswith("helper "):
@@ -120,12 +112,12 @@ async def test_stop_leaves_nothing_of_its_group_and_touches_nothing_else(tmp_pat
     )  # fmt: skip
     async with bystander, parent:
         helper = _helper_pid(parent)
-        assert _alive(helper)
+        assert is_alive(helper)
         assert await parent.astop() == 0  # it exited on SIGTERM: no SIGKILL was needed
-        assert not _alive(helper), "its helper, in its process group, went with it"
+        assert not is_alive(helper), "its helper, in its process group, went with it"
         # Another child (and its helper) was not signalled.
-        assert bystander.running() and _alive(_helper_pid(bystander))
-    assert not _alive(_helper_pid(bystander))
+        assert bystander.running() and is_alive(_helper_pid(bystander))
+    assert not is_alive(_helper_pid(bystander))
 
 
 def test_a_readiness_predicate_that_never_holds_fails_with_what_it_waited_for(
@@ -170,7 +162,7 @@ async def test_nginx_is_ready_when_it_answers_and_stops_with_its_workers(tmp_pat
         workers = child_pids(nginx.pid)
         assert len(workers) == 2, workers
     assert nginx.returncode == 0  # SIGQUIT: a graceful exit
-    assert not any(_alive(pid) for pid in workers)
+    assert not any(is_alive(pid) for pid in workers)
 
 
 @needs_nginx

@@ -19,6 +19,7 @@ from typing import cast
 
 import pytest
 
+from tests.children import is_alive
 from tests.conftest import DEADLINE, RUN_FIRST, RUN_LAST, wait_until, xdist_queues
 from tests.integration.container_image import REPO_ROOT, WARMUP_ENV, CacheWarmup, warm_during
 
@@ -35,15 +36,6 @@ _LEAVES_A_CHILD = (
     f"c = subprocess.Popen([sys.executable, '-c', {_STUBBORN!r}], stdout=subprocess.PIPE);"
     "print(c.stdout.readline().decode().strip(), flush=True); time.sleep(60)"
 )
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting for its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def _first_line(log: Path) -> int:
@@ -78,7 +70,7 @@ async def test_stop_kills_what_the_warmup_left_in_its_group(tmp_path: Path) -> N
         child = await _first_line(tmp_path / "warmup.log")
         assert os.getpgid(child) == warmup.proc.pid
         assert warmup.stop(timeout=DEADLINE) == -signal.SIGTERM
-        await wait_until(lambda: not _alive(child), what="the warm-up's child gone")
+        await wait_until(lambda: not is_alive(child), what="the warm-up's child gone")
         assert bystander.proc.poll() is None, "a process outside the group was signalled"
     finally:
         warmup.stop(timeout=0)
@@ -164,4 +156,4 @@ async def test_make_test_runs_its_steps_beside_the_build_and_stops_it_after(
     )
     assert status == 3
     pid = int(log.read_text().split()[0])
-    assert not _alive(pid), "the build outlived make test's steps"
+    assert not is_alive(pid), "the build outlived make test's steps"
