@@ -122,6 +122,7 @@ def test_each_workers_first_queue_starts_long_and_ends_with_the_container_tier(
     items = [SimpleNamespace(nodeid=name) for name in [*rest[:3], *last, *first, *rest[3:]]]
     ordered = [item.nodeid for item in xdist_queues(cast(list[pytest.Item], items), workers)]
     assert sorted(ordered) == sorted(item.nodeid for item in items)
+    # xdist's first split, worked out here rather than taken from conftest: an oracle.
     slices, left, start = [], len(ordered), 0
     for k in range(workers):
         size = left // (workers - k)
@@ -130,7 +131,8 @@ def test_each_workers_first_queue_starts_long_and_ends_with_the_container_tier(
     for queue in slices:
         kinds = ["first" if n in first else "last" if n in last else "rest" for n in queue]
         assert kinds == sorted(kinds, key=["first", "rest", "last"].index), queue
-    assert {n for queue in slices for n in queue[:1]} <= set(first) or workers > len(first)
+    if workers <= len(first):  # every worker starts on a long one
+        assert all(queue[0] in first for queue in slices), slices
     assert all(any(n in last for n in queue) for queue in slices), slices
 
 
