@@ -582,8 +582,9 @@ def test_the_header_rule_sees_a_long_header(tmp_path: Path) -> None:
 
 #: No product module is longer than this, in lines.
 MAX_MODULE_LINES = 600
-#: The relay reads as one page: the per-session shell, one class with one job.
-MAX_RELAY_LINES = 399
+#: The relay reads as one page: the per-session shell, one class with one job (under
+#: 450 lines, so the next fix does not first have to find lines to cut).
+MAX_RELAY_LINES = 449
 
 
 def line_count(path: Path) -> int:
