@@ -373,6 +373,8 @@ class Sidecar:
                 await quota_checks
             with contextlib.suppress(Exception):
                 await self.state.quota.close()
+            with contextlib.suppress(Exception):
+                await self.state.resume_spent.close()
         return exit_code
 
     def reload(self) -> bool:

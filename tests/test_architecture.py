@@ -325,7 +325,11 @@ def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> Non
             assert TRACING_MODULE not in names, f"{module} imports {TRACING_MODULE} at import time"
 
 
-REDIS_IMPORTERS = frozenset({"proxy.edge.quota_store", "proxy.startup"})
+#: The modules that talk to the fleet's Redis (``quota_redis_url``): quota counts and
+#: spent resume tokens.
+REDIS_IMPORTERS = frozenset(
+    {"proxy.edge.quota_store", "proxy.edge.resume_spent", "proxy.startup"}
+)
 
 
 def _imports_outside_functions(tree: ast.AST) -> list[str]:

@@ -239,7 +239,7 @@ class ClientEvent:
 # --- payload splice ------------------------------------------------------------
 
 
-def _splice_payload(text: str, key: str) -> tuple[dict[str, Any], int] | None:
+def _splice_payload(text: str, key: str, strict: bool = False) -> tuple[dict[str, Any], int] | None:
     """Parse a frame without its bulk: the string value of ``key``.
 
     The value's characters are checked for what could end or escape a JSON
@@ -249,8 +249,10 @@ def _splice_payload(text: str, key: str) -> tuple[dict[str, Any], int] | None:
     keys (the last one wins, as in a full parse). If the cut was not the
     top-level ``key`` (a nested one came first) the parsed ``key`` is not the
     empty string, and if ``key`` appears again after the value the frame may
-    hold a duplicate: both send the frame to the full parser. Not checked: raw control characters inside the value (an
-    O(n) scan that would cost more than parsing the frame).
+    hold a duplicate: both send the frame to the full parser. Raw control
+    characters inside the value (which make the frame invalid JSON) are checked
+    only where ``strict``: the scan costs about as much as the splice saves, so
+    only the client's appends pay it (an engine writes its JSON with a parser).
 
     Returns:
         (the frame's object with ``key`` = "", the value's length), or None.
@@ -275,6 +277,8 @@ def _splice_payload(text: str, key: str) -> tuple[dict[str, Any], int] | None:
         return None
     if text.find(marker, end) >= 0:
         return None  # the key again (a duplicate, or nested): only a full parse decides
+    if strict and _has_control(text, start, end):
+        return None  # not JSON: the full parse says so, as the engine's parser would
     try:
         doc = orjson.loads(text[:start] + text[end:])
     except orjson.JSONDecodeError:
@@ -282,6 +286,19 @@ def _splice_payload(text: str, key: str) -> tuple[dict[str, Any], int] | None:
     if not isinstance(doc, dict) or doc.get(key) != "":
         return None
     return doc, end - start
+
+
+#: The characters JSON forbids raw inside a string (RFC 8259, section 7).
+_CONTROL_BYTES: Final = bytes(range(0x20))
+
+
+def _has_control(text: str, start: int, end: int) -> bool:
+    """``text[start:end]`` holds a raw control character (a C-speed scan of its bytes)."""
+    try:
+        raw = text[start:end].encode("ascii")
+    except UnicodeEncodeError:
+        return True  # not base64 at all: the full parser decides
+    return len(raw.translate(None, _CONTROL_BYTES)) != len(raw)
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -392,7 +409,7 @@ def classify_client(text: str) -> ClientEvent:
     """
     size = frame_size(text)
     if len(text) >= _SCAN_MIN_CHARS:
-        spliced = _splice_payload(text, "audio")
+        spliced = _splice_payload(text, "audio", strict=True)
         if spliced is not None and spliced[0].get("type") == "input_audio_buffer.append":
             return ClientEvent(
                 text,

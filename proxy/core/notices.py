@@ -25,6 +25,7 @@ __all__ = [
     "session_closed",
     "session_resumed",
     "session_resync_required",
+    "with_resume_token",
 ]
 
 #: error.type per code, as the engine derives it (unknown → invalid_request_error).
@@ -153,6 +154,25 @@ def session_resync_required(event_id: str, session_id: str | None, reason: str) 
 #: Error codes with which an engine refuses a ``session.resume`` it cannot serve
 #: for this client (unknown, expired, a token it does not know).
 RESUME_REFUSALS: Final = frozenset({"session_resume_expired", "invalid_resume_token"})
+
+
+def with_resume_token(event: UpstreamEvent, token: str) -> UpstreamEvent:
+    """The engine's ``session.created``/``session.resumed`` with the client's bound
+    ``token`` in place of the engine's own; the rest of the frame as the engine wrote it.
+
+    The engine's token is swapped where it stands when it is written once, plainly,
+    and the result is read back to prove it; otherwise the frame is written anew.
+    """
+    body = dict(event.body or {})
+    engine_token = body.get("resume_token")
+    body["resume_token"] = token
+    if isinstance(engine_token, str):
+        literal = orjson.dumps(engine_token).decode()
+        if event.text.count(literal) == 1:
+            swapped = classify_upstream(event.text.replace(literal, orjson.dumps(token).decode()))
+            if swapped.body == body:
+                return swapped
+    return _event(body)
 
 
 def resume_refused(event_id: str | None = None) -> UpstreamEvent:

@@ -1,9 +1,10 @@
 """One session's resume state: token, grace and replay (docs/design.md, Resume).
 
 The engine offers resume in ``session.created``; this holds its token (the
-client's copy is marked and only a digest is kept), when a dropped client's
-grace ends, the journal of what was written and the replay a resume gets.
-Sans-I/O: the session core feeds it engine bodies and ``now``.
+client's copy is bound to the session and its key, proxy/core/resume_token.py,
+and only a digest of it is kept), when a dropped client's grace ends, the
+journal of what was written and the replay a resume gets. Sans-I/O: the
+session core feeds it engine bodies and ``now``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ import hashlib
 import hmac
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 from proxy.core.buffer import Entry
 from proxy.core.journal import ReplayJournal
+from proxy.core.resume_token import ResumeTokens
 
 __all__ = ["ResumeState"]
-
-#: Separates the engine's resume token from the sidecar's mark on the ones it issues.
-_TOKEN_MARK: Final = "~"
 
 
 def _digest(token: str) -> bytes:
@@ -34,15 +33,24 @@ class ResumeState:
         grace: ``client_resume_grace`` in seconds (0: never held).
         journal_bytes, journal_ttl: the journal's bounds
             (``resume_journal_bytes``, ``resume_journal_ttl``).
+        tokens: issues the client's tokens (the fleet's secret).
     """
 
-    def __init__(self, grace: float, journal_bytes: int, journal_ttl: float) -> None:
+    def __init__(
+        self, grace: float, journal_bytes: int, journal_ttl: float, tokens: ResumeTokens
+    ) -> None:
         self._grace = grace
+        self._tokens = tokens
+        #: The id of the API key the session opened with ("" without auth): tokens are bound to it.
+        self.key_id = ""
+        #: Tokens issued for the current engine token (the next one's generation).
+        self._issued = 0
         self._journal_bounds = (journal_bytes, journal_ttl)
         #: The engine offers resume for this session and the sidecar holds it on a drop.
         self.resumable = False
         #: The engine's own resume token, and a digest of the one a client must present.
         self._engine_token = ""
+        self._session_id = ""
         self._token_digest = b""
         #: The engine's last ``session`` object (``session.resumed`` repeats it).
         self.session_object: dict[str, Any] | None = None
@@ -60,8 +68,13 @@ class ResumeState:
         #: The client's first message was a ``session.resume``, passed to the engine.
         self.passed_upstream = False
 
-    def on_session(self, body: dict[str, Any]) -> None:
-        """``session.created`` / ``session.resumed`` from the engine."""
+    def on_session(self, body: dict[str, Any], session_id: str | None) -> str | None:
+        """``session.created`` / ``session.resumed`` from the engine.
+
+        Returns:
+            the token the client gets in place of the engine's (None: the frame
+            carries no token to replace).
+        """
         session = body.get("session")
         if isinstance(session, dict):
             self.session_object = session
@@ -76,19 +89,33 @@ class ResumeState:
         if type(generation) is int:
             self.generation = generation
         token = body.get("resume_token")
-        if not (supported and isinstance(token, str) and token) or self._grace <= 0:
-            return
+        if not (isinstance(token, str) and token):
+            return None
+        if not supported or self._grace <= 0 or session_id is None:
+            # Not held here, but the engine's token still never reaches the
+            # client unbound: a resume elsewhere must be this key's.
+            return self._tokens.issue(session_id or "", self.key_id, token, 0)
         self.resumable = True
-        self._engine_token = token.split(_TOKEN_MARK, 1)[0]
-        self._token_digest = _digest(token)
+        self._engine_token = token
+        self._session_id = session_id
+        self._issued = 0
+        client_token = self._tokens.issue(session_id, self.key_id, token, 0)
+        self._token_digest = _digest(client_token)
         if self.journal is None:
             self.journal = ReplayJournal(*self._journal_bounds)
+        return client_token
 
     def ack(self, body: dict[str, Any] | None) -> None:
         """``session.event_ack``: the client has everything up to its seq."""
         acked = (body or {}).get("server_event_seq")
         if self.journal is not None and type(acked) is int:
             self.journal.ack(acked)
+
+    def engine_resume(self, body: dict[str, Any] | None) -> str | None:
+        """A client's ``session.resume`` for the engine (its own token in place of the
+        client's), when the client's token is bound to this key; else None."""
+        verified = self._tokens.engine_resume(body, self.key_id)
+        return None if verified is None else verified.text
 
     def detach(self, now: float) -> None:
         """The client dropped: held until ``now`` + grace."""
@@ -108,9 +135,21 @@ class ResumeState:
         """``token`` is the current one (constant time)."""
         return bool(self._token_digest) and hmac.compare_digest(_digest(token), self._token_digest)
 
-    def next_token(self, nonce: str) -> str:
-        """The token the next resume will need (the engine's, marked with ``nonce``)."""
-        return f"{self._engine_token}{_TOKEN_MARK}{nonce}"
+    def next_token(self) -> str:
+        """The token a client reattached now gets (the next generation's)."""
+        return self._tokens.issue(
+            self._session_id, self.key_id, self._engine_token, self._issued + 1
+        )
+
+    @property
+    def engine_token(self) -> str:
+        """The engine's own token for this session (what a resume elsewhere sends it)."""
+        return self._engine_token
+
+    @property
+    def token_generation(self) -> int:
+        """The generation of the client's current token."""
+        return self._issued
 
     def reattach(
         self,
@@ -137,6 +176,7 @@ class ResumeState:
             return False
         self.detached_at = self.grace_at = None
         self.generation += 1
+        self._issued += 1
         self._token_digest = _digest(token)
         self.replay = deque([resumed(self.generation), *missed])
         self.replayed += len(missed)

@@ -108,6 +108,8 @@ class SessionCore(SessionOutput):
         new_event_id: returns a fresh ``event_id`` for events the proxy writes.
         capabilities: what this session's engine does (proxy.core.capabilities).
         resuming: the client's ``session.resume`` was sent to the engine already.
+        key_id: the id of the API key the session opened with ("" without auth):
+            the client's resume tokens are bound to it (proxy/core/resume_token.py).
     """
 
     def __init__(
@@ -117,8 +119,10 @@ class SessionCore(SessionOutput):
         new_event_id: Callable[[], str],
         capabilities: EngineCapabilities | None = None,
         resuming: bool = False,
+        key_id: str = "",
     ) -> None:
         super().__init__(settings, new_event_id, capabilities)
+        self.resume.key_id = key_id
         #: The client's ``session.resume`` went to the engine before the session was built.
         self.resume.passed_upstream = resuming
         #: Frame rate and input audio rate (proxy/core/client_limits.py).
@@ -163,7 +167,14 @@ class SessionCore(SessionOutput):
         elif event.kind is ClientKind.SESSION_UPDATE:
             self.limits.input.on_client_update(event.body)
         elif event.kind is ClientKind.SESSION_RESUME and self.session_id is None:
-            self.resume.passed_upstream = True  # to the engine (docs/design.md, Resume)
+            # To the engine with its own token, when the token is this key's
+            # (docs/design.md, Resume); any other gets the one refusal.
+            engine_text = self.resume.engine_resume(event.body)
+            if engine_text is None:
+                self._refuse_resume(now)
+                return ClientDecision(event, forward=False)
+            text = engine_text
+            self.resume.passed_upstream = True
         elif event.kind is ClientKind.EVENT_ACK:
             self.resume.ack(event.body)
         elif event.kind is ClientKind.RESPONSE_CREATE or (
@@ -299,6 +310,12 @@ class SessionCore(SessionOutput):
             )
             self.buffer.offer(error, now)
 
+    def _refuse_resume(self, now: float) -> None:
+        """A resume this session's key may not make: the one refusal, and the end
+        (the engine opened no session, so nothing is asked of it)."""
+        self.upstream_close_sent = True
+        self._close(notices.resume_refused(self._new_id()), CLOSE_NORMAL, Outcome.ERROR, now)
+
     def _cancel_from_client(self, event: ClientEvent, now: float) -> None:
         named = event.response_id
         if named is not None and event.kind in (
@@ -348,7 +365,9 @@ class SessionCore(SessionOutput):
             if event.body is not None:
                 playback.on_session(event.body)
                 self.limits.input.on_engine_session(event.body)
-                self.resume.on_session(event.body)
+                client_token = self.resume.on_session(event.body, self.session_id)
+                if client_token is not None:  # the client's copy is bound to its key
+                    event = notices.with_resume_token(event, client_token)
         elif kind is EventKind.RESPONSE_CREATED and rid is not None:
             self.ledger.on_created(rid)
             if self.requests.created(rid):
@@ -487,9 +506,9 @@ class SessionCore(SessionOutput):
         resume.detach(now)
         return True
 
-    def next_resume_token(self, nonce: str) -> str:
-        """The token the next resume of this session will need (the engine's, marked)."""
-        return self.resume.next_token(nonce)
+    def next_resume_token(self) -> str:
+        """The token the next resume of this session will need (proxy/core/resume_token.py)."""
+        return self.resume.next_token()
 
     def reattach(self, cursor: int, now: float, *, token: str) -> bool:
         """A client resumed this session: ``session.resumed``, then what it missed.

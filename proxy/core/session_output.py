@@ -20,6 +20,7 @@ from proxy.core.lifecycle import SessionEvent, SessionLifecycle, SessionState, n
 from proxy.core.playback import PlaybackLedger
 from proxy.core.response_requests import ResponseRequests
 from proxy.core.resume_state import ResumeState
+from proxy.core.resume_token import ResumeTokens
 from proxy.core.session_settings import SessionSettings
 from proxy.core.telemetry import DropReason
 from proxy.core.usage import UsageMeter, UsageRecord
@@ -73,7 +74,10 @@ class SessionOutput(SessionLifecycle):
         self._out = Drain()
         #: Token, grace and replay (proxy/core/resume_state.py).
         self.resume = ResumeState(
-            settings.client_resume_grace, settings.resume_journal_bytes, settings.resume_journal_ttl
+            settings.client_resume_grace,
+            settings.resume_journal_bytes,
+            settings.resume_journal_ttl,
+            ResumeTokens(settings.resume_secret),
         )
 
     # -- output -----------------------------------------------------------------------------------

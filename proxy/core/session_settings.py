@@ -52,6 +52,9 @@ class SessionSettings:
     #: (proxy/core/journal.py): bytes, and seconds after each was written.
     resume_journal_bytes: int = 2 * 1024 * 1024
     resume_journal_ttl: float = 60.0
+    #: The secret that binds the resume tokens a client gets to its session and key
+    #: (``resume_secret_file``; proxy/core/resume_token.py).
+    resume_secret: bytes = b""
     #: Pacing, acks on the client's behalf, truncation (proxy.core.playback).
     playback: PlaybackSettings = field(default_factory=PlaybackSettings)
 

@@ -4,8 +4,9 @@ The first message of a connection that does not open its engine session at
 connect may be ``session.resume``. A session this sidecar holds is resumed
 here: the token and the API key are checked, and the relay replays what the
 client missed on the new connection. One it does not hold goes to the engine
-(proxy/edge/session_open.py). A forged or replayed token, or another key,
-gets the same answer as a session nobody holds.
+(proxy/edge/session_open.py) when its token is bound to this key
+(proxy/core/resume_token.py). A forged or replayed token, another key, a
+malformed resume and a session nobody holds all get the same answer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -23,12 +23,21 @@ import orjson
 
 from metrics import SidecarMetrics
 from proxy.core import notices
-from proxy.core.events import EventKind, classify_upstream, error_code
+from proxy.core.events import ClientKind, EventKind, classify_client, classify_upstream, error_code
+from proxy.core.resume_token import ResumeForEngine, ResumeTokens
+from proxy.edge.resume_spent import SpentTokens
 from proxy.session.client_side import ClientSide
 from proxy.session.registry import SessionRegistry
 from proxy.session.upstream_link import UpstreamLink
 
-__all__ = ["ResumeRequest", "first_message", "parse_resume", "resume_held", "resume_unknown"]
+__all__ = [
+    "ResumeRequest",
+    "first_message",
+    "parse_resume",
+    "refuse_resume",
+    "resume_held",
+    "resume_unknown",
+]
 
 log = logging.getLogger("omni_sidecar.edge.app")
 #: The access log: one line per session, and one per attachment after the first.
@@ -36,27 +45,24 @@ access_log = logging.getLogger("omni_sidecar.access")
 
 #: What a refused resume gets, whatever the reason (the core's one answer).
 _REFUSED: Final = notices.resume_refused().text
-#: Separates the engine's token from the mark the sidecar adds to the ones it issues.
-_TOKEN_MARK: Final = "~"
 
 
 @dataclass(frozen=True, slots=True)
 class ResumeRequest:
+    """A first message whose ``type``, as a JSON parser reads it, is ``session.resume``."""
+
     session_id: str
     token: str
     cursor: int
-    #: The client's frame as it came.
-    text: str
+    #: The frame as parsed (the one reading every decision about it is made from).
+    body: dict[str, Any]
+    #: Its fields are what a resume needs; one that is not is refused, never passed on.
+    well_formed: bool
 
-    def engine_text(self) -> str:
-        """The frame for the engine: the token without the sidecar's mark (the
-        engine's own token is what it checks); else the client's text as it came."""
-        engine_token, marked, _ = self.token.partition(_TOKEN_MARK)
-        if not marked:
-            return self.text
-        body = orjson.loads(self.text)
-        body["resume_token"] = engine_token
-        return orjson.dumps(body).decode()
+    def for_engine(self, tokens: ResumeTokens, key_id: str) -> ResumeForEngine | None:
+        """The frame for the engine (the engine's own token in place of the client's),
+        when the client's token is bound to this session and ``key_id``; else None."""
+        return tokens.engine_resume(self.body, key_id) if self.well_formed else None
 
 
 def resume_unknown(answer: str | None) -> bool:
@@ -77,20 +83,28 @@ async def first_message(client: Any, timeout: float) -> aiohttp.WSMessage | None
 
 
 def parse_resume(msg: aiohttp.WSMessage | None) -> ResumeRequest | None:
-    """A well-formed ``session.resume``, else None (the message goes on as it is)."""
-    if msg is None or msg.type is not aiohttp.WSMsgType.TEXT or '"session.resume"' not in msg.data:
+    """The first message as a resume, read as the engine's JSON parser reads it (so an
+    escape in ``type`` cannot make the sidecar and the engine disagree); None when it
+    is not one (the message goes on as it is)."""
+    if msg is None or msg.type is not aiohttp.WSMsgType.TEXT:
         return None
-    try:
-        body = orjson.loads(msg.data)
-    except orjson.JSONDecodeError:
+    event = classify_client(msg.data)
+    if event.kind is not ClientKind.SESSION_RESUME or event.body is None:
         return None
-    if not isinstance(body, dict) or body.get("type") != "session.resume":
-        return None
+    body = event.body
     session_id, token = body.get("session_id"), body.get("resume_token")
     cursor = body.get("last_received_server_event_seq", 0)
     if not (isinstance(session_id, str) and isinstance(token, str)) or type(cursor) is not int:
-        return None
-    return ResumeRequest(session_id, token, max(0, cursor), msg.data)
+        return ResumeRequest("", "", 0, body, well_formed=False)
+    return ResumeRequest(session_id, token, max(0, cursor), body, well_formed=True)
+
+
+async def refuse_resume(metrics: SidecarMetrics, client: Any, request: ResumeRequest) -> None:
+    """The one answer to a resume that is not this key's (forged, spent, another key,
+    malformed, unknown), whatever the reason; counted as refused."""
+    metrics.resumes.labels("refused").inc()
+    log.info("session.resume of %s refused", request.session_id or "?")
+    await _refuse(client, _REFUSED)
 
 
 async def resume_held(
@@ -100,24 +114,26 @@ async def resume_held(
     side_for: Callable[[UpstreamLink], ClientSide],
     request: ResumeRequest,
     key_id: str,
+    tokens: tuple[ResumeTokens, SpentTokens],
 ) -> bool:
     """Resume a session this sidecar holds on ``client`` (``side_for`` makes the
     session's client side of it); False when it holds none by that id.
 
     Returns once the session is done with the connection (or refused it).
     """
+    if not request.well_formed:
+        await refuse_resume(metrics, client, request)
+        return True
     if not registry.holds(request.session_id):
         return False
     relay = registry.resumable(request.session_id, request.token, key_id)
     if relay is None:
-        metrics.resumes.labels("refused").inc()
-        log.info("session.resume of %s refused", request.session_id)
-        await _refuse(client, _REFUSED)
+        await refuse_resume(metrics, client, request)
         return True
     side = side_for(relay.upstream)
     previous = relay.side
     side.follow(previous)
-    if not relay.attach(side, request.cursor, secrets.token_urlsafe(24)):
+    if not relay.attach(side, request.cursor):
         metrics.resumes.labels("resync_required").inc()
         notice = {
             "type": "session.resync_required",
@@ -128,6 +144,10 @@ async def resume_held(
         await _refuse(side.client, None)
         return True
     metrics.resumes.labels("resumed").inc()
+    verified = tokens[0].engine_resume(request.body, key_id)
+    if verified is not None:  # the token it presented, and every older one, is spent now
+        parts = verified.parts
+        await tokens[1].issued(request.session_id, parts.engine_token, parts.generation + 1)
     relay.log.info("session resumed from %s (cursor %d)", side.address or "?", request.cursor)
     _log_attachment(relay.key, request, previous, side)
     await side.done.wait()

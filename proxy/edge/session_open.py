@@ -32,6 +32,7 @@ from proxy.core.capabilities import (
     session_is_duplex,
 )
 from proxy.core.events import classify_upstream, is_engine_full
+from proxy.core.resume_token import ResumeTokens
 from proxy.edge.guard import client_address
 from proxy.edge.refusals import json_error as _json_error
 from proxy.edge.refusals import log_refused as _log_refused
@@ -42,9 +43,11 @@ from proxy.edge.resume import (
     ResumeRequest,
     first_message,
     parse_resume,
+    refuse_resume,
     resume_held,
     resume_unknown,
 )
+from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.state import ProxyState, UpstreamTarget
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
@@ -214,12 +217,24 @@ async def open_session(
                 resume = parse_resume(opening)
                 if resume is not None:
                     side_for = _side_factory(request, state, client, protocol)
-                    if await resume_held(
-                        state.registry, state.metrics, client, side_for, resume, key_id
-                    ):
+                    engine_text = await _verified(state, resume, key_id)
+                    held = await resume_held(
+                        state.registry,
+                        state.metrics,
+                        client,
+                        side_for,
+                        resume,
+                        key_id,
+                        _tokens(state),
+                    )
+                    if not held and engine_text is None:
+                        await refuse_resume(state.metrics, client, resume)
+                    if held or engine_text is None:
                         await _close_link(upstream, settings.close_timeout)
                         return client
-                    upstream = await _pass_resume(request, state, placement, upstream, resume)
+                    upstream = await _pass_resume(
+                        request, state, placement, upstream, resume, engine_text
+                    )
                     opening, passed = None, True
             side = _side_factory(request, state, client, protocol)(upstream)
             side.reader.first = opening
@@ -240,15 +255,22 @@ async def _open_resume_first(
     resume = parse_resume(opening)
     side_for = _side_factory(request, state, client, protocol)
     if resume is not None and await resume_held(
-        state.registry, state.metrics, client, side_for, resume, key_id
+        state.registry, state.metrics, client, side_for, resume, key_id, _tokens(state)
     ):
+        return client
+    engine_text = None if resume is None else await _verified(state, resume, key_id)
+    if resume is not None and engine_text is None:
+        # Not held here, and its token is not this key's: nothing is admitted for it.
+        await refuse_resume(state.metrics, client, resume)
         return client
     try:
         async with admitted(request, state, key_name) as placement:
             upstream = await _connect(request, state, placement)
             passed = resume is not None
-            if resume is not None:
-                upstream = await _pass_resume(request, state, placement, upstream, resume)
+            if resume is not None and engine_text is not None:
+                upstream = await _pass_resume(
+                    request, state, placement, upstream, resume, engine_text
+                )
                 opening = None
             side = side_for(upstream)
             side.reader.first = opening
@@ -389,6 +411,7 @@ async def _pass_resume(
     placement: Placement,
     upstream: UpstreamLink,
     resume: ResumeRequest,
+    text: str,
 ) -> UpstreamLink:
     """A resume of a session not held here goes to the engine replica that holds it.
 
@@ -398,7 +421,6 @@ async def _pass_resume(
     """
     settings, router = state.settings, state.router
     state.metrics.resumes.labels("passed_upstream").inc()
-    text = resume.engine_text()
     upstream.send_nowait(text)
     answer = await upstream.first_text(settings.handshake_timeout)
     if router is None or router.count < 2 or not resume_unknown(answer):
@@ -457,6 +479,7 @@ async def _run_relay(
         observer=observer,
         limits=RelayLimits.from_settings(settings),
         resuming=resume_passed,
+        key_id=key_id,
     )
     state.quota.attach(key, relay.view, relay.end_for_quota)
     state.metrics.sessions_started.inc()
@@ -469,6 +492,22 @@ async def _run_relay(
     finally:
         state.registry.remove(relay)
         _log_session_end(relay, observer, state.usage)
+
+
+def _tokens(state: ProxyState) -> tuple[ResumeTokens, SpentTokens]:
+    return state.resume_tokens, state.resume_spent
+
+
+async def _verified(state: ProxyState, resume: ResumeRequest, key_id: str) -> str | None:
+    """The resume's frame for the engine, when its token is this key's for this session
+    and not spent (an older generation than one issued: proxy/edge/resume_spent.py)."""
+    verified = resume.for_engine(state.resume_tokens, key_id)
+    if verified is None:
+        return None
+    parts = verified.parts
+    if await state.resume_spent.spent(resume.session_id, parts.engine_token, parts.generation):
+        return None
+    return verified.text
 
 
 def _replica(state: ProxyState, engine: int) -> UpstreamTarget | None:

@@ -28,10 +28,13 @@ from engine_launcher.admission import EngineAdmission
 from metrics import SidecarMetrics
 from proxy.core.buffer import BufferLimits
 from proxy.core.playback import AckMode, PlaybackSettings
+from proxy.core.resume_token import ResumeTokens
 from proxy.core.session_settings import OverflowPolicy, SessionSettings
 from proxy.edge.auth import AuthPolicy, load_key_file
 from proxy.edge.guard import EdgeGuard, EdgeLimits
 from proxy.edge.quota_store import QuotaGate
+from proxy.edge.resume_secret import load_resume_secret
+from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import Admission
 from proxy.session.observer import Tracing
 from proxy.session.registry import SessionRegistry
@@ -102,6 +105,11 @@ class ProxyState:
     #: OpenTelemetry tracing (proxy/session/tracing.py); None when ``tracing = "off"``.
     tracing: Tracing | None = None
     session_settings: SessionSettings = field(init=False)
+    #: Binds the resume tokens clients get to their session and key (``resume_secret_file``).
+    resume_tokens: ResumeTokens = field(init=False)
+    #: The newest token generation issued per session: older ones are spent, fleet-wide
+    #: with ``quota_redis_url`` (proxy/edge/resume_spent.py).
+    resume_spent: SpentTokens = field(init=False)
     auth: AuthPolicy = field(init=False)
     #: The client listener's connection-level limits (proxy/edge/guard.py).
     edge: EdgeGuard = field(init=False)
@@ -111,7 +119,13 @@ class ProxyState:
     quota: QuotaGate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.session_settings = session_settings(self.settings)
+        # Read once: a reload keeps the secret the running sessions' tokens carry.
+        secret = load_resume_secret(self.settings.resume_secret_file)
+        self.resume_tokens = ResumeTokens(secret)
+        self.resume_spent = SpentTokens(
+            self.settings.quota_redis_url, self.settings.quota_redis_timeout
+        )
+        self.session_settings = session_settings(self.settings, secret)
         keys, quotas = load_key_file(self.settings.api_keys, self.settings.api_keys_file)
         self.auth = AuthPolicy(keys, self.settings.allowed_origins)
         self.metrics.set_usage_keys(self.auth.key_names)
@@ -209,7 +223,7 @@ class ProxyState:
         Running relays keep the ``SessionCore`` they were built with. Builds
         everything first, so a failure (an unreadable keys file) changes nothing.
         """
-        new_session_settings = session_settings(settings)
+        new_session_settings = session_settings(settings, self.session_settings.resume_secret)
         keys, quotas = load_key_file(settings.api_keys, settings.api_keys_file)
         self.auth = AuthPolicy(keys, settings.allowed_origins)
         # New names get their series; a name dropped from the file keeps its totals.
@@ -241,7 +255,7 @@ def max_per_engine(settings: Settings) -> int:
     return settings.max_sessions_per_engine or settings.max_sessions
 
 
-def session_settings(settings: Settings) -> SessionSettings:
+def session_settings(settings: Settings, resume_secret: bytes = b"") -> SessionSettings:
     """The core's value object, from the flat settings."""
     return SessionSettings(
         buffer=BufferLimits(
@@ -262,6 +276,7 @@ def session_settings(settings: Settings) -> SessionSettings:
         client_resume_grace=settings.client_resume_grace,
         resume_journal_bytes=settings.resume_journal_bytes,
         resume_journal_ttl=settings.resume_journal_ttl,
+        resume_secret=resume_secret,
         playback=PlaybackSettings(
             pacing=settings.playback_pacing,
             max_audio_lead=settings.max_audio_lead,

@@ -44,7 +44,8 @@ class Relay:
     """One client session and its upstream connection: ``side`` the client connection,
     ``upstream`` the engine link; ``settings``, ``capabilities``, ``resuming`` the
     session's policy (the relay builds its core; ``resuming``: the client's
-    ``session.resume`` went upstream already); ``observer`` metrics, registry and
+    ``session.resume`` went upstream already; ``key_id``: the API key's id, which the
+    client's resume tokens are bound to); ``observer`` metrics, registry and
     tracing (it reads ``view``); ``limits`` the shell's bounds and deadlines;
     ``scheduler`` and ``call_soon``: the running loop's unless given (tests).
     """
@@ -62,6 +63,7 @@ class Relay:
         scheduler: Scheduler | None = None,
         call_soon: Callable[[Callable[[], None]], object] | None = None,
         resuming: bool = False,
+        key_id: str = "",
     ) -> None:
         self.key = session_key
         #: The client connection now (another after a resume).
@@ -72,6 +74,7 @@ class Relay:
             new_event_id=lambda: "event_" + uuid.uuid4().hex,
             capabilities=capabilities,
             resuming=resuming,
+            key_id=key_id,
         )
         #: What reporters may read of the session.
         self.view: SessionView = self.core
@@ -261,12 +264,12 @@ class Relay:
             self.log.info("client dropped; held for a resume")
         self._send(self._after(now))
 
-    def attach(self, side: ClientSide, cursor: int, nonce: str) -> bool:
+    def attach(self, side: ClientSide, cursor: int) -> bool:
         """A ``session.resume`` on ``side``: replay what it missed and go on there;
         False when what came after ``cursor`` is no longer kept (nothing changes)."""
         core = self.core
         now = self._clock()
-        token = core.next_resume_token(nonce)
+        token = core.next_resume_token()
         if core.state is _CLOSED or not core.reattach(cursor, now, token=token):
             return False
         if not self.detached:  # the old connection still looks alive: superseded

@@ -115,6 +115,19 @@ class Settings(ServingSettings):
         metavar="PATH",
         check=check_optional_path,
     )
+    resume_secret_file: str | None = setting(
+        None,
+        help="File with the secret that binds a client's resume token to its session and API "
+        "key (at least 16 bytes; created with a random one, mode 0600, when missing). Every "
+        "sidecar in front of the same engines must read the same secret, and a restarted "
+        "sidecar must keep it, for a call to resume there; unset = a random secret per "
+        "process: a resume reaches only the process that issued the token "
+        "(docs/design.md, Resume).",
+        section=_AUTH,
+        example='"/var/lib/omni-sidecar/resume-secret"',
+        metavar="PATH",
+        check=check_optional_path,
+    )
     allowed_origins: tuple[str, ...] = setting(
         (),
         help="Allowed Origin values; checked only when the client sends Origin. Empty = any "

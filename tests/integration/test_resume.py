@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
+import orjson
 import pytest
 
 from tests.aiohttp_private import abort
-from tests.conftest import wait_until
+from tests.conftest import free_port, wait_until
 from tests.integration.helpers import (
     SILENCE_100MS,
     Client,
@@ -144,7 +146,15 @@ async def test_audio_of_a_response_cancelled_before_the_drop_is_not_replayed(
         assert late == [], "no audio of the cancelled response after the resume"
 
 
-@pytest.mark.parametrize("how", ["forged", "replayed", "other_key", "unknown_session"])
+def _spelled_with_escapes(request: dict[str, Any]) -> str:
+    """The resume as a JSON parser reads it, its ``type`` spelled with an escape."""
+    text = orjson.dumps(request).decode()
+    return text.replace('"session.resume"', '"session\\u002eresume"')
+
+
+@pytest.mark.parametrize(
+    "how", ["forged", "replayed", "other_key", "escaped_other_key", "unknown_session", "malformed"]
+)
 async def test_a_resume_that_is_not_the_sessions_own_is_refused_with_one_answer(
     streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path, how: str
 ) -> None:
@@ -169,13 +179,16 @@ async def test_a_resume_that_is_not_the_sessions_own_is_refused_with_one_answer(
             token = created["resume_token"]
         elif how == "forged":
             token = token[:-4] + "AAAA"
-        elif how == "other_key":
+        elif how in ("other_key", "escaped_other_key"):
             headers = {"Authorization": f"Bearer {KEY_B}"}
-        request = _resume(created, cursor, token)
+        request: dict[str, Any] = _resume(created, cursor, token)
         if how == "unknown_session":
             request["session_id"] = "duplex-0000"
+        if how == "malformed":  # no token at all: never passed on as an ordinary frame
+            del request["resume_token"]
+        text = _spelled_with_escapes(request) if how.startswith("escaped") else request
         async with connect(_url(proxy), headers=headers) as attacker:
-            await attacker.send(request)
+            await attacker.send(text)
             refusal = await attacker.recv()
             events = await attacker.recv_until_closed()
         assert refusal["type"] == "error"
@@ -186,6 +199,69 @@ async def test_a_resume_that_is_not_the_sessions_own_is_refused_with_one_answer(
         async with connect(_url(proxy), headers=own) as client:
             await client.send(_resume(created, cursor, fresh.get("resume_token")))
             assert (await client.recv())["type"] == "session.resumed"
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "refused"}) == 1
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+@pytest.mark.parametrize("how", ["other_key", "escaped_other_key", "forged", "spent"])
+async def test_every_sidecar_of_the_fleet_refuses_a_resume_that_is_not_the_sessions_own(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path, how: str
+) -> None:
+    """A sidecar that does not hold the session (another of the fleet, or one started
+    after the holder: the same thing, it knows only the shared secret and Redis)
+    checks the token's binding and generation before the engine, which knows only
+    its own token, hears of the resume: nothing reaches the engine, and the owner
+    still resumes where the session is held."""
+    from tests.integration.test_quota_redis import redis_server
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha\n{KEY_B} name=beta\n")
+    redis_port = free_port()
+    fleet = {
+        "upstream": streaming_sim.ws_url,
+        "client_resume_grace": GRACE,
+        "api_keys_file": str(keys),
+        "resume_secret_file": str(tmp_path / "resume-secret"),
+        "quota_redis_url": f"redis://127.0.0.1:{redis_port}/0",
+    }
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    resumes_before = await sim_metric(streaming_sim, "vllm_omni_sim_resumes_total")
+    with redis_server(redis_port, tmp_path) as redis_proc:
+        await redis_proc.ready()
+        holder = await sidecar(**fleet)
+        async with _dropped_mid_response(holder, headers=own) as (created, cursor, _):
+            token, current = created["resume_token"], created["resume_token"]
+            headers = own
+            if how == "spent":  # resumed once where it is held: the first token is spent
+                async with connect(_url(holder), headers=own) as legit:
+                    await legit.send(_resume(created, cursor))
+                    resumed = await legit.recv()
+                    assert resumed["type"] == "session.resumed", resumed
+                    current = resumed["resume_token"]
+                    abort(legit.ws)
+                registry = holder.sidecar.state.registry
+                await wait_until(lambda: registry.detached() == 1, what="held again")
+            elif how == "forged":
+                token = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+            else:
+                headers = {"Authorization": f"Bearer {KEY_B}"}
+            other = await sidecar(**fleet)
+            request = _resume(created, cursor, token)
+            text = _spelled_with_escapes(request) if how.startswith("escaped") else request
+            async with connect(_url(other), headers=headers) as attacker:
+                await attacker.send(text)
+                refusal = await attacker.recv()
+                events = await attacker.recv_until_closed()
+            assert refusal["error"]["code"] == "session_resume_expired", refusal
+            assert refusal["error"]["message"] == "unknown or expired session"
+            assert not [e for e in events if e["type"] in (AUDIO, "session.resumed")]
+            assert other.metric("omni_sidecar_resumes_total", {"result": "refused"}) == 1
+            assert other.metric("omni_sidecar_resumes_total", {"result": "passed_upstream"}) == 0
+            async with connect(_url(holder), headers=own) as client:
+                await client.send(_resume(created, cursor, current))
+                assert (await client.recv())["type"] == "session.resumed"
+    resumes_after = await sim_metric(streaming_sim, "vllm_omni_sim_resumes_total")
+    assert resumes_after == resumes_before, "no resume reached the engine"
 
 
 async def test_a_client_that_never_comes_back_frees_its_slots_when_the_grace_ends(
@@ -256,14 +332,15 @@ async def test_a_resume_needs_no_slot_of_its_own_and_a_new_session_then_is_refus
 
 
 async def test_a_resume_another_sidecar_holds_goes_to_the_engine_replica_that_has_it(
-    simulator: Any, sidecar: Any
+    simulator: Any, sidecar: Any, tmp_path: Path
 ) -> None:
     """Two sidecars in front of the same two engines (a fleet whose router sent the
     resume elsewhere). The session lives on the second engine; the other sidecar
     does not hold it, so it passes the resume on: to its first replica, which does
     not know the session, then to the second, which resumes it and replays. The
     sidecar that held it sees ``session.replaced`` and lets go without closing the
-    engine's session."""
+    engine's session. Both read one ``resume_secret_file``: the token the holder
+    issued verifies on the other."""
     from engine_launcher.engine_config import EngineConfig
 
     args = ("--chunk-ms", "200", "--realtime-factor", "1", "--response-seconds", "2")
@@ -271,8 +348,9 @@ async def test_a_resume_another_sidecar_holds_goes_to_the_engine_replica_that_ha
     engine = EngineConfig(
         kind="external", upstreams=(first.ws_url, second.ws_url), health_interval=0.2
     )
-    holder = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off")
-    other = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off")
+    fleet = {"resume_secret_file": str(tmp_path / "resume-secret")}
+    holder = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off", **fleet)
+    other = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off", **fleet)
     for proxy in (holder, other):
         await wait_until(
             lambda p=proxy: p.sidecar.router.states == ["ready", "ready"],  # type: ignore[misc]

@@ -34,7 +34,9 @@ UPSTREAM_TABLE: dict[str, EventKind] = {
     "response.done": EventKind.RESPONSE_DONE,
     "error": EventKind.ERROR,
     "session.created": EventKind.SESSION_CREATED,
+    "session.resumed": EventKind.SESSION_CREATED,
     "session.closed": EventKind.SESSION_CLOSED,
+    "session.replaced": EventKind.SESSION_REPLACED,
     "output_audio_buffer.cleared": EventKind.OUTPUT_AUDIO_CLEARED,
     "overlap.decision": EventKind.OVERLAP_DECISION,
     "input_audio_buffer.speech_started": EventKind.SPEECH_STARTED,
@@ -53,6 +55,8 @@ CLIENT_TABLE: dict[str, ClientKind] = {
     "close": ClientKind.SESSION_CLOSE,
     "close_session": ClientKind.SESSION_CLOSE,
     "session.update": ClientKind.SESSION_UPDATE,
+    "session.resume": ClientKind.SESSION_RESUME,
+    "session.event_ack": ClientKind.EVENT_ACK,
 }
 
 ALWAYS_CANCELS = {

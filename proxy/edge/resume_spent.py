@@ -1,0 +1,111 @@
+"""Which resume tokens are spent, across a fleet (docs/design.md, Resume).
+
+Every token a sidecar issues for one engine token has a generation
+(proxy/core/resume_token.py); once a client was given generation N, every
+generation below it is spent. The sidecar that holds a session checks the
+exact current token itself; one that does not (another sidecar, or this one
+after a restart) asks here before it passes a resume to the engine, since the
+engine knows only its own token. With ``quota_redis_url`` the newest
+generation per session lives in that Redis, shared by every sidecar that
+names it; without it, or while it does not answer, in this process only
+(bounded: ``_MAX_LOCAL`` sessions, the oldest forgotten first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from typing import Any, Final
+
+__all__ = ["SpentTokens"]
+
+log = logging.getLogger("omni_sidecar.edge.app")
+
+#: KEYS: the session's record. ARGV: the generation presented, ttl_s.
+#: Returns 1 when an older generation than the newest recorded is presented
+#: (spent); else records it as the newest and returns 0.
+_CHECK_AND_RECORD: Final = """
+local newest = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local presented = tonumber(ARGV[1])
+if presented < newest then
+  return 1
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 0
+"""
+_PREFIX: Final = "omni_sidecar:resume:"
+#: Seconds a record lives: an engine token is good for as long as its session
+#: (a day is longer than any call the defaults allow).
+_TTL_SECONDS: Final = 24 * 3600
+#: Sessions remembered in this process when there is no shared store.
+_MAX_LOCAL: Final = 65536
+
+
+class SpentTokens:
+    """The newest token generation issued per (session, engine token).
+
+    Args:
+        redis_url: ``quota_redis_url`` (None: this process only).
+        timeout: seconds per Redis call (``quota_redis_timeout``).
+    """
+
+    def __init__(self, redis_url: str | None = None, timeout: float = 0.25) -> None:
+        self._local: OrderedDict[str, int] = OrderedDict()
+        self._timeout = timeout
+        self._client: Any = None
+        self._script: Any = None
+        if redis_url:
+            import redis.asyncio as aioredis
+
+            self._client = aioredis.Redis.from_url(
+                redis_url,
+                max_connections=4,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                decode_responses=True,
+                client_name="omni-sidecar-resume",
+            )
+            self._script = self._client.register_script(_CHECK_AND_RECORD)
+
+    async def spent(self, session_id: str, engine_token: str, generation: int) -> bool:
+        """``generation`` is older than one already issued (the token is spent);
+        otherwise it is recorded as the newest."""
+        key = _key(session_id, engine_token)
+        spent_here = self._local_check(key, generation)
+        if self._script is None:
+            return spent_here
+        try:
+            answer = await asyncio.wait_for(
+                self._script(keys=[_PREFIX + key], args=[generation, _TTL_SECONDS]),
+                self._timeout,
+            )
+        except Exception as exc:  # noqa: BLE001 - Redis down: this process remembers alone
+            log.warning("resume tokens: redis failed (%s); checked here only", type(exc).__name__)
+            return spent_here
+        return spent_here or int(answer) == 1
+
+    async def issued(self, session_id: str, engine_token: str, generation: int) -> None:
+        """A client was given ``generation``: every older one is spent now."""
+        await self.spent(session_id, engine_token, generation)
+
+    def _local_check(self, key: str, generation: int) -> bool:
+        newest = self._local.get(key, -1)
+        if generation < newest:
+            return True
+        self._local[key] = generation
+        self._local.move_to_end(key)
+        while len(self._local) > _MAX_LOCAL:
+            self._local.popitem(last=False)
+        return False
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def _key(session_id: str, engine_token: str) -> str:
+    # The engine token itself is never stored: a digest names the record.
+    digest = hashlib.sha256(f"{len(session_id)}:{session_id}|{engine_token}".encode())
+    return digest.hexdigest()[:32]
