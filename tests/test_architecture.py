@@ -327,9 +327,7 @@ def test_the_tracing_module_is_imported_only_inside_functions(path: Path) -> Non
 
 #: The modules that talk to the fleet's Redis (``quota_redis_url``): quota counts and
 #: spent resume tokens.
-REDIS_IMPORTERS = frozenset(
-    {"proxy.edge.quota_store", "proxy.edge.resume_spent", "proxy.startup"}
-)
+REDIS_IMPORTERS = frozenset({"proxy.edge.quota_store", "proxy.edge.resume_spent", "proxy.startup"})
 
 
 def _imports_outside_functions(tree: ast.AST) -> list[str]:
