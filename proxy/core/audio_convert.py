@@ -28,6 +28,8 @@ from proxy.core.audio_formats import (
     decode_samples,
     encode_base64,
     encode_samples,
+    ms_to_samples,
+    partial_samples,
     rescale_samples,
     samples_to_ms,
 )
@@ -159,9 +161,7 @@ class AudioConverter:
         if self.source == self.target:
             width = self.source.bytes_per_sample
             if len(data) % width:
-                decoded = decode_samples(self.source.encoding, data)  # the error value
-                assert isinstance(decoded, AudioError)
-                return decoded
+                return partial_samples(self.source.encoding, len(data))
             count = len(data) // width
             self._count(count, count)
             return data
@@ -238,7 +238,7 @@ class AudioConverter:
     def source_ms_for(self, target_ms: float) -> float:
         """A target position in ms as the source's ms, rounded to the source's samples
         (what a truncation's ``audio_end_ms`` is in the engine's timebase)."""
-        target = int(target_ms * self.target.rate / 1000.0 + 0.5) if target_ms > 0 else 0
+        target = ms_to_samples(target_ms, self.target.rate)
         return samples_to_ms(self.source_samples_for(target), self.source.rate)
 
     # -- internals ---------------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "parse_engine_audio",
     "parse_engine_format",
     "parse_openai_format",
+    "partial_samples",
     "rescale_samples",
     "samples_to_ms",
 ]
@@ -107,6 +108,10 @@ class AudioFormat:
 
     encoding: Encoding
     rate: int
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0:  # a programming error: the parsers check what comes from the wire
+            raise ValueError(f"sample rate {self.rate} is not positive")
 
     @property
     def bytes_per_sample(self) -> int:
@@ -338,19 +343,23 @@ _DECODE_FLOAT: Final = {k: (v.astype(np.float32) / np.float32(32768.0)) for k, v
 _PCM16_SCALE: Final = np.float32(1.0 / 32768.0)
 
 
+def partial_samples(encoding: Encoding, nbytes: int) -> AudioError:
+    """The refusal of ``nbytes`` bytes that are not whole samples of ``encoding``."""
+    width = _WIDTH[encoding]
+    return AudioError(
+        AudioErrorKind.INVALID_AUDIO,
+        f"{nbytes} bytes of {encoding.value} audio is not a whole number of {width}-byte samples",
+    )
+
+
 def decode_samples(encoding: Encoding, data: bytes) -> Samples | AudioError:
     """Bytes of ``encoding`` as float32 samples (full scale +-1.0).
 
     Returns:
         The samples, or ``INVALID_AUDIO`` when ``data`` is not whole samples.
     """
-    width = _WIDTH[encoding]
-    if len(data) % width:
-        return AudioError(
-            AudioErrorKind.INVALID_AUDIO,
-            f"{len(data)} bytes of {encoding.value} audio is not a whole number of "
-            f"{width}-byte samples",
-        )
+    if len(data) % _WIDTH[encoding]:
+        return partial_samples(encoding, len(data))
     if encoding is Encoding.PCM16:
         samples = np.frombuffer(data, dtype="<i2").astype(np.float32)
         samples *= _PCM16_SCALE

@@ -352,3 +352,35 @@ def test_engine_audio_reaches_a_phone_as_twilio_frames() -> None:
     assert cutter.flush() == b""  # 2 s is 100 whole frames
     assert all(len(base64.b64decode(p)) == 160 for p in payloads)
     assert len(payloads) == 100  # 2 s of 20 ms frames
+
+
+@given(
+    st.sampled_from(PAIRS),
+    st.lists(st.one_of(st.integers(0, 4000), st.sampled_from(["flush", "reset"])), max_size=25),
+)
+@settings(max_examples=60, deadline=None)
+def test_every_sample_is_given_out_or_counted_dropped(
+    pair: tuple[AudioFormat, AudioFormat], steps: list[int | str]
+) -> None:
+    # Any interleaving of chunks, flushes (end of a response) and resets (cancels):
+    # what came out is what went in, less what resets dropped, at the target rate.
+    source, target = pair
+    converter = AudioConverter(source, target)
+    given_out = segments = 0
+    for step in [*steps, "flush"]:
+        if step == "flush":
+            given_out += len(converter.flush()) // target.bytes_per_sample
+            segments += 1
+        elif step == "reset":
+            converter.reset()
+            segments += 1
+        else:
+            assert isinstance(step, int)
+            chunk = encode_samples(source.encoding, np.full(step, 0.25, dtype=np.float32))
+            out = converter.convert(chunk)
+            assert isinstance(out, bytes)
+            given_out += len(out) // target.bytes_per_sample
+    stats = converter.statistics()
+    assert stats.total_target_samples == given_out
+    kept = stats.total_source_samples - stats.dropped_samples
+    assert abs(given_out - kept * target.rate / source.rate) <= 2 * segments

@@ -359,3 +359,9 @@ def test_rescaling_is_nearest_and_round_trips_within_a_sample(samples: int, a: i
     assert abs(there - samples * b / a) <= 0.5
     back = rescale_samples(there, b, a)
     assert abs(back - samples) <= math.ceil(a / b / 2)
+
+
+def test_a_format_needs_a_positive_rate() -> None:
+    # A programming error, not wire input: the parsers never build one.
+    with pytest.raises(ValueError, match="not positive"):
+        AudioFormat(Encoding.PCM16, 0)
