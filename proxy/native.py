@@ -26,8 +26,9 @@ __all__ = [
     "source_digest",
 ]
 
-#: The modules a compiled build compiles: the core whole, and what each relayed
-#: event runs through in the shell (the profile's hot path).
+#: The modules a compiled build compiles: the core whole (its audio modules
+#: aside: numpy and libsoxr do their work, docs/design.md, Audio formats), and
+#: what each relayed event runs through in the shell (the profile's hot path).
 COMPILED_MODULES: Final = (
     "proxy.core.buffer",
     "proxy.core.capabilities",
