@@ -46,6 +46,7 @@ COMPILED_MODULES: Final = (
     "proxy.core.ratelimit",
     "proxy.core.response_requests",
     "proxy.core.resume_state",
+    "proxy.core.resume_token",
     "proxy.core.session_core",
     "proxy.core.session_output",
     "proxy.core.session_settings",
