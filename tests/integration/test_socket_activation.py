@@ -118,10 +118,10 @@ async def test_serves_on_the_sockets_systemd_passes_and_binds_nothing_else(
         assert refused(sidecar.configured[0]), "listen was bound although a socket was passed"
         assert refused(sidecar.configured[1]), "admin_listen was bound"
 
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{sidecar.admin_url}/debug/summary") as resp:
-                assert resp.status == 200
-                listeners = (await resp.json())["listeners"]
+        summary = f"{sidecar.admin_url}/debug/summary"
+        async with aiohttp.ClientSession() as http, http.get(summary) as resp:
+            assert resp.status == 200
+            listeners = (await resp.json())["listeners"]
         assert listeners == {
             "listen": {"url": f"http://127.0.0.1:{port}", "source": "systemd"},
             "admin": {"url": f"http://127.0.0.1:{admin_port}", "source": "systemd"},
