@@ -51,7 +51,8 @@ EXIT_ENGINE_FAILED: int = 1
 EXIT_CONFIG: int = 2
 #: A cheap preflight check failed before the engine was started.
 EXIT_PREFLIGHT: int = 3
-#: The listen or admin address is in use, not permitted or not available.
+#: The listen or admin address is in use, not permitted or not available, or a
+#: socket systemd passed cannot be served on (docs/design.md, Socket activation).
 EXIT_LISTEN: int = 4
 
 EXIT_STATUSES: dict[int, str] = {
