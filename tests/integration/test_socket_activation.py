@@ -270,6 +270,13 @@ async def test_a_restart_behind_a_held_socket_refuses_no_connection(
                 )
                 stop.set()
                 await asyncio.wait_for(asyncio.gather(*loops), 4 * DEADLINE)
+                summary = f"{second.admin_url}/debug/summary"
+                async with aiohttp.ClientSession() as http, http.get(summary) as resp:
+                    listeners = (await resp.json())["listeners"]
+                assert listeners == {
+                    "listen": {"url": f"http://127.0.0.1:{port}", "source": "systemd"},
+                    "admin": {"url": second.admin_url, "source": "bound"},
+                }
     finally:
         await first.astop()
         await second.astop()
