@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -325,19 +326,23 @@ class Sidecar:
             bound_port = sockets[0].getsockname()[1] if sockets else port
             self.bound[name] = (host, int(bound_port))
             url = _url(host, int(bound_port))
-            source = "bound" if not held else "systemd"
-            self.state.listeners[name] = {"url": url, "source": source}
-            if held:
-                assert self.passed is not None
+            if self.passed is not None and held:
+                self.state.listeners[name] = {"url": url, "source": "systemd"}
                 bound_lines.append(f"{name} listener on {url}: {self.passed.describe(name)}")
             else:
+                self.state.listeners[name] = {"url": url, "source": "bound"}
                 bound_lines.append(f"{name} listener bound on {url}")
         for line in bound_lines:
             log.info("%s", line)
 
     async def _start_sites(
-        self, name: str, runner: web.AppRunner, host: str, port: int, held: tuple[Any, ...]
-    ) -> list[Any]:
+        self,
+        name: str,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        held: tuple[socket.socket, ...],
+    ) -> list[socket.socket]:
         """Start the listener's site(s); its listening sockets.
 
         The client listener accepts by itself, so running out of file descriptors
@@ -360,7 +365,7 @@ class Sidecar:
         if not held:
             site = web.TCPSite(runner, host, port, reuse_address=True)
             await site.start()
-            return compat.bound_sockets(site)
+            return list(compat.bound_sockets(site))
         for sock in held:
             await web.SockSite(runner, sock).start()
         return list(held)
