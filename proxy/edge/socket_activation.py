@@ -48,7 +48,23 @@ _FAMILIES: Final = {socket.AF_INET: "IPv4", socket.AF_INET6: "IPv6"}
 
 
 class ActivationError(ProxyError, ValueError):
-    """The sockets systemd passed cannot be used; the message is the one line to print."""
+    """The sockets systemd passed cannot be used; ``str()`` is the one line to print.
+
+    Args:
+        problem: what is wrong.
+        fd: the descriptor it is about; None: the ``LISTEN_*`` variables themselves.
+        name: that descriptor's name (``LISTEN_FDNAMES``).
+    """
+
+    problem: str
+    fd: int | None
+    name: str | None
+
+    def __init__(self, problem: str, *, fd: int | None = None, name: str | None = None) -> None:
+        self.problem = problem
+        self.fd = fd
+        self.name = name
+        super().__init__(problem if fd is None else f"fd {fd} (name {name!r}): {problem}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +103,10 @@ class ListenFds:
         if spare:
             fd, name = spare[0]
             raise ActivationError(
-                f"fd {fd} (name {name!r}) is neither the client nor the admin listener: "
-                f"name its socket FileDescriptorName={CLIENT_FDNAME} or {ADMIN_FDNAME}"
+                "neither the client nor the admin listener's: name its socket "
+                f"FileDescriptorName={CLIENT_FDNAME} or {ADMIN_FDNAME}",
+                fd=fd,
+                name=name,
             )
         return {listener: tuple(fds) for listener, fds in roles.items()}
 
@@ -184,24 +202,23 @@ def _own_pidfd_id() -> int | None:
 
 
 def _listening_socket(fd: int, name: str) -> socket.socket:
-    where = f"fd {fd} (name {name!r})"
     try:
         mode = os.fstat(fd).st_mode
     except OSError as exc:
-        raise ActivationError(f"{where}: {os.strerror(exc.errno or 0)}") from None
+        raise ActivationError(os.strerror(exc.errno or 0), fd=fd, name=name) from None
     if not stat.S_ISSOCK(mode):
-        raise ActivationError(f"{where} is not a socket")
+        raise ActivationError("not a socket", fd=fd, name=name)
     sock = socket.socket(fileno=fd)
     problem = None
     if sock.family not in _FAMILIES:
-        problem = f"is a {sock.family.name} socket, not TCP over IPv4 or IPv6 (ListenStream=)"
+        problem = f"family {sock.family.name}, not TCP over IPv4 or IPv6 (ListenStream=)"
     elif sock.type != socket.SOCK_STREAM:
-        problem = f"is a {sock.type.name} socket, not a stream socket (ListenStream=)"
+        problem = f"type {sock.type.name}, not a stream socket (ListenStream=)"
     elif not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        problem = "is a socket that does not listen"
+        problem = "a socket that does not listen"
     if problem is not None:
         sock.detach()  # closed at exit with the others; nothing of ours to close here
-        raise ActivationError(f"{where} {problem}")
+        raise ActivationError(problem, fd=fd, name=name)
     return sock
 
 
@@ -232,9 +249,7 @@ def take_passed_sockets(environ: MutableMapping[str, str]) -> PassedSockets | No
         try:
             os.set_inheritable(fd, False)
         except OSError as exc:
-            raise ActivationError(
-                f"fd {fd} (name {name!r}): {os.strerror(exc.errno or 0)}"
-            ) from None
+            raise ActivationError(os.strerror(exc.errno or 0), fd=fd, name=name) from None
     names = dict(zip(passed.fds, passed.names, strict=True))
     sockets = {
         listener: tuple(_listening_socket(fd, names[fd]) for fd in fds)

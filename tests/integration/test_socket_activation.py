@@ -312,6 +312,6 @@ def test_a_datagram_socket_stops_the_start_with_exit_4() -> None:
         )
     assert done.returncode == EXIT_LISTEN, done.stderr
     assert done.stderr == (
-        "omni-sidecar: systemd socket activation: fd 3 (name 'client') is a SOCK_DGRAM "
-        "socket, not a stream socket (ListenStream=)\n"
+        "omni-sidecar: systemd socket activation: fd 3 (name 'client'): type SOCK_DGRAM, "
+        "not a stream socket (ListenStream=)\n"
     )

@@ -147,8 +147,10 @@ class TestByListener:
     )
     def test_a_socket_nobody_would_accept_on_is_an_error(self, names: tuple[str, ...]) -> None:
         fds = tuple(range(3, 3 + len(names)))
-        with pytest.raises(ActivationError, match="FileDescriptorName=client or admin"):
+        with pytest.raises(ActivationError, match="FileDescriptorName=client or admin") as caught:
             ListenFds(fds, names).by_listener()
+        spare = [(fd, n) for fd, n in zip(fds, names, strict=True) if n not in ("client", "admin")]
+        assert (caught.value.fd, caught.value.name) == spare[0 if "client" in names else 1]
 
 
 # -- the shell, in a process started as systemd starts one ------------------------------------
@@ -243,10 +245,10 @@ class TestTakePassedSockets:
     @pytest.mark.parametrize(
         ("kind", "problem"),
         [
-            ("udp", "not a stream socket"),
-            ("not-listening", "does not listen"),
-            ("unix", "not TCP over IPv4 or IPv6"),
-            ("pipe", "is not a socket"),
+            ("udp", "type SOCK_DGRAM, not a stream socket (ListenStream=)"),
+            ("not-listening", "a socket that does not listen"),
+            ("unix", "family AF_UNIX, not TCP over IPv4 or IPv6 (ListenStream=)"),
+            ("pipe", "not a socket"),
         ],
     )
     def test_a_descriptor_that_cannot_be_served_on(
@@ -269,7 +271,7 @@ class TestTakePassedSockets:
             stack.callback(os.close, write)
             fd = read
         report = run_passed([(fd, "client")])
-        assert problem in report["error"] and "fd 3 (name 'client')" in report["error"], report
+        assert report["error"] == f"fd 3 (name 'client'): {problem}", report
         assert report["environ"] == []
 
     def test_a_descriptor_that_is_not_open(self, stack: ExitStack) -> None:
