@@ -51,7 +51,8 @@ EXIT_ENGINE_FAILED: int = 1
 EXIT_CONFIG: int = 2
 #: A cheap preflight check failed before the engine was started.
 EXIT_PREFLIGHT: int = 3
-#: The listen or admin address is in use, not permitted or not available.
+#: The listen or admin address is in use, not permitted or not available, or a
+#: socket systemd passed cannot be served on (docs/design.md, Socket activation).
 EXIT_LISTEN: int = 4
 
 EXIT_STATUSES: dict[int, str] = {
@@ -59,7 +60,8 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_ENGINE_FAILED: "the engine failed for good (restart budget spent, or never ready)",
     EXIT_CONFIG: "configuration error",
     EXIT_PREFLIGHT: "a preflight check failed",
-    EXIT_LISTEN: "listen or admin address in use, not permitted or not available",
+    EXIT_LISTEN: "listen or admin address in use, not permitted or not available, "
+    "or a socket systemd passed cannot be served on",
 }
 
 
@@ -204,6 +206,15 @@ def _print_config(loaded: LoadedSettings) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from proxy.edge.socket_activation import ActivationError, take_passed_sockets
+
+    try:
+        # First: the LISTEN_* variables go and the sockets turn close-on-exec
+        # before any child (preflight's, the engine) could inherit them.
+        passed = take_passed_sockets(os.environ)
+    except ActivationError as exc:
+        print(f"omni-sidecar: systemd socket activation: {exc}", file=sys.stderr)
+        return EXIT_LISTEN
     loaded = _load(ns)
     if loaded is None:
         return EXIT_CONFIG
@@ -242,7 +253,9 @@ def _serve(ns: argparse.Namespace) -> int:
         return load(flags, os.environ, path)
 
     try:
-        return asyncio.run(serve(loaded.settings, reload=reload, engine_version=engine_version))
+        return asyncio.run(
+            serve(loaded.settings, reload=reload, engine_version=engine_version, passed=passed)
+        )
     except ConfigError as exc:  # found while building the app (e.g. an empty keys file)
         _config_error(exc)
         return EXIT_CONFIG

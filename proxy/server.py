@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -38,6 +39,7 @@ from proxy.edge.client_app import build_client_app
 from proxy.edge.guard import EdgeAppRunner
 from proxy.edge.listener import EdgeSite
 from proxy.edge.session_slots import Admission
+from proxy.edge.socket_activation import PassedSockets
 from proxy.edge.state import ProxyState, UpstreamTarget, max_per_engine
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
@@ -98,6 +100,8 @@ class Sidecar:
         environ: for NOTIFY_SOCKET / WATCHDOG_USEC.
         engine_version: the vllm-omni version preflight found (docs/design.md,
             Engine capabilities); ``engine.version`` other than auto wins.
+        passed: listening sockets systemd passed (docs/design.md, Socket
+            activation); a listener with one does not bind its address.
     """
 
     def __init__(
@@ -106,8 +110,10 @@ class Sidecar:
         *,
         environ: dict[str, str] | None = None,
         engine_version: str | None = None,
+        passed: PassedSockets | None = None,
     ) -> None:
         self.settings = settings
+        self.passed = passed
         self.environ = dict(os.environ if environ is None else environ)
         # *_created samples would become look-alike series (e.g. sessions_created).
         disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -163,6 +169,8 @@ class Sidecar:
         self.ready = asyncio.Event()
         self.bound: dict[str, tuple[str, int]] = {}
         self._runners: list[web.AppRunner] = []
+        #: The client listener's site, when it serves on a socket systemd holds.
+        self._held_site: EdgeSite | None = None
         self._announced = False
         self._restart_reason = "exited"
 
@@ -241,6 +249,10 @@ class Sidecar:
         if self._announced:
             return
         self._announced = True
+        if self._held_site is not None:
+            # Connections made while this process started waited in systemd's
+            # socket for an engine that serves them (docs/design.md, Socket activation).
+            self._held_site.start_accepting()
         listen = self.bound.get("listen")
         admin = self.bound.get("admin")
         engine = ", ".join(t for t in self.router.targets if t is not None) or "?"
@@ -248,9 +260,10 @@ class Sidecar:
         if listen is not None:
             behaviour = self.sessions.capabilities.current
             log.info(
-                "omni-sidecar ready: clients %s/v1/realtime, admin %s/metrics, engine %s at %s "
+                "omni-sidecar ready: clients %s/v1/realtime%s, admin %s/metrics, engine %s at %s "
                 "(core: %s; engine behaviour: vLLM-Omni %s from %s)",
                 _url(*listen, scheme="ws"),
+                " (socket from systemd)" if self._held_site is not None else "",
                 _url(*admin) if admin else "-",
                 kind,
                 engine,
@@ -301,25 +314,61 @@ class Sidecar:
             )
             await runner.setup()
             self._runners.append(runner)
-            # The client listener accepts by itself, so running out of file descriptors
-            # is counted and logged (proxy/edge/listener.py).
-            site: web.BaseSite = (
-                EdgeSite(runner, host, port, refused=self.state.refused_at_accept)
-                if name == "listen"
-                else web.TCPSite(runner, host, port, reuse_address=True)
-            )
+            held = self.passed.sockets.get(name, ()) if self.passed is not None else ()
+            if held:  # systemd's socket: the address setting is not bound
+                host, port = held[0].getsockname()[:2]
             try:
-                await site.start()
+                sockets = await self._start_sites(name, runner, host, port, held)
             except OSError as exc:  # in use, not permitted, not available
                 key = "listen" if name == "listen" else "admin_listen"
                 reason = os.strerror(exc.errno) if exc.errno else str(exc)
                 raise _BindError(f"cannot listen on {address} ({key}): {reason}") from None
-            sockets = site.sockets if isinstance(site, EdgeSite) else compat.bound_sockets(site)
             bound_port = sockets[0].getsockname()[1] if sockets else port
             self.bound[name] = (host, int(bound_port))
-            bound_lines.append(f"{name} listener bound on {_url(host, int(bound_port))}")
+            url = _url(host, int(bound_port))
+            if self.passed is not None and held:
+                self.state.listeners[name] = {"url": url, "source": "systemd"}
+                bound_lines.append(f"{name} listener on {url}: {self.passed.describe(name)}")
+            else:
+                self.state.listeners[name] = {"url": url, "source": "bound"}
+                bound_lines.append(f"{name} listener bound on {url}")
         for line in bound_lines:
             log.info("%s", line)
+
+    async def _start_sites(
+        self,
+        name: str,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        held: tuple[socket.socket, ...],
+    ) -> list[socket.socket]:
+        """Start the listener's site(s); its listening sockets.
+
+        The client listener accepts by itself, so running out of file descriptors
+        is counted and logged (proxy/edge/listener.py); on a socket systemd holds
+        it accepts from the engine's first READY on (docs/design.md, Socket activation).
+        """
+        if name == "listen":
+            edge = EdgeSite(
+                runner,
+                host,
+                port,
+                refused=self.state.refused_at_accept,
+                passed=held,
+                accepting=not held,
+            )
+            await edge.start()
+            if held:
+                self._held_site = edge
+            return edge.sockets
+        if not held:
+            site = web.TCPSite(runner, host, port, reuse_address=True)
+            await site.start()
+            return list(compat.bound_sockets(site))
+        for sock in held:
+            await web.SockSite(runner, sock).start()
+        return list(held)
 
     async def run(self) -> int:
         """Serve until stopped. Returns the process exit status."""
@@ -364,6 +413,9 @@ class Sidecar:
             stop_wait.cancel()
             if reload_wait is not None:
                 reload_wait.cancel()
+            if self._held_site is not None:
+                # New connections wait in systemd's socket for the next process.
+                self._held_site.stop_accepting()
             await self._shutdown(supervisor_task)
             watchdog.cancel()
             quota_checks.cancel()
@@ -482,6 +534,7 @@ async def serve(
     *,
     reload: Callable[[], LoadedSettings] | None = None,
     engine_version: str | None = None,
+    passed: PassedSockets | None = None,
 ) -> int:
     """Run the sidecar with signal handling; the CLI's entry point.
 
@@ -491,8 +544,9 @@ async def serve(
             flags); without it SIGHUP only logs that reload is unavailable.
         engine_version: the vllm-omni version preflight found in the engine's
             interpreter (None: not found or not looked for).
+        passed: the listening sockets systemd passed (None: bind both addresses).
     """
-    sidecar = Sidecar(settings, engine_version=engine_version)
+    sidecar = Sidecar(settings, engine_version=engine_version, passed=passed)
     sidecar.reloader = reload
     sidecar.install_signal_handlers()
     tune_gc()

@@ -178,8 +178,8 @@ def clean_env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("OMNI_SIDECAR_") or k.startswith("OMNI_SIDECAR_TESTS_")
     }
-    env.pop("NOTIFY_SOCKET", None)
-    env.pop("WATCHDOG_USEC", None)
+    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        env.pop(key, None)
     env.update(extra)
     return env
 
@@ -246,6 +246,7 @@ class ChildProcess:
             SIGKILL reaches what it forked, and a terminal's signals do not).
         stop_signal: what asks it to stop (SIGTERM; nginx's graceful SIGQUIT).
         stop_grace: seconds between the stop signal and SIGKILL on stop.
+        pass_fds: descriptors it inherits (a listening socket the test holds).
     """
 
     def __init__(
@@ -267,8 +268,10 @@ class ChildProcess:
         stop_grace: float = 10.0,
         ready_timeout: float = 20.0,
         ready_status: int | None = 200,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         assert ready is None or ready_what, "a readiness predicate needs ready_what"
+        self.pass_fds = tuple(pass_fds)
         self.name = name
         self.argv = [*prefix, *argv]
         self.env = dict(env) if env is not None else None
@@ -302,6 +305,7 @@ class ChildProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=self.new_session,
+                pass_fds=self.pass_fds,
             )
         self.started_at = time.monotonic()
         return self
@@ -605,6 +609,7 @@ class SidecarChild(_RealtimeServer):
             only for the listener to accept TCP (the benchmarks' condition).
         command: the ``omni-sidecar`` command (another venv's, say); None:
             :func:`cli_argv` of this interpreter.
+        pass_fds: descriptors it inherits (with ``prefix``, a socket-activation launcher).
     """
 
     def __init__(
@@ -623,6 +628,7 @@ class SidecarChild(_RealtimeServer):
         ready_path: str | None = "/readyz",
         command: Sequence[str] | None = None,
         name: str = "omni-sidecar serve",
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.port = free_port() if port is None else port
         self.admin_port = free_port() if admin_port is None else admin_port
@@ -636,7 +642,7 @@ class SidecarChild(_RealtimeServer):
         super().__init__(
             name, argv, ready_port=self.port, ready_path=ready_path, env=environ,
             log_path=log_path, cwd=cwd, prefix=prefix, new_session=new_session,
-            stop_grace=stop_grace, ready_timeout=ready_timeout,
+            stop_grace=stop_grace, ready_timeout=ready_timeout, pass_fds=pass_fds,
         )  # fmt: skip
 
     @property

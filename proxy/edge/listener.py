@@ -5,7 +5,9 @@
 aiohttp's connection factory. When ``accept()`` fails for lack of descriptors it
 spends the one it keeps in reserve to close the waiting connections at once,
 counts each (``rejected_connections_total{reason="fd_limit"}``) and logs at a
-bounded rate; see docs/design.md, Routes and listeners.
+bounded rate; see docs/design.md, Routes and listeners. It also serves on
+sockets systemd passed, accepting only while told to (docs/design.md, Socket
+activation).
 """
 
 from __future__ import annotations
@@ -91,10 +93,16 @@ class Listener:
         sockets: bound, listening, non-blocking sockets (owned from here on).
         factory: the protocol factory (aiohttp's ``web.Server``).
         refused: counts connections refused for lack of descriptors.
+        accepting: False: take no connection until :meth:`start_accepting`.
     """
 
     def __init__(
-        self, sockets: list[socket.socket], factory: Callable[[], Any], refused: Refused
+        self,
+        sockets: list[socket.socket],
+        factory: Callable[[], Any],
+        refused: Refused,
+        *,
+        accepting: bool = True,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.sockets = sockets
@@ -107,8 +115,33 @@ class Listener:
         self._unreported = 0
         self._warned_at: float | None = None
         self._closed = False
-        for sock in sockets:
+        self.accepting = False
+        if accepting:
+            self.start_accepting()
+
+    def start_accepting(self) -> None:
+        """Take connections (again); those waiting in the backlog first."""
+        if self.accepting or self._closed:
+            return
+        self.accepting = True
+        for sock in self.sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def stop_accepting(self) -> None:
+        """Take no more connections; new ones wait in the kernel's backlog.
+
+        For a socket another process holds too (systemd's): the next process
+        on it takes them.
+        """
+        if not self.accepting or self._closed:
+            return
+        self.accepting = False
+        for sock in self.sockets:
+            handle = self._paused.pop(sock.fileno(), None)
+            if handle is not None:
+                handle.cancel()
+            else:
+                self._loop.remove_reader(sock.fileno())
 
     def _accept(self, sock: socket.socket) -> None:
         for _ in range(BACKLOG):
@@ -175,7 +208,7 @@ class Listener:
         self._paused.pop(sock.fileno(), None)
         if self._reserve is None:
             self._reserve = _take_reserve()
-        if not self._closed:
+        if self.accepting and not self._closed:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
     def _report(self, exc: OSError, refused: int, *, paused: bool = False) -> None:
@@ -211,8 +244,9 @@ class Listener:
         for handle in self._paused.values():
             handle.cancel()
         for sock in self.sockets:
-            if sock.fileno() not in self._paused:
+            if self.accepting and sock.fileno() not in self._paused:
                 self._loop.remove_reader(sock.fileno())
+            # Only this process's descriptor: a socket systemd holds stays listening.
             sock.close()
         self._paused.clear()
         for task in self._handovers:
@@ -230,20 +264,49 @@ class EdgeSite(web.BaseSite):
         runner: the client application's runner (set up).
         host, port: where to listen (port 0: a free one).
         refused: counts connections refused for lack of descriptors.
+        passed: listening sockets to serve on instead of binding ``host:port``
+            (systemd's; owned from here on).
+        accepting: False: take no connection until :meth:`start_accepting`.
     """
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, refused: Refused) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        refused: Refused,
+        passed: tuple[socket.socket, ...] = (),
+        accepting: bool = True,
+    ) -> None:
         super().__init__(runner, backlog=BACKLOG)
         self._app_runner = runner
         self._host = host
         self._port = port
         self._on_refused = refused
+        self._passed = passed
+        self._accepting = accepting
         self._listener: Listener | None = None
 
     @property
     def name(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self._port}"
+        host, port = self._host, self._port
+        if self._passed:
+            host, port = self._passed[0].getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}"
+
+    def start_accepting(self) -> None:
+        """See :meth:`Listener.start_accepting`."""
+        self._accepting = True
+        if self._listener is not None:
+            self._listener.start_accepting()
+
+    def stop_accepting(self) -> None:
+        """See :meth:`Listener.stop_accepting`."""
+        self._accepting = False
+        if self._listener is not None:
+            self._listener.stop_accepting()
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -253,9 +316,14 @@ class EdgeSite(web.BaseSite):
     async def start(self) -> None:
         server = self._app_runner.server
         assert server is not None, "the runner is set up before its site starts"
-        sockets = bind(self._host, self._port)  # a bind error leaves nothing registered
+        if self._passed:
+            sockets = list(self._passed)
+            for sock in sockets:
+                sock.setblocking(False)
+        else:
+            sockets = bind(self._host, self._port)  # a bind error leaves nothing registered
         await super().start()
-        self._listener = Listener(sockets, server, self._on_refused)
+        self._listener = Listener(sockets, server, self._on_refused, accepting=self._accepting)
 
     async def stop(self) -> None:
         if self._listener is not None:

@@ -104,6 +104,9 @@ class ProxyState:
     drain_engine: Callable[[int], bool] | None = None
     #: OpenTelemetry tracing (proxy/session/tracing.py); None when ``tracing = "off"``.
     tracing: Tracing | None = None
+    #: Each listener's URL and whether it was ``bound`` here or passed by ``systemd``
+    #: (``/debug/summary``; proxy/server.py fills it in).
+    listeners: dict[str, dict[str, str]] = field(default_factory=dict)
     session_settings: SessionSettings = field(init=False)
     #: Binds the resume tokens clients get to their session and key (``resume_secret_file``).
     resume_tokens: ResumeTokens = field(init=False)

@@ -4,9 +4,10 @@ systemd's Type=notify protocol (sd_notify(3)): newline-separated
 ``KEY=VALUE`` assignments in one datagram to the socket named by
 ``NOTIFY_SOCKET``; a leading ``@`` names a socket in the abstract namespace.
 Each test binds the receiving end itself and asserts the exact bytes sent.
-The unit file (deploy/systemd/omni-sidecar.service) is checked for the
-settings the launcher depends on and, where the binary exists, with
-``systemd-analyze verify`` (Debian package ``systemd``).
+The unit files (deploy/systemd/omni-sidecar.service and the .socket unit that
+holds the client listener across restarts) are checked for the settings the
+sidecar depends on and, where the binary exists, with ``systemd-analyze
+verify`` (Debian package ``systemd``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine_launcher.systemd import Notifier, watchdog_interval
 from proxy.settings import EngineConfig, Settings
 
 UNIT = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "omni-sidecar.service"
+SOCKET_UNIT = UNIT.with_suffix(".socket")
 INSTALLED_EXEC = "/opt/omni-sidecar/venv/bin/omni-sidecar"
 
 
@@ -275,7 +277,17 @@ class TestUnitFile:
     def test_reload_sends_sighup(self, unit: dict[tuple[str, str], list[str]]) -> None:
         assert unit[("Service", "ExecReload")] == ["/bin/kill -HUP $MAINPID"]
 
-    def test_systemd_analyze_verify(self, tmp_path: Path) -> None:
+    def test_wants_the_socket_unit_where_installed(
+        self, unit: dict[tuple[str, str], list[str]]
+    ) -> None:
+        # Started alone, the service would bind `listen` itself and the socket unit,
+        # started later, could not: it starts the socket first (a no-op if not installed).
+        assert "omni-sidecar.socket" in unit[("Unit", "Wants")][0].split()
+
+    @pytest.mark.parametrize(
+        "units", [("omni-sidecar.service",), ("omni-sidecar.socket", "omni-sidecar.service")]
+    )
+    def test_systemd_analyze_verify(self, tmp_path: Path, units: tuple[str, ...]) -> None:
         analyze = shutil.which("systemd-analyze")
         if analyze is None:
             pytest.skip("systemd-analyze not found (Debian package: systemd)")
@@ -287,8 +299,15 @@ class TestUnitFile:
         # verify checks that ExecStart exists: point it at this venv's script.
         copy = tmp_path / "omni-sidecar.service"
         copy.write_text(text.replace(f"ExecStart={INSTALLED_EXEC} ", f"ExecStart={executable} "))
+        if "omni-sidecar.socket" in units:
+            # Beside its service, as installed (verify finds Service= there).
+            (tmp_path / "omni-sidecar.socket").write_text(SOCKET_UNIT.read_text())
         result = subprocess.run(
-            [analyze, "verify", str(copy)], capture_output=True, text=True, timeout=60, check=False
+            [analyze, "verify", *(str(tmp_path / name) for name in units)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
         about_unit = [
             line for line in (result.stdout + result.stderr).splitlines() if "omni-sidecar" in line
@@ -296,3 +315,37 @@ class TestUnitFile:
         assert result.returncode == 0, result.stdout + result.stderr
         # Unknown keys are only warnings ("Unknown key ..., ignoring"): none allowed.
         assert about_unit == []
+
+
+# -- deploy/systemd/omni-sidecar.socket -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def socket_unit() -> dict[tuple[str, str], list[str]]:
+    return unit_settings(SOCKET_UNIT.read_text())
+
+
+class TestSocketUnit:
+    """The client listener's socket, held across ``systemctl restart`` (docs/operations.md)."""
+
+    def test_listens_where_the_service_would(
+        self, socket_unit: dict[tuple[str, str], list[str]]
+    ) -> None:
+        assert socket_unit[("Socket", "ListenStream")] == [Settings().listen]
+
+    def test_names_the_client_listener(self, socket_unit: dict[tuple[str, str], list[str]]) -> None:
+        from proxy.edge.socket_activation import CLIENT_FDNAME
+
+        assert socket_unit[("Socket", "FileDescriptorName")] == [CLIENT_FDNAME]
+        assert socket_unit[("Socket", "Service")] == [UNIT.name]
+
+    def test_a_backlog_for_the_restart(self, socket_unit: dict[tuple[str, str], list[str]]) -> None:
+        # Connections wait there through a drain and a start: more than the 128 of our own bind.
+        from proxy.edge.listener import BACKLOG
+
+        assert int(socket_unit[("Socket", "Backlog")][0]) > BACKLOG
+        # Accept=yes would start one sidecar per connection.
+        assert socket_unit.get(("Socket", "Accept"), ["no"]) == ["no"]
+
+    def test_started_at_boot(self, socket_unit: dict[tuple[str, str], list[str]]) -> None:
+        assert socket_unit[("Install", "WantedBy")] == ["sockets.target"]

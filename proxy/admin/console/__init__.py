@@ -162,6 +162,8 @@ def summary(state: ProxyState, *, started: float) -> dict[str, Any]:
         "uptime_seconds": round(time.monotonic() - started, 3),
         # docs/design.md, Performance: the compiled build ("mypyc") or pure Python.
         "build": CORE_BUILD,
+        # docs/design.md, Socket activation: {"listen"|"admin": {"url", "source"}}.
+        "listeners": state.listeners,
         "ready": refusal is None,
         "not_ready_reason": None if refusal is None else refusal[1],
         "engines": engine_entries(state),

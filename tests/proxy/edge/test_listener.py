@@ -19,7 +19,7 @@ import time
 import pytest
 
 from proxy.edge.listener import ACCEPT_RETRY_DELAY, Listener, bind
-from tests.conftest import DEADLINE
+from tests.conftest import DEADLINE, MS
 
 
 class FailingOnce(socket.socket):
@@ -80,3 +80,47 @@ async def test_bind_takes_every_address_of_the_host_and_port_0_picks_one() -> No
     finally:
         for sock in sockets:
             sock.close()
+
+
+async def echoed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    writer.write(b"ping")
+    try:
+        return await reader.readexactly(4)
+    finally:
+        writer.close()
+
+
+async def test_a_connection_waits_in_the_backlog_while_not_accepting() -> None:
+    """Not accepting (yet, or any more) leaves a connection in the kernel's backlog; the
+    next listener on the same socket, another process's descriptor of it as under
+    systemd, serves it (docs/design.md, Socket activation)."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(8)
+    held.setblocking(False)
+    first = Listener([held.dup()], Echo, lambda reason, count: None, accepting=False)
+    second: Listener | None = None
+    try:
+        reader, writer = await asyncio.open_connection(*held.getsockname())
+        answer = asyncio.ensure_future(echoed(reader, writer))
+        await asyncio.sleep(50 * MS)
+        assert not answer.done(), "served before accepting began"
+        first.start_accepting()
+        async with asyncio.timeout(DEADLINE):
+            assert await answer == b"ping"
+
+        first.stop_accepting()
+        reader, writer = await asyncio.open_connection(*held.getsockname())
+        answer = asyncio.ensure_future(echoed(reader, writer))
+        await asyncio.sleep(50 * MS)
+        assert not answer.done(), "accepted after stop_accepting"
+        first.close()  # its descriptor only: the socket still listens, the client waits
+        assert not answer.done()
+        second = Listener([held.dup()], Echo, lambda reason, count: None)
+        async with asyncio.timeout(DEADLINE):
+            assert await answer == b"ping"
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        held.close()
