@@ -13,6 +13,8 @@
 #                  (scripts/cpu_hog.py): what a loaded CI machine does to timing
 #   make native  - recompile after editing a compiled module (the import refuses a
 #                  stale one); `make pure` removes them: the checkout runs as Python
+#   make dev     - a pure-Python install for the edit-test loop (no rebuild after an
+#                  edit); or keep the compiled one and run with OMNI_SIDECAR_PURE=1
 # Arguments: `make serve ARGS="--max-sessions 8"`, `make pytest PYTEST_ARGS="-x tests/proxy"`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -38,7 +40,7 @@ LINT_PATHS := proxy engine_launcher metrics tests bench scripts
 #: The product, type-checked with mypy --strict.
 TYPED_PATHS := proxy engine_launcher metrics
 
-.PHONY: help setup serve test test-steps test-loaded lint pytest bench native pure clean
+.PHONY: help setup serve test test-steps test-loaded lint pytest bench native pure dev clean
 
 help:
 	@sed -n '1,/^PYTHON/p' Makefile | sed '$$d'
@@ -93,6 +95,14 @@ native: $(BIN)/omni-sidecar
 pure:
 	find proxy \( -name '*.so' -o -name '*.pyd' \) -delete
 	rm -f proxy/_native_sources.txt
+
+# The development install: everything runs from its source, so an edit needs no
+# rebuild. `make native` (or `make setup`) goes back to the compiled build.
+dev:
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	OMNI_SIDECAR_PURE_BUILD=1 $(BIN)/python -m pip install -e '.[test]'
+	$(MAKE) pure
 
 # The heavier tier against the real vLLM-Omni serving layer (own venv per release, ~9 GB):
 #   make test-real-engine [VLLM_OMNI=0.32.0rc1]

@@ -6,13 +6,20 @@ modules. :data:`CORE_BUILD` says which build imports: ``"mypyc"`` or
 ``"python"``. A compiled module whose source changed after the build (by
 digest), or a build missing some of its modules, is refused when ``proxy`` is imported, naming the fix, so
 nobody measures or ships code that is not the code they read
-(docs/design.md, Performance).
+(docs/design.md, Performance). With ``OMNI_SIDECAR_PURE=1`` (:data:`RUN_PURE_ENV`)
+the compiled modules are imported from their sources, extensions or not: the
+edit-test loop needs no rebuild (docs/development.md, The compiled build).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.machinery
 import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Final
 
 __all__ = [
@@ -20,9 +27,12 @@ __all__ = [
     "CORE_BUILD",
     "PURE_BUILD_ENV",
     "PURE_BUILD_HINT",
+    "PURE_BUILD_WHY",
+    "RUN_PURE_ENV",
     "SOURCES_MANIFEST",
     "StaleNativeCore",
     "core_build",
+    "run_sources",
     "source_digest",
 ]
 
@@ -70,6 +80,10 @@ COMPILED_MODULES: Final = (
 #: Set at install time (to anything but "" or "0") for the pure-Python build (the build backend).
 PURE_BUILD_ENV: Final = "OMNI_SIDECAR_PURE_BUILD"
 
+#: Set when running (to anything but "" or "0"): import the compiled modules' sources and
+#: skip their extensions, stale or not (the development mode; CI never sets it).
+RUN_PURE_ENV: Final = "OMNI_SIDECAR_PURE"
+
 #: What to do about a pure-Python build (the start-up line and the refusals say it).
 PURE_BUILD_HINT: Final = (
     "reinstall where a C compiler and the Python headers are present (make setup, "
@@ -85,7 +99,11 @@ class StaleNativeCore(ImportError):
 #: compiled module, ``<module> <sha256 of the source it was compiled from>``.
 SOURCES_MANIFEST: Final = "_native_sources.txt"
 
-_FIX: Final = "run `make native` (pip install -e .) again, or `make pure` to run it as Python"
+_FIX: Final = (
+    f"run `make native` (pip install -e .) to compile again, or set {RUN_PURE_ENV}=1 "
+    "to run the sources as they are (no rebuild: the edit-test loop), or `make pure` "
+    "to remove the extensions"
+)
 
 
 def source_digest(path: str) -> str:
@@ -146,5 +164,54 @@ def core_build(root: str, modules: tuple[str, ...] = COMPILED_MODULES) -> str:
     return "mypyc"
 
 
+class _SourcesFirst(importlib.abc.MetaPathFinder):
+    """Finds the named modules' ``.py`` sources, never their extension modules."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names or not path:
+            return None
+        loaders = (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES)
+        for entry in path:
+            spec = importlib.machinery.FileFinder(entry, loaders).find_spec(fullname, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+def run_sources(modules: tuple[str, ...] = COMPILED_MODULES) -> None:
+    """Import ``modules`` from their ``.py`` sources from now on, even where compiled.
+
+    All of them or none: a compiled module calls the others as compiled. Called
+    before any of them is imported (``import proxy`` does, with RUN_PURE_ENV set).
+    """
+    if not any(isinstance(finder, _SourcesFirst) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SourcesFirst(frozenset(modules)))
+
+
+def _wanted(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def _this_build() -> str:
+    if _wanted(RUN_PURE_ENV):
+        run_sources()
+        return "python"
+    return core_build(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 #: Which build this process imports: "mypyc" (compiled) or "python".
-CORE_BUILD: Final = core_build(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORE_BUILD: Final = _this_build()
+
+#: Why this process runs pure Python (the start-up WARNING says it; "" when compiled).
+PURE_BUILD_WHY: Final = (
+    ""
+    if CORE_BUILD == "mypyc"
+    else f"{RUN_PURE_ENV}=1: the sources run, any extensions are skipped"
+    if _wanted(RUN_PURE_ENV)
+    else f"no C compiler at install, or {PURE_BUILD_ENV}=1"
+)

@@ -43,7 +43,7 @@ from proxy.edge.socket_activation import PassedSockets
 from proxy.edge.state import ProxyState, UpstreamTarget, max_per_engine
 from proxy.errors import ConfigError
 from proxy.logs import configure as configure_logging
-from proxy.native import CORE_BUILD, PURE_BUILD_ENV, PURE_BUILD_HINT
+from proxy.native import CORE_BUILD, PURE_BUILD_HINT, PURE_BUILD_WHY
 from proxy.session.registry import SessionRegistry
 from proxy.settings import (
     LIVE_KEYS,
@@ -273,9 +273,8 @@ class Sidecar:
             )
         if CORE_BUILD == "python":
             log.warning(
-                "omni-sidecar runs the pure-Python build (no C compiler at install, or %s=1): "
-                "more CPU per relayed event; %s",
-                PURE_BUILD_ENV,
+                "omni-sidecar runs the pure-Python build (%s): more CPU per relayed event; %s",
+                PURE_BUILD_WHY,
                 PURE_BUILD_HINT,
             )
         self.notifier.notify("READY=1", f"STATUS=serving; engine {kind} ready")

@@ -28,6 +28,7 @@ import pytest
 from proxy.native import (
     COMPILED_MODULES,
     CORE_BUILD,
+    RUN_PURE_ENV,
     SOURCES_MANIFEST,
     StaleNativeCore,
     core_build,
@@ -76,7 +77,10 @@ def test_a_source_edited_after_the_build_is_refused_with_the_fix(tmp_path: Path)
     _tree(tmp_path, MODULES)
     relay = tmp_path / "proxy" / "session" / "relay.py"
     relay.write_text(relay.read_text() + "x = 1\n")
-    with pytest.raises(StaleNativeCore, match=r"proxy/session/relay\.py changed .*make native"):
+    with pytest.raises(
+        StaleNativeCore,
+        match=rf"proxy/session/relay\.py changed .*make native.*{RUN_PURE_ENV}=1 to run the sources",
+    ):
         core_build(str(tmp_path), MODULES)
 
 
@@ -261,6 +265,7 @@ def test_the_other_build_passes_the_core_and_shell_tests(tmp_path: Path) -> None
     _copy_tree(tree)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("OMNI_SIDECAR_PURE_BUILD", None)
+    env.pop(RUN_PURE_ENV, None)
 
     def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -291,3 +296,53 @@ def test_the_other_build_passes_the_core_and_shell_tests(tmp_path: Path) -> None
     )  # fmt: skip
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     print(f"\n{expected} build: {tests.stdout.strip().splitlines()[-1]}")
+
+
+#: A test file of a compiled module, run after that module was edited.
+EDITED_MODULE_TESTS = "tests/proxy/session/test_registry.py"
+
+
+def test_an_edited_compiled_module_runs_its_tests_without_a_rebuild(tmp_path: Path) -> None:
+    """The edit-test loop: a compiled module edited after the build is refused (naming
+    the fix), and with OMNI_SIDECAR_PURE=1 its source runs, extensions skipped, with
+    no rebuild. A compiled checkout copies its real extensions; a pure one stands
+    in files no loader could load, so a source that runs proves they were skipped."""
+    tree = tmp_path / "tree"
+    _copy_tree(tree)
+    for name in COMPILED_MODULES:
+        extension = name.replace(".", "/") + _SO
+        if CORE_BUILD == "mypyc":
+            shutil.copy2(ROOT / extension, tree / extension)
+        else:
+            (tree / extension).write_bytes(b"not an extension module")
+    if CORE_BUILD == "mypyc":
+        for shared in (ROOT / "proxy").glob("_native__mypyc*"):
+            shutil.copy2(shared, tree / "proxy" / shared.name)
+        shutil.copy2(ROOT / "proxy" / SOURCES_MANIFEST, tree / "proxy" / SOURCES_MANIFEST)
+    relay = tree / "proxy" / "session" / "relay.py"
+    relay.write_text(relay.read_text() + "\nEDITED = True\n")  # a compiled module, edited
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("OMNI_SIDECAR_PURE_BUILD", None)
+    env.pop(RUN_PURE_ENV, None)
+
+    def run(*args: str, pure: bool) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args],
+            cwd=tree,
+            env={**env, RUN_PURE_ENV: "1"} if pure else env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    probe = "import proxy.native as n, proxy.session.relay as r; print(n.CORE_BUILD, r.__file__, r.EDITED)"
+    refused = run("-c", probe, pure=False)
+    assert refused.returncode != 0
+    assert "StaleNativeCore" in refused.stderr and f"{RUN_PURE_ENV}=1" in refused.stderr, (
+        refused.stderr[-2000:]
+    )
+    sources = run("-c", probe, pure=True)
+    assert sources.stdout.split() == ["python", str(relay), "True"], sources.stderr[-2000:]
+    tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", EDITED_MODULE_TESTS, pure=True)
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]

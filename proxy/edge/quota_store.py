@@ -103,11 +103,16 @@ end
 return epoch
 """
 
-#: KEYS: day, minute. ARGV: day seconds, day ttl_s, minute sessions, minute ttl_s.
-#: Raises each count to the given one; never lowers it.
+#: KEYS: day, minute. ARGV: day seconds, day ttl_s, minute sessions, minute ttl_s,
+#: day seconds Redis never had. Raises each count to the given one (never lowers
+#: it), then adds the seconds counted while Redis did not answer.
 _RESEED: Final = """
 if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
   redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+end
+if tonumber(ARGV[5]) > 0 then
+  redis.call('INCRBYFLOAT', KEYS[1], ARGV[5])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
 if tonumber(ARGV[3]) > tonumber(redis.call('GET', KEYS[2]) or '0') then
   redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
@@ -194,6 +199,9 @@ class QuotaGate:
         self._epoch: str | None = None
         #: name -> (UTC day, the last shared day total Redis answered for it).
         self._seen: dict[str, tuple[int, float]] = {}
+        #: name -> (UTC day, audio seconds counted here that Redis has not had: charged
+        #: while it did not answer). Sent with the next charge, or added by a reseed.
+        self._unshared: dict[str, tuple[int, float]] = {}
         self._backend: _Backend | None = None
         if redis_url:
             # Only with quota_redis_url (the redis extra).
@@ -448,30 +456,39 @@ class QuotaGate:
     async def _reseed(self, backend: _Backend, wall: float) -> int:
         """Raise each named key's day and minute counts in Redis to what this process knows.
 
-        What it knows of a day: its own count, or the last shared total Redis
-        answered it, whichever is higher (never lower than its own count).
+        What Redis had of a day: this process's own count less what Redis never
+        had of it, or the last shared total Redis answered, whichever is higher;
+        the day is raised to that, then what this process counted while Redis
+        did not answer is added (every process adds only its own: none is lost).
         Returns how many names were sent.
         """
         day = day_window(wall)
         pipe = backend.client.pipeline(transaction=False)
-        names = 0
+        sent: list[str] = []
         for name in self.quotas:
-            used = self._book.audio_used(name, wall)
+            unshared = self._unshared_today(name, day)
+            had = self._book.audio_used(name, wall) - unshared
             seen_day, seen = self._seen.get(name, (day, 0.0))
             if seen_day == day:
-                used = max(used, seen)
+                had = max(had, seen)
             minute = self._book.sessions_this_minute(name, wall)
-            if used <= 0 and minute <= 0:
+            if had <= 0 and unshared <= 0 and minute <= 0:
                 continue
             await backend.reseed(
                 keys=[self._day(name, wall), self._minute(name, wall)],
-                args=[f"{used:.6f}", 2 * SECONDS_PER_DAY, minute, _MINUTE_TTL],
+                args=[f"{had:.6f}", 2 * SECONDS_PER_DAY, minute, _MINUTE_TTL, f"{unshared:.6f}"],
                 client=pipe,
             )
-            names += 1
-        if names:
+            sent.append(name)
+        if sent:
             await self._call(pipe.execute())
-        return names
+            for name in sent:
+                self._unshared.pop(name, None)
+        return len(sent)
+
+    def _unshared_today(self, name: str, day: int) -> float:
+        at, seconds = self._unshared.get(name, (day, 0.0))
+        return seconds if at == day else 0.0
 
     async def _reconnect(self, backend: _Backend) -> None:
         try:
@@ -483,21 +500,34 @@ class QuotaGate:
         log.warning("quota backend: redis answers again; the counts are shared again")
 
     async def _charge(self, name: str, seconds: float, wall: float) -> float:
-        """Add audio to today's count of ``name``; today's total (shared when Redis is up)."""
+        """Add audio to today's count of ``name``; today's total (shared when Redis is up).
+
+        What Redis does not get (down, or the call failed) is kept as unshared
+        and sent with the next charge that it answers (or added by a reseed).
+        A call that failed late may have counted in Redis after all: then it
+        counts twice, never less than it was (the quota's safe side).
+        """
         local = self._book.charge_audio(name, seconds, wall)
         backend = self._backend
-        if backend is None or not backend.up:
+        if backend is None:
+            return local
+        day = day_window(wall)
+        owed = self._unshared_today(name, day) + max(0.0, seconds)
+        if not backend.up:
+            self._unshared[name] = (day, owed)
             return local
         try:
             total = await self._call(
                 backend.charge(
-                    keys=[self._day(name, wall)], args=[f"{seconds:.6f}", 2 * SECONDS_PER_DAY]
+                    keys=[self._day(name, wall)], args=[f"{owed:.6f}", 2 * SECONDS_PER_DAY]
                 )
             )
         except _BackendDown:
+            self._unshared[name] = (day, owed)
             return local
+        self._unshared.pop(name, None)
         shared = float(total)
-        self._seen[name] = (day_window(wall), shared)
+        self._seen[name] = (day, shared)
         return shared
 
     async def _call(self, awaitable: Any) -> Any:

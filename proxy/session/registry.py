@@ -126,6 +126,8 @@ class SessionRegistry:
         self._pending_events: dict[str, int] = {}
         self.total_pending_bytes = 0
         self.total_pending_events = 0
+        #: Sessions marked to shed whose relay has not applied it yet (its next loop step).
+        self._shedding: set[str] = set()
         #: Final views of ended sessions, newest last (see RECENT_CLOSED_SESSIONS).
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CLOSED_SESSIONS)
         #: Responses cancelled, all sessions, since start (the console's total).
@@ -165,6 +167,7 @@ class SessionRegistry:
         self.relays.pop(relay.key, None)
         self._key_ids.pop(relay.key, None)
         self._observers.pop(relay.key, None)
+        self._shedding.discard(relay.key)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
         self.total_pending_events -= self._pending_events.pop(relay.key, 0)
         self.metrics.sessions_active.set(len(self.relays))
@@ -269,7 +272,11 @@ class SessionRegistry:
         return c2u_events, c2u_bytes, u2c_events, u2c_bytes
 
     def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
-        """Record a session's current buffer size; shed the largest if over the cap."""
+        """Record a session's current buffer size; mark the largest to shed if over the cap.
+
+        Called from inside a session's drain: the shed is only marked here
+        (``Relay.shed`` schedules it), never applied in this call.
+        """
         if key not in self._pending_bytes:
             return
         self.total_pending_bytes += pending_bytes - self._pending_bytes[key]
@@ -280,7 +287,19 @@ class SessionRegistry:
             self._shed_largest()
 
     def _shed_largest(self) -> None:
-        candidates = [key for key, relay in self.relays.items() if not relay.view.closing]
+        total = self.total_pending_bytes
+        if self._shedding:
+            # A marked session's shed frees its output at its relay's next step:
+            # until then its bytes do not make a second session the largest.
+            self._shedding = {k for k in self._shedding if not self.relays[k].view.closing}
+            total -= sum(self._pending_bytes[k] for k in self._shedding)
+            if total <= self.max_total:
+                return
+        candidates = [
+            key
+            for key, relay in self.relays.items()
+            if not relay.view.closing and key not in self._shedding
+        ]
         if not candidates:
             return
         key = max(candidates, key=self._pending_bytes.__getitem__)
@@ -293,6 +312,7 @@ class SessionRegistry:
             self._pending_bytes[key],
         )
         self.metrics.overflows.labels("process_total").inc()
+        self._shedding.add(key)
         relay.shed()
 
     def statistics(self) -> list[dict[str, Any]]:

@@ -144,13 +144,33 @@ class Relay:
         self._end(EndReason.SHUTDOWN)
 
     def end_for_quota(self, message: str) -> None:
-        """The key's day audio quota ran out: ``error`` {quota_exceeded}, then 1008."""
-        self._end(EndReason.QUOTA_EXCEEDED, message)
+        """The key's day audio quota ran out: ``error`` {quota_exceeded}, then 1008.
+
+        Applied at the loop's next step, like :meth:`shed`: the quota's check
+        never runs a drain of this session from inside its own call.
+        """
+        self._call_soon(lambda: self._order(EndReason.QUOTA_EXCEEDED, message))
 
     def shed(self) -> None:
-        """Process-wide pending cap exceeded and this is the largest session."""
-        self.core.shed(self._clock())
-        self._send(self._after(self._clock()))
+        """Process-wide pending cap exceeded and this is the largest session.
+
+        The registry marks the session from inside a drain (the observer's
+        ``update_pending``); the relay applies the shed at the loop's next step,
+        outside any drain, so each frame it sends upstream goes once
+        (docs/design.md, Process-wide output cap).
+        """
+        self._call_soon(lambda: self._order(None))
+
+    def _order(self, reason: EndReason | None, message: str = "") -> None:
+        """Apply a scheduled order (None: the shed) unless the session is over meanwhile."""
+        if self.core.state is not _OPEN:
+            return
+        if reason is not None:
+            self._end(reason, message)
+            return
+        now = self._clock()
+        self.core.shed(now)
+        self._send(self._after(now))
 
     def engine_unavailable(self) -> None:
         """The supervisor saw the engine die: fail this session now."""

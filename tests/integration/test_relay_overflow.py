@@ -238,6 +238,7 @@ async def _shed_scenario(engine: ScriptedEngine, sidecar: Any) -> Any:
     the 256 KiB process cap); B reads, so its events never pend; one more frame
     for A tips the total over the cap: A, the largest, must be shed with the
     overflow sequence and 1008; B carries on."""
+    engine.answer_close = False  # A's engine records every frame the shed sends
     proxy = await sidecar(
         upstream=engine.ws_url,
         max_pending_output_bytes=4 * MIB,
@@ -286,6 +287,16 @@ async def _shed_scenario(engine: ScriptedEngine, sidecar: Any) -> Any:
         a_events = await a.recv_until_closed()
         assert a.close_code == 1008
         assert_overflow_tail(a_events, "ra")
+        # What A's engine received: each command of the shed exactly once. The engine
+        # answers only after the proxy's frames of that tick are all in, so a second
+        # copy could not hide behind its close.
+        await conn_a.receive_until("session.close")
+        await conn_a.send({"type": "session.closed", "reason": "output_backpressure"})
+        await conn_a.close()
+        await conn_a.wait_closed()
+        commands = [t for t in conn_a.received_types() if t != "playback.ack"]
+        assert commands == ["response.cancel", "session.close"], conn_a.received_types()
+        engine.answer_close = True  # B's session.close below is answered as usual
 
         # B is untouched: its response goes on and the session closes normally.
         await conn_b.send({"type": AUDIO_DELTA, "response_id": "rb", "delta": "B" * KIB})

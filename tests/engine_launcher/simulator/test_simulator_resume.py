@@ -235,6 +235,29 @@ def test_journal_overflow_sends_resync_required_once_then_numbers_nothing() -> N
     )
 
 
+def test_the_frame_that_overflowed_the_journal_is_sent_right_after_the_notice() -> None:
+    """Overflowing the journal costs the frame its number, never the frame: the client
+    gets the same frames as with room in the journal, the notice inserted just before
+    the one that overflowed (docs/engine-protocol.md, Resume)."""
+
+    def frames(replay_max_bytes: int) -> list[Event]:
+        s, _ = _opened(replay_max_bytes=replay_max_bytes)
+        _send(s, *ASK)
+        (rid,) = s.responses_to_start()
+        for _ in range(10):
+            s.produce_chunk(rid)
+        return _take(s)[0]
+
+    roomy = frames(1 << 24)
+    overflowed = frames(8000)  # past the first audio delta, before the response ends
+    at = next(i for i, e in enumerate(overflowed) if e["type"] == "session.resync_required")
+    assert 0 < at < len(overflowed) - 1
+    assert "server_event_seq" not in overflowed[at + 1]
+    rest = overflowed[:at] + overflowed[at + 1 :]
+    assert [e["type"] for e in rest] == [e["type"] for e in roomy]
+    assert _seqs(rest) == _seqs(roomy)[: len(_seqs(rest))], "numbered up to the overflow"
+
+
 def test_grace_expiry_and_what_a_detached_session_ends_with() -> None:
     s, token = _opened(disconnect_grace=30.0)
     assert s.detach(now=100.0)

@@ -41,6 +41,10 @@ class TestReading:
             ({"format": "g711_ulaw"}, 4.0),  # one byte a sample, 8 kHz unless named
             ({"format": "audio/g711_alaw", "sample_rate_hz": 16_000}, 2.0),
             ({"format": {"type": "audio/pcmu", "rate": 8_000}}, 4.0),
+            # A rate named inside the format object is the rate (not the 16 kHz default).
+            ({"format": {"type": "audio/pcm", "rate": 24_000}}, 2 / 3),
+            ({"format": {"type": "audio/pcm", "sample_rate_hz": 8_000}}, 2.0),
+            ({"format": {"type": "audio/pcmu", "rate": 16_000}}, 2.0),
             ({"input_audio_format": "pcm16", "sample_rate": 8_000}, 2.0),
         ],
     )
@@ -65,6 +69,20 @@ class TestReading:
         audio.on_engine_session(
             {"session": {"audio": {"input": {"format": "pcm16", "sample_rate_hz": 24_000}}}}
         )
+        assert seconds(audio) == pytest.approx(32_000 / 48_000, rel=1e-3)
+
+    @pytest.mark.parametrize(
+        "session",
+        [
+            {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24_000}}}},
+            {"input_audio_format": {"type": "audio/pcm", "sample_rate_hz": 24_000}},
+        ],
+    )
+    def test_a_rate_inside_the_sessions_format_object_sets_the_reading(
+        self, session: dict[str, Any]
+    ) -> None:
+        audio = InputAudio()
+        audio.on_engine_session({"session": session})
         assert seconds(audio) == pytest.approx(32_000 / 48_000, rel=1e-3)
 
     def test_a_client_update_the_engine_refuses_changes_nothing(self) -> None:
@@ -102,20 +120,32 @@ class TestInTheSession:
         assert p.core.usage.input_seconds == 0.0
         assert p.core.drop_totals()[DropReason.INVALID_CLIENT_FRAME][0] == 1
 
-    def test_audio_in_conversation_item_create_is_charged(self) -> None:
+    @pytest.mark.parametrize("part_type", ["input_audio", "audio"])
+    def test_audio_in_conversation_item_create_is_charged(self, part_type: str) -> None:
+        """Both part types the engine decodes are charged: ``input_audio`` and ``audio``."""
         p = SessionPair()
         item = {
             "type": "message",
             "role": "user",
             "content": [
-                {"type": "input_audio", "audio": ONE_SECOND},
-                {"type": "input_audio", "audio": ONE_SECOND, "format": "g711_ulaw"},
-                {"type": "input_audio", "audio": ONE_SECOND, "format": "opus"},  # skipped
+                {"type": part_type, "audio": ONE_SECOND},
+                {"type": part_type, "audio": ONE_SECOND, "format": "g711_ulaw"},
+                {"type": part_type, "audio": ONE_SECOND, "format": "opus"},  # skipped
                 {"type": "input_text", "text": "hi"},
             ],
         }
         assert p.client(dumps({"type": "conversation.item.create", "item": item})).forward
         assert p.core.usage.input_seconds == pytest.approx(5.0, rel=1e-3)
+
+    def test_an_append_naming_a_rate_inside_its_format_object_is_charged_at_it(self) -> None:
+        p = SessionPair()
+        append = {
+            "type": "input_audio_buffer.append",
+            "audio": ONE_SECOND,
+            "format": {"type": "audio/pcm", "rate": 32_000},
+        }
+        assert p.client(dumps(append)).forward
+        assert p.core.usage.input_seconds == pytest.approx(0.5, rel=1e-3)
 
     def test_audio_in_conversation_item_create_is_rate_limited(self) -> None:
         settings = dataclasses.replace(

@@ -5,21 +5,26 @@ under ``prlimit`` (tests/integration/test_attacks_edge.py). Here, in process:
 an ``accept()`` that fails for lack of memory pauses accepting for
 ``ACCEPT_RETRY_DELAY`` (instead of spinning on a socket that stays readable),
 says so in one log line, and then takes the waiting client, which is served
-as usual.
+as usual; and with the process's descriptors used up (a lowered soft
+``RLIMIT_NOFILE``), every episode spends the spare descriptor and takes it back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import os
+import resource
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from proxy.edge.listener import ACCEPT_RETRY_DELAY, Listener, bind
-from tests.conftest import DEADLINE, MS
+from proxy.edge.listener import ACCEPT_RETRY_DELAY, FD_LIMIT, Listener, bind
+from tests.conftest import DEADLINE, MS, wait_until
 
 
 class FailingOnce(socket.socket):
@@ -124,3 +129,68 @@ async def test_a_connection_waits_in_the_backlog_while_not_accepting() -> None:
         if second is not None:
             second.close()
         held.close()
+
+
+@contextlib.contextmanager
+def descriptors_used_up() -> Iterator[None]:
+    """Every descriptor this process may open is taken (soft RLIMIT_NOFILE lowered to just
+    above the highest open one, the rest filled with /dev/null); given back on exit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    filler: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 16, hard))
+    try:
+        while True:
+            try:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE, exc
+                break
+        yield
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _closed_at_once(client: socket.socket) -> bool:
+    """The listener closed this connection (EOF or reset), rather than keeping it."""
+    client.settimeout(DEADLINE)
+    try:
+        return client.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_every_episode_without_descriptors_refuses_and_counts_the_waiting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Out of descriptors, the listener spends its spare one to close the waiting
+    connections at once and counts them, then takes the spare back: so a second
+    episode is refused and counted the same (without it, one would be served on the
+    spare's descriptor and the next would wait in the backlog)."""
+    caplog.set_level(logging.WARNING, logger="omni_sidecar.edge.listener")
+    (sock,) = bind("127.0.0.1", 0)
+    address = sock.getsockname()
+    refused: list[tuple[str, int]] = []
+    listener = Listener([sock], Echo, lambda reason, count: refused.append((reason, count)))
+    clients = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(3)]
+
+    def total() -> int:
+        return sum(count for _, count in refused)
+
+    try:
+        with descriptors_used_up():
+            clients[0].connect(address)
+            await wait_until(lambda: total() == 1, what="the first connection refused")
+            clients[1].connect(address)
+            clients[2].connect(address)
+            await wait_until(lambda: total() == 3, what="both later connections refused")
+        assert all(_closed_at_once(client) for client in clients)
+    finally:
+        listener.close()
+        for client in clients:
+            client.close()
+    assert {reason for reason, _ in refused} == {FD_LIMIT}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "EMFILE" in lines[0], lines

@@ -339,6 +339,40 @@ async def test_overflow_closes_with_1008_after_the_failure_sequence(
     assert s.relay.side.writer.close_code_sent == 1008
 
 
+async def test_a_shed_marked_inside_a_drain_sends_each_engine_command_once(
+    session_factory: Any,
+) -> None:
+    """The registry marks the largest session from inside that session's drain (the
+    observer's ``update_pending``): the engine gets what that drain carried, then the
+    shed's ``response.cancel`` and ``session.close``, each once (docs/design.md,
+    Process-wide output cap)."""
+    s = await session_factory()
+    s.protocol.pause()  # the client reads nothing: output pends
+    relay = s.relay
+    marked: list[Drain] = []
+
+    def after_drain(out: Drain) -> None:
+        if out.to_upstream and not marked:
+            marked.append(out)
+            relay.shed()  # what SessionRegistry._shed_largest does, mid-drain
+
+    s.upstream.feed(response_created("r1"))
+    for i in range(3):
+        s.upstream.feed(audio("r1", seq=i))
+    await wait_until(lambda: s.core.pending_events == 4, what="the engine's events pend")
+    s.observer.after_drain = after_drain  # type: ignore[method-assign]
+    append = '{"type":"input_audio_buffer.append","audio":"AAAA"}'
+    s.client.send(aiohttp.WSMsgType.TEXT, append)  # its drain carries the append upstream
+    await wait_until(lambda: len(s.upstream.sent) >= 3, what="the shed reached the engine")
+    s.protocol.resume()
+    await s.finished()
+    assert marked, "the shed was marked inside a drain"
+    sent = [json.loads(text)["type"] for text in s.upstream.sent]
+    assert sent == ["input_audio_buffer.append", "response.cancel", "session.close"]
+    assert s.types()[-3:] == ["error", "response.done", "session.closed"]
+    assert relay.side.writer.close_code_sent == 1008
+
+
 async def test_a_response_failed_by_an_engine_frame_is_cancelled_upstream_in_the_same_call(
     session_factory: Any,
 ) -> None:
