@@ -471,7 +471,7 @@ class Sidecar:
         # A resume would be refused from now on: a session held for one ends now.
         self.sessions.draining = True
         for relay in list(self.sessions.relays.values()):
-            if relay.detached:
+            if relay.view.held:
                 relay.shutdown()
         await self._drain()
         self.sessions.closing_all = True

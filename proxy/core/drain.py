@@ -100,6 +100,7 @@ class Drain:
     __slots__ = (
         "close_code",
         "deadline",
+        "journal_bytes",
         "pending_bytes",
         "pending_events",
         "report",
@@ -116,4 +117,6 @@ class Drain:
         #: Output still queued after the drain (the registry's process-wide total).
         self.pending_bytes = 0
         self.pending_events = 0
+        #: What the resume journal holds (bytes); counts with the pending output.
+        self.journal_bytes = 0
         self.report: Report | None = None

@@ -3,38 +3,48 @@
 A client whose connection drops resumes with the last ``server_event_seq`` it
 received; what it was written after that (in flight when the connection
 died) is replayed from here, then what the session queued while it was away.
-Only events with a ``server_event_seq`` are kept. Bounded by
-``resume_journal_bytes`` (oldest dropped first) and ``resume_journal_ttl``;
+Only events with a ``server_event_seq`` are kept, and only their frame text:
+the parsed event is rebuilt for a replay, so what the journal counts is what
+it holds (``sys.getsizeof`` of the text plus ``ENTRY_OVERHEAD_BYTES``), not
+the frame's UTF-8 size beside a parsed body several times larger. Bounded by
+``resume_journal_bytes`` (oldest dropped first), by what the session's output
+budget has left beside its queue (``room``), and by ``resume_journal_ttl``;
 the client's ``session.event_ack`` trims it. A cursor older than what was
 dropped cannot be replayed (a gap). Sans-I/O: ``now`` is passed in.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable
+from typing import Final
 
-from proxy.core.buffer import Entry
+__all__ = ["ENTRY_OVERHEAD_BYTES", "ReplayJournal"]
 
-__all__ = ["ReplayJournal"]
+#: What one kept event costs beside its text (bytes): its record (a 4-tuple),
+#: the float and int in it, the deque's slot and a share of the response id
+#: (CPython 3.11, 64-bit; bench/resume_memory.py measures it).
+ENTRY_OVERHEAD_BYTES: Final = 200
 
 
 class ReplayJournal:
-    """Entries written to the client, by their engine ``server_event_seq``.
+    """Frames written to the client, by their engine ``server_event_seq``.
 
     Args:
-        max_bytes: what the kept events may weigh together (their frame sizes).
+        max_bytes: what the kept events may cost together (``resume_journal_bytes``).
         ttl: seconds an event is kept after it was written.
     """
 
-    __slots__ = ("_bytes", "_entries", "_last", "_max_bytes", "_ttl", "dropped_upto")
+    __slots__ = ("_entries", "_last", "_max_bytes", "_ttl", "bytes", "dropped_upto")
 
     def __init__(self, max_bytes: int, ttl: float) -> None:
         self._max_bytes = max_bytes
         self._ttl = ttl
-        #: (seq, written at, entry), oldest first.
-        self._entries: deque[tuple[int, float, Entry]] = deque()
-        self._bytes = 0
+        #: (seq, written at, text, response id of an audio delta), oldest first.
+        self._entries: deque[tuple[int, float, str, str | None]] = deque()
+        #: What the kept events cost (bytes, as ``ENTRY_OVERHEAD_BYTES`` counts).
+        self.bytes = 0
         self._last = 0
         #: The highest seq no longer here (acknowledged, expired or pushed out).
         self.dropped_upto = 0
@@ -42,18 +52,36 @@ class ReplayJournal:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def record(self, seq: int, entry: Entry, now: float) -> None:
-        """``entry`` (with ``server_event_seq`` ``seq``) was written to the client.
+    def record(self, seq: int, text: str, audio_of: str | None, now: float, room: int) -> None:
+        """``text`` (with ``server_event_seq`` ``seq``) was written to the client.
+
+        Args:
+            audio_of: the response an audio delta belongs to (None: not audio,
+                or audio of no response): a replay leaves out audio of a
+                response cancelled since.
+            room: what the session's output budget has left beside its queue;
+                the journal keeps no more than that, nor ``max_bytes``.
 
         A seq not above the last one recorded (a replayed event) is kept once.
         """
         if seq <= self._last:
             return
         self._last = seq
-        self._entries.append((seq, now, entry))
-        self._bytes += entry.event.size
-        while self._bytes > self._max_bytes and self._entries:
+        self._entries.append((seq, now, text, audio_of))
+        self.bytes += sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
+        self.trim(min(self._max_bytes, room))
+
+    def trim(self, limit: int) -> int:
+        """Drop the oldest events until the journal costs at most ``limit``.
+
+        Returns:
+            the bytes freed.
+        """
+        before = self.bytes
+        entries = self._entries
+        while self.bytes > limit and entries:
             self._drop_oldest()
+        return before - self.bytes
 
     def ack(self, seq: int) -> None:
         """The client has everything up to ``seq``."""
@@ -66,8 +94,9 @@ class ReplayJournal:
         while entries and now - entries[0][1] > self._ttl:
             self._drop_oldest()
 
-    def after(self, cursor: int, now: float, keep: Callable[[Entry], bool]) -> list[Entry] | None:
-        """What was written after ``cursor``, oldest first, for which ``keep`` holds.
+    def after(self, cursor: int, now: float, keep: Callable[[str], bool]) -> list[str] | None:
+        """The frames written after ``cursor``, oldest first, but audio for which
+        ``keep(response id)`` is False.
 
         Returns:
             None when something after ``cursor`` is no longer kept (a gap).
@@ -75,9 +104,13 @@ class ReplayJournal:
         self.expire(now)
         if cursor < self.dropped_upto:
             return None
-        return [entry for seq, _, entry in self._entries if seq > cursor and keep(entry)]
+        return [
+            text
+            for seq, _, text, audio_of in self._entries
+            if seq > cursor and (audio_of is None or keep(audio_of))
+        ]
 
     def _drop_oldest(self) -> None:
-        seq, _, entry = self._entries.popleft()
-        self._bytes -= entry.event.size
+        seq, _, text, _ = self._entries.popleft()
+        self.bytes -= sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
         self.dropped_upto = max(self.dropped_upto, seq)

@@ -23,6 +23,7 @@ __all__ = [
     "resume_refused",
     "session_close",
     "session_closed",
+    "session_replaced",
     "session_resumed",
     "session_resync_required",
     "with_resume_token",
@@ -137,6 +138,19 @@ def session_resumed(
     if session is not None:
         body["session"] = session
     return _event(body)
+
+
+def session_replaced(event_id: str, session_id: str | None, generation: int) -> UpstreamEvent:
+    """``session.replaced``: a resume on another connection took the session from
+    this one (``generation``: this connection's attachment generation)."""
+    return _event(
+        {
+            "type": "session.replaced",
+            "event_id": event_id,
+            "session_id": session_id,
+            "attachment_generation": generation,
+        }
+    )
 
 
 def session_resync_required(event_id: str, session_id: str | None, reason: str) -> UpstreamEvent:

@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from proxy.core.buffer import Entry
 from proxy.core.journal import ReplayJournal
 from proxy.core.resume_token import ResumeTokens
 
@@ -55,13 +54,14 @@ class ResumeState:
         #: The engine's last ``session`` object (``session.resumed`` repeats it).
         self.session_object: dict[str, Any] | None = None
         self.generation = 0
-        #: When the client dropped (None: attached), and when its grace ends.
+        #: When the client dropped (None: attached, or it ended), and when its
+        #: grace ends: the one home of "held" (``held``).
         self.detached_at: float | None = None
         self.grace_at: float | None = None
         #: What was written, by ``server_event_seq`` (None until the engine offers resume).
         self.journal: ReplayJournal | None = None
-        #: ``session.resumed`` and the replay, written before anything queued.
-        self.replay: deque[Entry] = deque()
+        #: ``session.resumed`` and the replayed frames' text, written before anything queued.
+        self.replay: deque[str] = deque()
         #: Events replayed and graces that ran out, not yet reported.
         self.replayed = 0
         self.expired = False
@@ -117,6 +117,15 @@ class ResumeState:
         verified = self._tokens.engine_resume(body, self.key_id)
         return None if verified is None else verified.text
 
+    @property
+    def held(self) -> bool:
+        """The client dropped and the session waits for a resume."""
+        return self.detached_at is not None
+
+    def release(self) -> None:
+        """No longer held (the session ends, or its client is back)."""
+        self.detached_at = self.grace_at = None
+
     def detach(self, now: float) -> None:
         """The client dropped: held until ``now`` + grace."""
         self.detached_at = now
@@ -127,7 +136,7 @@ class ResumeState:
         """The grace ran out at ``now``: the session is no longer held."""
         if self.grace_at is None or now < self.grace_at:
             return False
-        self.grace_at = self.detached_at = None
+        self.release()
         self.expired = True
         return True
 
@@ -156,15 +165,17 @@ class ResumeState:
         cursor: int,
         now: float,
         token: str,
-        keep: Callable[[Entry], bool],
-        resumed: Callable[[int], Entry],
+        keep: Callable[[str], bool],
+        resumed: Callable[[int], str],
     ) -> bool:
         """A client resumed: the replay is ``resumed(generation)``, then what it missed.
 
         Args:
             cursor: the last ``server_event_seq`` the client received.
             token: the token its next resume will need.
-            keep: whether a journal entry is still worth replaying.
+            keep: whether audio of this response is still worth replaying
+                (False once it was cancelled).
+            resumed: the ``session.resumed`` text for an attachment generation.
 
         Returns:
             False when what was written after ``cursor`` is no longer kept
@@ -174,7 +185,7 @@ class ResumeState:
         missed = journal.after(cursor, now, keep) if journal is not None else []
         if missed is None:
             return False
-        self.detached_at = self.grace_at = None
+        self.release()
         self.generation += 1
         self._issued += 1
         self._token_digest = _digest(token)

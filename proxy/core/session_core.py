@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Final, NamedTuple
 
 from proxy.core import notices
-from proxy.core.buffer import Entry, Offer
+from proxy.core.buffer import Offer
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.client_limits import ClientLimits
 from proxy.core.events import (
@@ -427,6 +427,8 @@ class SessionCore(SessionOutput):
         if offer.accepted:
             if kind is EventKind.RESPONSE_DONE and rid is not None:
                 self.ledger.on_done_received(rid)
+            if self.resume.journal is not None:
+                self._journal_gives_way()
         elif offer is Offer.REJECTED_FULL:
             self._overflow(event, now)
         return event
@@ -494,13 +496,10 @@ class SessionCore(SessionOutput):
         """
         resume = self.resume
         if self.state is SessionState.CLOSED:
+            resume.release()
             return False
-        if (
-            not dropped
-            or not resume.resumable
-            or self.client_close_requested
-            or resume.detached_at is not None
-        ):
+        if not dropped or not resume.resumable or self.client_close_requested or resume.held:
+            resume.release()  # held and ended meanwhile (shutdown, replaced): nobody to tell
             self.client_gone()
             return False
         resume.detach(now)
@@ -523,7 +522,7 @@ class SessionCore(SessionOutput):
         """
         resume = self.resume
 
-        def resumed(generation: int) -> Entry:
+        def resumed(generation: int) -> str:
             notice = notices.session_resumed(
                 self._new_id(),
                 self.session_id,
@@ -531,9 +530,19 @@ class SessionCore(SessionOutput):
                 generation=generation,
                 resume_token=token,
             )
-            return Entry(notice, now)
+            return notice.text
 
         if not resume.reattach(cursor, now, token, self._still_audible, resumed):
             return False
         self.telemetry.news = True
         return True
+
+    def resync_notice(self) -> str:
+        """``session.resync_required`` {journal_gap}: for a resume ``reattach`` refused."""
+        return notices.session_resync_required(self._new_id(), self.session_id, "journal_gap").text
+
+    def replaced_notice(self) -> str:
+        """``session.replaced``: for the connection a resume took the session from
+        (its attachment generation, the one before the current)."""
+        generation = self.resume.generation - 1
+        return notices.session_replaced(self._new_id(), self.session_id, generation).text

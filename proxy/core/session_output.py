@@ -15,7 +15,7 @@ from typing import Any, Final
 from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING, Drain, Report
-from proxy.core.events import EventKind
+from proxy.core.events import EventKind, classify_upstream
 from proxy.core.lifecycle import SessionEvent, SessionLifecycle, SessionState, next_state
 from proxy.core.playback import PlaybackLedger
 from proxy.core.response_requests import ResponseRequests
@@ -113,6 +113,7 @@ class SessionOutput(SessionLifecycle):
         out.deadline = deadline
         out.pending_bytes = buffer.pending_bytes
         out.pending_events = buffer.pending_events
+        out.journal_bytes = self.journal_bytes
         out.report = self._report() if self.telemetry.news or self.playback.news else None
         return out
 
@@ -126,8 +127,9 @@ class SessionOutput(SessionLifecycle):
         taken: list[Entry] = []
         size = 0
         replay = self.resume.replay
-        while replay and (not taken or size + replay[0].event.size <= room):
-            again = replay.popleft()  # written before, or the resumed notice: no budget
+        while replay and (not taken or size + len(replay[0]) <= room):
+            # Written before, or the resumed notice: no budget; parsed again only now.
+            again = Entry(classify_upstream(replay.popleft()), now)
             taken.append(again)
             size += again.event.size
         while size < room and (buffer.pending_events or buffer.closure_pending):
@@ -167,11 +169,12 @@ class SessionOutput(SessionLifecycle):
         silence = self._silence
         asked_at = self._asked_at
         journal = self.resume.journal
+        room = self.settings.buffer.max_pending_output_bytes - self.buffer.pending_bytes
         for entry in entries:
             event = entry.event
             rid = event.response_id
             if journal is not None and event.seq is not None:
-                journal.record(event.seq, entry, now)
+                journal.record(event.seq, event.text, rid if event.is_audio else None, now, room)
             if entry.closure:
                 self.state = next_state(self.state, SessionEvent.CLOSURE_DELIVERED)
                 continue
@@ -244,13 +247,30 @@ class SessionOutput(SessionLifecycle):
             when += interval * ACK_RIDE_WAIT
         self._ack_at = when
 
-    def _still_audible(self, entry: Entry) -> bool:
+    def _still_audible(self, response_id: str) -> bool:
         """Replay keeps every event but audio of a response cancelled since."""
-        event = entry.event
-        rid = event.response_id
-        return not (
-            event.is_audio and rid is not None and self.ledger.cancelled_at(rid) is not None
-        )
+        return self.ledger.cancelled_at(response_id) is None
+
+    def _journal_gives_way(self) -> None:
+        """The journal and the queue share the session's output budget; the queue
+        comes first (docs/design.md, Resume): the journal's oldest go."""
+        journal = self.resume.journal
+        if journal is not None and journal.bytes:
+            room = self.settings.buffer.max_pending_output_bytes - self.buffer.pending_bytes
+            if journal.bytes > room:
+                journal.trim(room)
+
+    def trim_journal(self, excess: int) -> int:
+        """Free ``excess`` bytes of the resume journal, oldest first (the process's
+        output cap is passed); a resume from before them gets ``session.resync_required``.
+
+        Returns:
+            the bytes freed.
+        """
+        journal = self.resume.journal
+        if journal is None:
+            return 0
+        return journal.trim(max(0, journal.bytes - excess))
 
     # -- reports ----------------------------------------------------------------------------------
 
@@ -317,8 +337,17 @@ class SessionOutput(SessionLifecycle):
         )
 
     @property
+    def journal_bytes(self) -> int:
+        journal = self.resume.journal
+        return 0 if journal is None else journal.bytes
+
+    @property
     def resumable(self) -> bool:
         return self.resume.resumable
+
+    @property
+    def held(self) -> bool:
+        return self.resume.held
 
     @property
     def detached_at(self) -> float | None:

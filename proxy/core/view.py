@@ -78,6 +78,14 @@ class SessionView(Protocol):
         """The engine offers resume and the sidecar holds the session when its client drops."""
 
     @property
+    def journal_bytes(self) -> int:
+        """What the resume journal holds (bytes), inside the session's output budget."""
+
+    @property
+    def held(self) -> bool:
+        """The client dropped and the session waits for a resume (the one home of the fact)."""
+
+    @property
     def detached_at(self) -> float | None:
         """When the client dropped while the session is held for a resume (None: attached)."""
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
-import orjson
 
 from metrics import SidecarMetrics
 from proxy.core import notices
@@ -134,13 +133,8 @@ async def resume_held(
     previous = relay.side
     side.follow(previous)
     if not relay.attach(side, request.cursor):
+        # attach told it session.resync_required (or the session ended meanwhile).
         metrics.resumes.labels("resync_required").inc()
-        notice = {
-            "type": "session.resync_required",
-            "session_id": request.session_id,
-            "reason": "journal_gap",
-        }
-        side.writer.send_text(orjson.dumps(notice).decode())
         await _refuse(side.client, None)
         return True
     metrics.resumes.labels("resumed").inc()

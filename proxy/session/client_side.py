@@ -13,8 +13,6 @@ import contextlib
 import time
 from typing import Any
 
-import orjson
-
 from proxy.session.client_reader import ClientFrames, ClientReader, ClientSocket, TextPush
 from proxy.session.tasks import cancel_and_wait, first_set
 from proxy.session.timers import Scheduler
@@ -120,16 +118,12 @@ class ClientSide:
         if not self.ended.is_set() and not self.client.closed:
             writer.abort()
 
-    def supersede(self, session_id: str | None, generation: int) -> None:
-        """Another connection resumed the session: tell this one, and drop it."""
+    def supersede(self, notice: str) -> None:
+        """Another connection resumed the session: tell this one (``notice``: its
+        ``session.replaced``, proxy/core/notices.py), and drop it."""
         self.replaced = True
-        notice = {
-            "type": "session.replaced",
-            "session_id": session_id,
-            "attachment_generation": generation,
-        }
         writer = self.writer
         if writer.room():
-            writer.send_text(orjson.dumps(notice).decode())
+            writer.send_text(notice)
         writer.close(1000, b"session_replaced")
         writer.close_transport()

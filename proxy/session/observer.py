@@ -90,7 +90,9 @@ class Registry(Protocol):
     @property
     def capabilities(self) -> _Capabilities: ...
 
-    def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None: ...
+    def update_pending(
+        self, key: str, pending_bytes: int, pending_events: int, journal_bytes: int = 0
+    ) -> None: ...
 
 
 class RelayObserver(Protocol):
@@ -198,7 +200,8 @@ class SessionObserver:
         m = registry.metrics
         self._m = m
         self._delay = m.output_queue_delay
-        self._last_pending = (0, 0)
+        #: (pending bytes, pending events, journal bytes) as last told to the registry.
+        self._last_pending = (0, 0, 0)
         self.c2u_control = self.c2u_audio = self.c2u_invalid = self.c2u_bytes = 0
         self.u2c_audio = self.u2c_control = self.u2c_error = self.u2c_invalid = 0
         self.u2c_bytes = 0
@@ -310,13 +313,24 @@ class SessionObserver:
         if view is None:
             return
         last = self._last_pending
-        if out.pending_bytes != last[0] or out.pending_events != last[1]:
-            self._last_pending = (out.pending_bytes, out.pending_events)
-            self._registry.update_pending(self._key, out.pending_bytes, out.pending_events)
+        if (
+            out.pending_bytes != last[0]
+            or out.pending_events != last[1]
+            or out.journal_bytes != last[2]
+        ):
+            self._last_pending = (out.pending_bytes, out.pending_events, out.journal_bytes)
+            self._registry.update_pending(
+                self._key, out.pending_bytes, out.pending_events, out.journal_bytes
+            )
         if out.report is not None:
             self._export(out.report)
         if view.state is not self._state_seen or view.session_id is not self._session_id_seen:
             self._note_lifecycle(view)
+
+    def pending_changed(self) -> None:
+        """The registry changed this session's figures itself (it trimmed its journal):
+        the next drain reports them again."""
+        self._last_pending = (-1, -1, -1)
 
     def note(self, kind: str, detail: str = "") -> None:
         """Add a lifecycle event (kind is ours; detail may carry peer strings)."""

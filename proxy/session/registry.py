@@ -43,11 +43,11 @@ class Relay(Protocol):
     upstream: UpstreamLink
     side: ClientSide
     timers: SessionTimers
-    #: The client dropped and the session is held for a resume.
-    detached: bool
     log: logging.LoggerAdapter[logging.Logger]
 
     def shed(self) -> None: ...
+
+    def trim_journal(self, excess: int) -> int: ...
 
     def attach(self, side: ClientSide, cursor: int) -> bool: ...
 
@@ -124,10 +124,13 @@ class SessionRegistry:
         self._observers: dict[str, SessionObserver] = {}
         self._pending_bytes: dict[str, int] = {}
         self._pending_events: dict[str, int] = {}
+        self._journal_bytes: dict[str, int] = {}
         self.total_pending_bytes = 0
         self.total_pending_events = 0
         #: Sessions marked to shed whose relay has not applied it yet (its next loop step).
         self._shedding: set[str] = set()
+        #: What the sessions' resume journals hold (bytes): inside the cap with the pending output.
+        self.total_journal_bytes = 0
         #: Final views of ended sessions, newest last (see RECENT_CLOSED_SESSIONS).
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CLOSED_SESSIONS)
         #: Responses cancelled, all sessions, since start (the console's total).
@@ -159,6 +162,7 @@ class SessionRegistry:
         self._key_ids[relay.key] = key_id
         self._pending_bytes[relay.key] = 0
         self._pending_events[relay.key] = 0
+        self._journal_bytes[relay.key] = 0
         self.metrics.sessions_active.set(len(self.relays))
 
     def remove(self, relay: Relay) -> None:
@@ -170,6 +174,7 @@ class SessionRegistry:
         self._shedding.discard(relay.key)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
         self.total_pending_events -= self._pending_events.pop(relay.key, 0)
+        self.total_journal_bytes -= self._journal_bytes.pop(relay.key, 0)
         self.metrics.sessions_active.set(len(self.relays))
         if not self.relays and self._empty is not None:
             self._empty.set()
@@ -212,7 +217,7 @@ class SessionRegistry:
 
     def detached(self) -> int:
         """Sessions held for a resume now."""
-        return sum(1 for relay in self.relays.values() if relay.view.detached_at is not None)
+        return sum(1 for relay in self.relays.values() if relay.view.held)
 
     def begin_resume_wait(self, key_id: str) -> bool:
         """A connection of ``key_id`` may read its first message before taking any slot:
@@ -220,7 +225,7 @@ class SessionRegistry:
         held = sum(
             1
             for key, relay in self.relays.items()
-            if relay.view.detached_at is not None
+            if relay.view.held
             and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
         )
         waiting = self._resume_waits.get(key_id, 0)
@@ -271,8 +276,12 @@ class SessionRegistry:
             u2c_bytes += d
         return c2u_events, c2u_bytes, u2c_events, u2c_bytes
 
-    def update_pending(self, key: str, pending_bytes: int, pending_events: int) -> None:
-        """Record a session's current buffer size; mark the largest to shed if over the cap.
+    def update_pending(
+        self, key: str, pending_bytes: int, pending_events: int, journal_bytes: int = 0
+    ) -> None:
+        """Record a session's current buffer and resume journal sizes; over the cap,
+        free journals (largest first; pure core state, no output), then mark the
+        largest session to shed if still over.
 
         Called from inside a session's drain: the shed is only marked here
         (``Relay.shed`` schedules it), never applied in this call.
@@ -281,13 +290,32 @@ class SessionRegistry:
             return
         self.total_pending_bytes += pending_bytes - self._pending_bytes[key]
         self.total_pending_events += pending_events - self._pending_events[key]
+        self.total_journal_bytes += journal_bytes - self._journal_bytes[key]
         self._pending_bytes[key] = pending_bytes
         self._pending_events[key] = pending_events
-        if self.max_total and self.total_pending_bytes > self.max_total:
-            self._shed_largest()
+        self._journal_bytes[key] = journal_bytes
+        if self.max_total and self.total_pending_bytes + self.total_journal_bytes > self.max_total:
+            self._trim_journals()
+            if self.total_pending_bytes + self.total_journal_bytes > self.max_total:
+                self._shed_largest()
+
+    def _trim_journals(self) -> None:
+        """A journal is only kept for a resume that may never come: it gives way to
+        output before any session is shed (docs/design.md, Memory)."""
+        journals = self._journal_bytes
+        for key in sorted(journals, key=journals.__getitem__, reverse=True):
+            excess = self.total_pending_bytes + self.total_journal_bytes - self.max_total
+            if excess <= 0 or not journals[key]:
+                return
+            freed = self.relays[key].trim_journal(excess)
+            journals[key] -= freed
+            self.total_journal_bytes -= freed
+            observer = self._observers.get(key)
+            if observer is not None:
+                observer.pending_changed()
 
     def _shed_largest(self) -> None:
-        total = self.total_pending_bytes
+        total = self.total_pending_bytes + self.total_journal_bytes
         if self._shedding:
             # A marked session's shed frees its output at its relay's next step:
             # until then its bytes do not make a second session the largest.

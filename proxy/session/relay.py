@@ -87,8 +87,9 @@ class Relay:
         self.started_at = self.timers.started_at
         self._wake, self._attached = asyncio.Event(), asyncio.Event()
         #: Flags: upstream ping due, flush at the end of the tick, the last drain took events,
-        #: held for a resume, shutdown began (a drop now is not held), engine link's run over.
-        self._ping_upstream = self._flush_soon = self._took = self.detached = False
+        #: shutdown began (a drop now is not held), engine link's run over. Whether the
+        #: session is held for a resume is the core's (``view.held``).
+        self._ping_upstream = self._flush_soon = self._took = False
         self._shutting_down = self._upstream_ended = False
         #: The core deadline the timer is armed for (None: not armed).
         self._deadline: float | None = None
@@ -111,7 +112,7 @@ class Relay:
             side.start(self, tg, f"{self.key}:client")
             await self._deliver(side)
             await side.reader_verdict(self._scheduler, self.limits.close_timeout)
-            if not (side.replaced or self.detached):  # a dropped one is left be
+            if not (side.replaced or self.core.held):  # a dropped one is left be
                 await side.close(*self.core.close_frame(), self.limits.close_timeout)
             side.done.set()
             if self.side is side and not await self._held():
@@ -150,6 +151,11 @@ class Relay:
         never runs a drain of this session from inside its own call.
         """
         self._call_soon(lambda: self._order(EndReason.QUOTA_EXCEEDED, message))
+
+    def trim_journal(self, excess: int) -> int:
+        """The process's output cap is passed: free ``excess`` bytes of the resume
+        journal (oldest first) before any session is shed; returns the bytes freed."""
+        return self.core.trim_journal(excess)
 
     def shed(self) -> None:
         """Process-wide pending cap exceeded and this is the largest session.
@@ -280,21 +286,23 @@ class Relay:
         dropped = not (side.reader.closed_cleanly or self._shutting_down)
         dropped = dropped and self._observer.may_hold()
         if not side.replaced and self.core.client_ended(now, dropped=dropped):
-            self.detached = True
             self.log.info("client dropped; held for a resume")
         self._send(self._after(now))
 
     def attach(self, side: ClientSide, cursor: int) -> bool:
         """A ``session.resume`` on ``side``: replay what it missed and go on there;
-        False when what came after ``cursor`` is no longer kept (nothing changes)."""
+        False when what came after ``cursor`` is no longer kept: ``side`` is told
+        ``session.resync_required`` and nothing else changes."""
         core = self.core
         now = self._clock()
         token = core.next_resume_token()
+        held = core.held
         if core.state is _CLOSED or not core.reattach(cursor, now, token=token):
+            if core.state is not _CLOSED:
+                side.writer.send_text(core.resync_notice())
             return False
-        if not self.detached:  # the old connection still looks alive: superseded
-            self.side.supersede(core.session_id, core.generation - 1)
-        self.detached = False
+        if not held:  # the old connection still looks alive: superseded
+            self.side.supersede(core.replaced_notice())
         self.side = side
         self.timers.last_client_frame = self.timers.last_client_event = now
         self._attached.set()
@@ -345,7 +353,8 @@ class Relay:
         """Do what the core's drain says (``deferred``: write at the tick's end)."""
         core = self.core
         writer = self.side.writer
-        room = 0 if deferred or self.detached else writer.room()
+        held = core.held
+        room = 0 if deferred or held else writer.room()
         out = core.drain(now, room)
         entries = out.to_client
         deadline = out.deadline
@@ -365,7 +374,7 @@ class Relay:
             # A bounded time to deliver the last events, also to a client that stopped reading.
             self.timers.arm_close_deadline(engine_lost=core.outcome is Outcome.ENGINE_UNAVAILABLE)
             self._wake.set()
-        elif out.pending_events and not deferred and not self.detached and (self._took or not room):
+        elif out.pending_events and not deferred and not held and (self._took or not room):
             # More than one room's worth, or a client not writable: delivery goes on.
             self._wake.set()
         return NOTHING if self._upstream_ended else out.to_upstream
@@ -381,7 +390,7 @@ class Relay:
         """Write to ``side`` while it is the session's connection and writable."""
         core = self.core
         writer = side.writer
-        while side is self.side and not self.detached:
+        while side is self.side and not core.held:
             await self._ping_if_due()
             if core.state is _CLOSED or writer.gone or writer.close_sent:
                 break
@@ -404,16 +413,15 @@ class Relay:
 
     async def _held(self) -> bool:
         """While the session is held for a resume: True once another connection attached."""
-        side = self.side
-        while self.detached and self.core.state is _OPEN:
+        side, core = self.side, self.core
+        while core.held and core.state is _OPEN:
             await self._ping_if_due()
             self._wake.clear()
             self._attached.clear()
-            if self.detached and self.core.state is _OPEN:
+            if core.held and core.state is _OPEN:
                 await first_set(self._wake, self._attached)
-        if self.detached:  # it ended while held (shutdown, replaced): nobody to tell
-            self.detached = False
-            self.core.client_ended(self._clock(), dropped=False)
+        if core.held:  # it ended while held (shutdown, replaced): nobody to tell
+            core.client_ended(self._clock(), dropped=False)
         return self.side is not side
 
     async def _ping_if_due(self) -> None:

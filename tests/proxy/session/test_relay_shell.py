@@ -780,7 +780,7 @@ async def test_a_drop_the_writer_sees_before_the_reader_is_still_held_for_a_resu
     await s.settle()
     assert s.core.state is SessionState.OPEN, "ended on the writer's word"
     s.client.lose()
-    await wait_until(lambda: s.relay.detached, what="held for a resume")
+    await wait_until(lambda: s.relay.view.held, what="held for a resume")
     assert s.core.state is SessionState.OPEN
     assert s.core.resume.detached_at is not None
 
