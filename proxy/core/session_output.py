@@ -88,11 +88,17 @@ class SessionOutput(SessionLifecycle):
         Args:
             room: bytes the client transport may take now; events are taken
                 while they fit (one event larger than the room goes alone);
-                0 takes none (the client is not writable).
+                0 takes none (the client is not writable). A session held
+                for a resume takes none either (it has no client).
         """
         out = self._out
         buffer = self.buffer
-        if room > 0 and (buffer.pending_events or buffer.closure_pending or self.resume.replay):
+        resume = self.resume
+        if (
+            room > 0
+            and resume.detached_at is None  # held: no client to write to
+            and (buffer.pending_events or buffer.closure_pending or resume.replay)
+        ):
             entries = self._take(now, room)
             out.to_client = entries
             out.close_code = self.close_code if entries and entries[-1].closure else None
@@ -107,7 +113,7 @@ class SessionOutput(SessionLifecycle):
         paced = self._paced_until
         if paced is not None and (deadline is None or paced < deadline):
             deadline = paced
-        grace = self.resume.grace_at
+        grace = resume.grace_at
         if grace is not None and (deadline is None or grace < deadline):
             deadline = grace
         out.deadline = deadline

@@ -354,7 +354,7 @@ class Relay:
         core = self.core
         writer = self.side.writer
         held = core.held
-        room = 0 if deferred or held else writer.room()
+        room = 0 if deferred else writer.room()  # held: the core takes none
         out = core.drain(now, room)
         entries = out.to_client
         deadline = out.deadline

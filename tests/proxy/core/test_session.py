@@ -1332,3 +1332,259 @@ class TestTombstoneExpiry:
         p.deliver()
         assert p.core.ledger.tombstoned() == []
         assert p.core.ledger.statistics().expirations == 1
+
+
+# ================================================================================
+# Resume (docs/design.md, Resume): held, journal, replay, tokens, takeover, bounds
+# ================================================================================
+
+GRACE = 30.0
+
+
+class Resumable:
+    """A SessionPair whose engine offers resume and numbers its events (``server_event_seq``)."""
+
+    def __init__(self, *, journal_bytes: int = 1 << 20, **kwargs: Any) -> None:
+        settings = dataclasses.replace(
+            make_settings(**kwargs),
+            client_resume_grace=GRACE,
+            resume_journal_bytes=journal_bytes,
+            resume_journal_ttl=60.0,
+        )
+        self.p = SessionPair(settings=settings)
+        self.seq = 0
+        created = {
+            "type": "session.created",
+            "event_id": "event_sc",
+            "session": {"id": "duplex-1", "capabilities": {"supports_session_resume": True}},
+            "resume_token": "engine-token",
+        }
+        self.engine(h.dumps(created))
+        self.p.deliver()
+
+    def engine(self, *frames: str) -> list[int]:
+        """Engine frames, each numbered; returns their seqs."""
+        seqs = []
+        for frame in frames:
+            self.seq += 1
+            body = json.loads(frame)
+            body["server_event_seq"] = self.seq
+            self.p.upstream(h.dumps(body))
+            seqs.append(self.seq)
+        return seqs
+
+    def drop(self) -> bool:
+        return self.p.core.client_ended(self.p.now, dropped=True)
+
+    def resume(self, cursor: int, nonce: str = "n1") -> tuple[bool, list[Delivered]]:
+        core = self.p.core
+        if not core.reattach(cursor, self.p.now, token=core.next_resume_token(nonce)):
+            return False, []
+        return True, self.p.deliver(1000)
+
+
+def seqs_of(out: list[Delivered]) -> list[int]:
+    return [d.body["server_event_seq"] for d in out if "server_event_seq" in d.body]
+
+
+class TestResumeHeld:
+    def test_a_drop_is_held_with_the_grace_as_its_deadline_without_playback_acks(self) -> None:
+        r = Resumable()
+        assert not r.p.core.playback.acking
+        r.p.tick(5.0)
+        assert r.drop()
+        assert r.p.core.held
+        assert r.p.core.drain(r.p.now, 0).deadline == 5.0 + GRACE
+        assert r.p.core.next_deadline() == 5.0 + GRACE
+
+    def test_when_the_grace_runs_out_the_session_ends_as_a_normal_close(self) -> None:
+        r = Resumable()
+        r.drop()
+        r.p.tick(GRACE - 0.01)
+        r.p.timer()
+        assert state(r.p) is SessionState.OPEN
+        r.p.tick(0.01)
+        r.p.timer()
+        assert not r.p.core.held
+        assert state(r.p) is not SessionState.OPEN
+        assert [f["type"] for f in r.p.upstream_sent] == ["session.close"]
+
+    @pytest.mark.parametrize("how", ["close_frame", "session_close", "not_resumable"])
+    def test_a_client_that_meant_to_leave_is_not_held(self, how: str) -> None:
+        r = Resumable() if how != "not_resumable" else None
+        p = r.p if r is not None else pair()
+        if how == "session_close":
+            p.client(h.b_session_close())
+        held = p.core.client_ended(p.now, dropped=how != "close_frame")
+        assert not held
+        assert not p.core.held
+
+
+class TestResumeReplay:
+    def test_the_notice_then_every_seq_after_the_cursor_once_then_live(self) -> None:
+        r = Resumable()
+        r.engine(h.response_created("r1"), *[h.audio("r1", seq=i) for i in range(4)])
+        written = r.p.deliver()
+        cursor = seqs_of(written)[1]  # the client got two; the rest died in flight
+        assert r.drop()
+        queued = r.engine(h.transcript_delta("r1"), h.response_done("r1"))  # while held
+        assert r.p.deliver() == [], "nothing is written while held"
+        resumed, out = r.resume(cursor)
+        assert resumed
+        assert out[0].type == "session.resumed"
+        assert out[0].body["session_id"] == "duplex-1"
+        assert out[0].body["attachment_generation"] == 1
+        assert seqs_of(out) == list(range(cursor + 1, queued[-1] + 1))
+        live = r.engine(h.other("rate_limits.updated"))
+        assert seqs_of(r.p.deliver()) == live
+        assert not r.p.core.held
+
+    def test_a_replay_is_reported_for_the_metric(self) -> None:
+        r = Resumable()
+        r.engine(*[h.transcript_delta("r1", seq=i) for i in range(5)])
+        cursor = seqs_of(r.p.deliver())[0]
+        r.drop()
+        core = r.p.core
+        assert core.reattach(cursor, r.p.now, token=core.next_resume_token("n"))
+        report = core.drain(r.p.now, 0).report
+        assert report is not None
+        assert report.replayed == 5 - 1
+
+    def test_audio_of_a_response_cancelled_after_it_was_journaled_is_not_replayed(self) -> None:
+        r = Resumable()
+        r.engine(h.response_created("r1"), *[h.audio("r1", seq=i) for i in range(3)])
+        cursor = seqs_of(r.p.deliver())[0]  # the client has response.created only
+        r.drop()
+        r.engine(h.response_done("r1", "cancelled"))  # the engine cancels it while held
+        resumed, out = r.resume(cursor)
+        assert resumed
+        assert audio_of(out, "r1") == [], "cancelled audio replayed"
+        assert dones(out) == [("r1", "cancelled")]
+
+    def test_a_replayed_event_is_journaled_once(self) -> None:
+        r = Resumable()
+        r.engine(*[h.transcript_delta("r1", seq=i) for i in range(3)])
+        cursor = seqs_of(r.p.deliver())[0]
+        r.drop()
+        r.resume(cursor)
+        assert r.drop()
+        resumed, out = r.resume(cursor, "n2")
+        assert resumed
+        assert seqs_of(out) == [cursor + 1, cursor + 2]
+
+
+class TestResumeGap:
+    def test_a_cursor_older_than_the_journal_gets_resync_and_stays_held(self) -> None:
+        r = Resumable(journal_bytes=2048)
+        r.engine(*[h.transcript_delta("r1", "x" * 200, seq=i) for i in range(20)])
+        r.p.deliver()
+        r.drop()
+        resumed, out = r.resume(1)
+        assert not resumed
+        assert out == []
+        assert r.p.core.held, "still held: a resume from a later cursor may come"
+        notice = json.loads(r.p.core.resync_notice())
+        assert notice["type"] == "session.resync_required"
+        assert notice["reason"] == "journal_gap"
+        assert notice["session_id"] == "duplex-1"
+        assert r.resume(r.seq)[0], "the newest cursor still resumes"
+
+    def test_an_ack_trims_what_a_resume_could_replay(self) -> None:
+        r = Resumable()
+        r.engine(*[h.transcript_delta("r1", seq=i) for i in range(4)])
+        r.p.deliver()
+        before = r.p.core.journal_bytes
+        ack = r.p.client(h.dumps({"type": "session.event_ack", "server_event_seq": r.seq - 1}))
+        assert ack.forward, "the ack still goes to the engine"
+        assert 0 < r.p.core.journal_bytes < before
+        r.drop()
+        assert not r.resume(r.seq - 2)[0]
+        assert r.resume(r.seq - 1)[0]
+
+
+class TestResumeTokens:
+    def test_rotated_on_every_resume(self) -> None:
+        r = Resumable()
+        r.drop()
+        core = r.p.core
+        token = core.next_resume_token("n1")
+        assert core.reattach(0, r.p.now, token=token)
+        out = r.p.deliver(10)
+        assert out[0].body["resume_token"] == token
+        assert core.resume_token_matches(token)
+        assert not core.resume_token_matches("engine-token"), "a spent token"
+
+    def test_a_takeover_of_a_connection_that_still_looks_alive(self) -> None:
+        """Not held (a half-open connection): the resume takes over; the old one is told."""
+        r = Resumable()
+        assert not r.p.core.held
+        resumed, out = r.resume(r.seq)
+        assert resumed
+        assert out[0].body["attachment_generation"] == 1
+        replaced = json.loads(r.p.core.replaced_notice())
+        assert replaced["type"] == "session.replaced"
+        assert replaced["session_id"] == "duplex-1"
+        assert replaced["attachment_generation"] == 0
+
+
+class TestResumeBounds:
+    def test_the_journal_keeps_no_more_than_resume_journal_bytes(self) -> None:
+        limit = 8 * 1024
+        r = Resumable(journal_bytes=limit)
+        for i in range(100):
+            r.engine(h.audio("r1", 400, seq=i))
+            r.p.deliver()
+            assert 0 < r.p.core.journal_bytes <= limit
+        assert r.p.core.drain(r.p.now, 0).journal_bytes == r.p.core.journal_bytes
+
+    def test_the_journal_gives_way_to_the_queue_inside_the_output_budget(self) -> None:
+        budget = 16 * 1024
+        r = Resumable(journal_bytes=1 << 20, max_bytes=budget)
+        for i in range(40):
+            r.engine(h.audio("r1", 400, seq=i))
+            r.p.deliver()
+        assert r.p.core.journal_bytes <= budget
+        r.drop()
+        for i in range(20):  # queued while held
+            r.engine(h.audio("r1", 400, seq=100 + i))
+            core = r.p.core
+            assert core.pending_bytes + core.journal_bytes <= budget
+        assert state(r.p) is SessionState.OPEN
+
+    def test_the_process_cap_trims_the_journal(self) -> None:
+        r = Resumable()
+        r.engine(*[h.transcript_delta("r1", seq=i) for i in range(10)])
+        r.p.deliver()
+        before = r.p.core.journal_bytes
+        freed = r.p.core.trim_journal(before // 2)
+        assert freed >= before // 2
+        assert r.p.core.journal_bytes == before - freed
+        r.drop()
+        assert not r.resume(1)[0]
+
+    def test_memory_held_for_resume_stays_within_resume_journal_bytes(self) -> None:
+        """Small frames, never acked: what the session keeps for a resume is what the
+        journal counts (tracemalloc), not the frames' size beside parsed bodies."""
+        import gc
+        import tracemalloc
+
+        limit = 128 * 1024
+        r = Resumable(journal_bytes=limit)
+        frames = [h.transcript_delta(f"resp_{i % 7}", "hello", seq=i) for i in range(3000)]
+        r.engine(*frames[:500])  # warm: the ledger's and usage's own sizes settle
+        r.p.deliver()
+        r.p.deliveries.clear()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for frame in frames[500:]:
+                r.engine(frame)
+                r.p.deliver()
+                r.p.deliveries.clear()
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert r.p.core.journal_bytes <= limit
+        assert grown <= limit + 32 * 1024, f"{grown} bytes held for a {limit}-byte journal"
