@@ -90,8 +90,8 @@ class ClientSide:
         alone would end a session a drop should hold. A reader cut off for
         flooding reads nothing more and its session is ending: nothing to wait for.
         """
-        if not self.writer.gone or self.ended.is_set() or self.reader.cut_off:
-            return
+        if self.replaced or not self.writer.gone or self.ended.is_set() or self.reader.cut_off:
+            return  # a superseded connection's end decides nothing: the session moved on
         expired = asyncio.Event()
         timer = scheduler.call_at(scheduler.time() + timeout, expired.set)
         try:

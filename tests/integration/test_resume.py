@@ -103,9 +103,11 @@ async def test_a_dropped_client_resumes_and_gets_every_event_after_its_cursor_on
         upstream=streaming_sim.ws_url, client_resume_grace=GRACE, playback_ack="off"
     )
     async with (
-        _dropped_mid_response(proxy) as (created, cursor, _),
+        _dropped_mid_response(proxy) as (created, received, _),
         connect(_url(proxy)) as client,
     ):
+        # Two events it did receive are claimed missed: at least those two are replayed.
+        cursor = received - 2
         await client.send(_resume(created, cursor))
         resumed = await client.recv()
         assert resumed["type"] == "session.resumed"
@@ -118,7 +120,7 @@ async def test_a_dropped_client_resumes_and_gets_every_event_after_its_cursor_on
         await client.send({"type": "session.close"})
         await client.recv_until_closed()
     assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
-    assert proxy.metric("omni_sidecar_resume_replayed_events_total") >= 0
+    assert proxy.metric("omni_sidecar_resume_replayed_events_total") >= 2
 
 
 async def test_audio_of_a_response_cancelled_before_the_drop_is_not_replayed(
@@ -195,6 +197,9 @@ async def test_a_resume_that_is_not_the_sessions_own_is_refused_with_one_answer(
         assert refusal["error"]["code"] == "session_resume_expired"
         assert refusal["error"]["message"] == "unknown or expired session", "one answer for all"
         assert not [e for e in events if e["type"] in (AUDIO, "session.resumed")]
+        # Refused here (the session is held here), or by the engine (nobody holds it).
+        refused_here = 0 if how == "unknown_session" else 1
+        assert proxy.metric("omni_sidecar_resumes_total", {"result": "refused"}) == refused_here
         # The session's own client can still resume.
         async with connect(_url(proxy), headers=own) as client:
             await client.send(_resume(created, cursor, fresh.get("resume_token")))
@@ -399,3 +404,85 @@ async def test_a_held_session_ends_when_the_sidecar_drains(
         stopped = loop.time() - started
     assert stopped < GRACE / 2, f"the drain waited {stopped:.1f} s for a held session"
     assert await sim_metric(streaming_sim, "vllm_omni_sim_sessions_detached") == 0
+
+
+async def test_a_cursor_older_than_the_journal_gets_resync_required_and_the_session_stays_held(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """``resume_journal_bytes`` smaller than one audio delta: the journal keeps
+    nothing that was written, so a resume from an old cursor cannot be served
+    without a hole: ``session.resync_required`` {journal_gap}, not a silent gap."""
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        resume_journal_bytes=1024,
+        playback_ack="off",
+    )
+    async with _dropped_mid_response(proxy) as (created, cursor, _):
+        async with connect(_url(proxy)) as client:
+            await client.send(_resume(created, 1))
+            notice = await client.recv()
+            await client.recv_until_closed()
+        assert notice["type"] == "session.resync_required", notice
+        assert notice["reason"] == "journal_gap"
+        assert notice["session_id"] == created["session"]["id"]
+        registry = proxy.sidecar.state.registry
+        assert registry.detached() == 1, "still held"
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "resync_required"}) == 1
+
+
+async def test_a_resume_takes_over_a_connection_that_still_looks_alive(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """A half-open connection the sidecar has not noticed: the resume wins, the old
+    connection gets ``session.replaced`` and close 1000, and the new one is served
+    at once (not after the old one's ``close_timeout``)."""
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        playback_ack="off",
+        close_timeout=GRACE,
+    )
+    async with connect(_url(proxy)) as old:
+        created = await _open(old)
+        await _ask(old)
+        await old.recv_until(AUDIO)
+        async with connect(_url(proxy)) as new:
+            await new.send(_resume(created, _cursor(old)))
+            resumed = await new.recv()
+            assert resumed["type"] == "session.resumed"
+            events = await old.recv_until_closed()
+            replaced = [e for e in events if e["type"] == "session.replaced"]
+            assert replaced, [e["type"] for e in events]
+            assert replaced[0]["session_id"] == created["session"]["id"]
+            assert replaced[0]["attachment_generation"] == resumed["attachment_generation"] - 1
+            assert old.close_code == 1000
+
+
+async def test_a_token_this_sidecar_issued_resumes_through_another_sidecar(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """The holder gives a resumed client its own token (the engine's, marked); that
+    client's next drop lands on another sidecar, which passes the resume to the
+    engine: the engine must get its own token, never one with the sidecar's mark
+    (it would refuse it)."""
+    sim = streaming_sim
+    holder = await sidecar(upstream=sim.ws_url, client_resume_grace=GRACE, playback_ack="off")
+    other = await sidecar(upstream=sim.ws_url, client_resume_grace=GRACE, playback_ack="off")
+    async with _dropped_mid_response(holder) as (created, cursor, _):
+        async with connect(_url(holder)) as client:
+            await client.send(_resume(created, cursor))
+            resumed = await client.recv()
+            assert resumed["type"] == "session.resumed"
+            assert resumed["resume_token"] != created["resume_token"], "the sidecar's own"
+            await client.recv_until(AUDIO)
+            cursor = _cursor(client)
+            abort(client.ws)
+        registry = holder.sidecar.state.registry
+        await wait_until(lambda: registry.detached() == 1, what="held again")
+        async with connect(_url(other)) as client:
+            await client.send(_resume(created, cursor, resumed["resume_token"]))
+            answer = await client.recv()
+            assert answer["type"] == "session.resumed", answer
+        await wait_until(lambda: not registry.relays, what="the holder let go")
+    assert other.metric("omni_sidecar_resumes_total", {"result": "passed_upstream"}) == 1
