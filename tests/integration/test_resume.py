@@ -486,3 +486,30 @@ async def test_a_token_this_sidecar_issued_resumes_through_another_sidecar(
             assert answer["type"] == "session.resumed", answer
         await wait_until(lambda: not registry.relays, what="the holder let go")
     assert other.metric("omni_sidecar_resumes_total", {"result": "passed_upstream"}) == 1
+
+
+async def test_a_refusal_after_the_upgrade_for_an_engine_out_of_reach_closes_1014(
+    simulator: Any, sidecar: Any
+) -> None:
+    """A key that holds a session upgrades a newcomer before admitting it; when the
+    engine it is placed on cannot be reached, the in-band refusal is ``error``
+    {upstream_unavailable} and close 1014 (bad gateway), not 1013 (try later)."""
+    from engine_launcher.engine_config import EngineConfig
+
+    args = ("--chunk-ms", "200", "--realtime-factor", "1", "--response-seconds", "2")
+    first, second = await simulator(*args), await simulator(*args)
+    # No health poll before the newcomer: the second replica still counts as ready.
+    engine = EngineConfig(
+        kind="external", upstreams=(first.ws_url, second.ws_url), health_interval=600.0
+    )
+    proxy = await sidecar(engine=engine, client_resume_grace=GRACE, playback_ack="off")
+    await wait_until(lambda: proxy.sidecar.router.states == ["ready", "ready"], what="ready")
+    async with _dropped_mid_response(proxy):  # on the first replica: the next goes to the second
+        second.stop()
+        async with connect(_url(proxy)) as newcomer:
+            await newcomer.send({"type": "session.update", "session": {"modalities": ["audio"]}})
+            refusal = await newcomer.recv()
+            await newcomer.recv_until_closed()
+    assert refusal["type"] == "error"
+    assert refusal["error"]["code"] == "upstream_unavailable"
+    assert newcomer.close_code == 1014

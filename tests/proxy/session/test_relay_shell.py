@@ -785,6 +785,35 @@ async def test_a_drop_the_writer_sees_before_the_reader_is_still_held_for_a_resu
     assert s.core.resume.detached_at is not None
 
 
+async def test_a_held_session_ends_when_its_grace_runs_out_without_playback_acks(
+    session_factory: Any,
+) -> None:
+    """With playback acks off the grace is the only deadline: the relay arms it
+    while held, and the session ends as a normal close when it runs out."""
+    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
+    s = await session_factory(core_settings=settings)
+    assert not s.core.playback.acking
+    created = {
+        "type": "session.created",
+        "event_id": "event_sc",
+        "session": {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}},
+        "resume_token": "engine-token",
+    }
+    s.upstream.feed(json.dumps(created))
+    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
+    s.transport.abort()  # a drop: no close frame
+    await wait_until(lambda: s.relay.view.held, what="held for a resume")
+    s.scheduler.advance(29.999)
+    await s.settle()
+    assert s.relay.view.held
+    s.scheduler.advance(0.001)
+    await wait_until(
+        lambda: any('"session.close"' in frame for frame in s.upstream.sent),
+        what="session.close upstream at the end of the grace",
+    )
+    assert not s.relay.view.held
+
+
 async def test_a_cancelled_session_leaves_no_exception_set_for_the_code_after_it(
     session_factory: Any,
 ) -> None:
