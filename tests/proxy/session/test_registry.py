@@ -1,5 +1,6 @@
 """The registry's process-wide output cap: it marks the largest session to shed,
-once, and never applies the shed itself (docs/design.md, Process-wide output cap)."""
+once, and never applies the shed itself (docs/design.md, Process-wide output cap);
+resume journals count with the pending output and give way first."""
 
 from __future__ import annotations
 
@@ -81,3 +82,45 @@ def test_while_one_shed_waits_a_session_over_the_cap_alone_is_marked_too() -> No
     registry.update_pending("b", 150, 1)  # without a, still over: b, never a again
     assert (a.sheds, b.sheds) == (1, 1)
     assert _process_total(prometheus) == 2
+
+
+# -- resume journals count with the pending output (docs/design.md, Memory) -------------------
+
+
+@dataclass
+class _JournalRelay(_Relay):
+    """A session with a resume journal the registry may trim."""
+
+    journal: int = 0
+
+    def trim_journal(self, excess: int) -> int:
+        freed = min(excess, self.journal)
+        self.journal -= freed
+        return freed
+
+
+def test_journals_count_with_pending_output_and_give_way_before_a_session_is_shed() -> None:
+    registry, _ = _registry(cap=1000)
+    small, large = _JournalRelay("a", journal=300), _JournalRelay("b", journal=500)
+    _add(registry, small, large)
+    registry.update_pending("a", 100, 1, small.journal)
+    registry.update_pending("b", 0, 0, large.journal)
+    assert registry.total_journal_bytes == 800
+    assert (small.journal, large.journal) == (300, 500), "under the cap: nothing trimmed"
+    registry.update_pending("b", 400, 3, large.journal)  # 100 + 400 + 800: 300 over
+    assert large.journal == 200, "the largest journal gives way first"
+    assert small.journal == 300
+    assert registry.total_journal_bytes == 500
+    assert registry.total_pending_bytes + registry.total_journal_bytes <= 1000
+    assert small.sheds == large.sheds == 0, "no session shed for a journal"
+
+
+def test_a_session_is_shed_when_the_journals_are_not_enough() -> None:
+    registry, prometheus = _registry(cap=1000)
+    relay = _JournalRelay("a", journal=100)
+    _add(registry, relay)
+    registry.update_pending("a", 1200, 5, relay.journal)
+    assert relay.journal == 0
+    assert registry.total_journal_bytes == 0
+    assert relay.sheds == 1
+    assert _process_total(prometheus) == 1
