@@ -1,16 +1,11 @@
 """The resume journal: events written to the client, kept for a resume (docs/design.md, Resume).
 
-A client whose connection drops resumes with the last ``server_event_seq`` it
-received; what it was written after that (in flight when the connection
-died) is replayed from here, then what the session queued while it was away.
-Only events with a ``server_event_seq`` are kept, and only their frame text:
-the parsed event is rebuilt for a replay, so what the journal counts is what
-it holds (``sys.getsizeof`` of the text plus ``ENTRY_OVERHEAD_BYTES``), not
-the frame's UTF-8 size beside a parsed body several times larger. Bounded by
-``resume_journal_bytes`` (oldest dropped first), by what the session's output
-budget has left beside its queue (``room``), and by ``resume_journal_ttl``;
-the client's ``session.event_ack`` trims it. A cursor older than what was
-dropped cannot be replayed (a gap). Sans-I/O: ``now`` is passed in.
+Only events with a ``server_event_seq``, and only their frame text (a replay
+parses it again), counted as held: ``sys.getsizeof`` of the text plus
+``ENTRY_OVERHEAD_BYTES``. Bounded by ``resume_journal_bytes``, by the room the
+session's output budget leaves (``room``) and by ``resume_journal_ttl``,
+oldest first; ``session.event_ack`` trims it. A cursor older than what was
+dropped is a gap. Sans-I/O: ``now`` is passed in.
 """
 
 from __future__ import annotations

@@ -225,8 +225,7 @@ class SessionRegistry:
         held = sum(
             1
             for key, relay in self.relays.items()
-            if relay.view.held
-            and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
+            if relay.view.held and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
         )
         waiting = self._resume_waits.get(key_id, 0)
         if waiting >= held:

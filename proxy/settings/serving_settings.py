@@ -447,8 +447,11 @@ class ServingSettings:
     resume_journal_bytes: int = setting(
         2 * MIB,
         help="What a resumable session keeps of the events it wrote to its client, for a "
-        "replay after a drop; the oldest go first, the client's session.event_ack trims it. "
-        "A resume whose cursor is older than what is kept gets session.resync_required.",
+        "replay after a drop, counted as the memory it holds; the oldest go first, the "
+        "client's session.event_ack trims it, and it counts with the session's and the "
+        "process's pending output (max_pending_output_bytes, max_total_pending_output_bytes), "
+        "giving way to them. A resume whose cursor is older than what is kept gets "
+        "session.resync_required.",
         unit="bytes",
         positive=True,
         live=True,

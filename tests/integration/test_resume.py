@@ -418,7 +418,7 @@ async def test_a_cursor_older_than_the_journal_gets_resync_required_and_the_sess
         resume_journal_bytes=1024,
         playback_ack="off",
     )
-    async with _dropped_mid_response(proxy) as (created, cursor, _):
+    async with _dropped_mid_response(proxy) as (created, _, _):
         async with connect(_url(proxy)) as client:
             await client.send(_resume(created, 1))
             notice = await client.recv()

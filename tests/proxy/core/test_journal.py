@@ -127,7 +127,9 @@ class TestBounds:
                 journal.ack(n % (seq + 1))
             else:
                 journal.trim(n)
-            assert journal.bytes == sum(cost(t) for t in journal.after(journal.dropped_upto, 0.0, everything) or [])
+            assert journal.bytes == sum(
+                cost(t) for t in journal.after(journal.dropped_upto, 0.0, everything) or []
+            )
             assert journal.bytes <= 4000
 
 

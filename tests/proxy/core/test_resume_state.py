@@ -150,7 +150,7 @@ class TestReattach:
         assert list(state.replay) == ["resumed 1", texts[1], texts[3], texts[5]]
 
     def test_a_gap_changes_nothing(self) -> None:
-        state, texts = self._journaled(6)
+        state, _ = self._journaled(6)
         assert state.journal is not None
         state.journal.ack(4)
         state.detach(0.0)
@@ -164,7 +164,7 @@ class TestReattach:
         assert state.take_report() == (0, False)
 
     def test_a_client_ack_trims_the_journal(self) -> None:
-        state, texts = self._journaled(4)
+        state, _ = self._journaled(4)
         state.ack({"type": "session.event_ack", "server_event_seq": 3})
         assert state.journal is not None
         assert len(state.journal) == 1
