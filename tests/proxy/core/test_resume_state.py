@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
-from proxy.core.resume_state import TOKEN_MARK, ResumeState, engine_token
+from proxy.core.resume_state import ResumeState
+from proxy.core.resume_token import TOKEN_MARK, ResumeTokens
 
 GRACE = 30.0
 BIG = 1 << 30
+TOKENS = ResumeTokens(b"a test secret of 32 bytes, fixed")
 
 
 def created(token: str | None = "engine-token", *, resume: bool = True) -> dict[str, Any]:
@@ -27,10 +29,21 @@ def created(token: str | None = "engine-token", *, resume: bool = True) -> dict[
     return body
 
 
-def offered(grace: float = GRACE, journal_bytes: int = BIG) -> ResumeState:
-    state = ResumeState(grace, journal_bytes, 60.0)
-    state.on_session(created())
+def state_of(grace: float = GRACE, journal_bytes: int = BIG) -> ResumeState:
+    state = ResumeState(grace, journal_bytes, 60.0, TOKENS)
+    state.key_id = "key-1"
     return state
+
+
+def offered(grace: float = GRACE, journal_bytes: int = BIG) -> ResumeState:
+    state = state_of(grace, journal_bytes)
+    state.on_session(created(), "duplex-1")
+    return state
+
+
+def first_token() -> str:
+    """What the client got in ``session.created`` in place of the engine's token."""
+    return TOKENS.issue("duplex-1", "key-1", "engine-token", 0)
 
 
 def keep_all(_: str) -> bool:
@@ -46,7 +59,8 @@ class TestOffer:
         state = offered()
         assert state.resumable
         assert state.journal is not None
-        assert state.token_matches("engine-token")
+        assert state.token_matches(first_token())
+        assert not state.token_matches("engine-token"), "the engine's own token is never the client's"
 
     @pytest.mark.parametrize(
         ("body", "grace"),
@@ -58,8 +72,8 @@ class TestOffer:
         ],
     )
     def test_not_resumable(self, body: dict[str, Any], grace: float) -> None:
-        state = ResumeState(grace, BIG, 60.0)
-        state.on_session(body)
+        state = state_of(grace)
+        state.on_session(body, "duplex-1")
         assert not state.resumable
         assert state.journal is None
         assert not state.token_matches("")
@@ -67,31 +81,30 @@ class TestOffer:
     def test_a_resumed_engine_session_keeps_its_offer(self) -> None:
         """The engine's ``session.resumed`` carries a token and no capabilities."""
         state = offered()
-        state.on_session({"type": "session.resumed", "resume_token": "engine-2"})
+        token = state.on_session({"type": "session.resumed", "resume_token": "engine-2"}, "duplex-1")
         assert state.resumable
-        assert state.token_matches("engine-2")
+        assert token is not None and token.startswith("engine-2" + TOKEN_MARK)
+        assert state.token_matches(token)
 
 
 class TestToken:
-    def test_the_sidecars_token_is_the_engines_marked(self) -> None:
+    def test_the_sidecars_token_is_the_engines_marked_and_bound(self) -> None:
         state = offered()
-        token = state.next_token("nonce1")
+        token = state.next_token()
         assert token.startswith("engine-token" + TOKEN_MARK)
-        assert engine_token(token) == "engine-token"
-
-    def test_a_marked_token_from_the_engine_loses_the_mark(self) -> None:
-        """A session resumed through the engine with a sidecar's token: the engine's part only."""
-        state = ResumeState(GRACE, BIG, 60.0)
-        state.on_session(created("engine-token" + TOKEN_MARK + "old"))
-        assert engine_token(state.next_token("n")) == "engine-token"
+        assert state.engine_token == "engine-token"
+        parts = TOKENS.verify(token, "duplex-1", "key-1")
+        assert parts is not None
+        assert TOKENS.verify(token, "duplex-1", "key-2") is None, "bound to the key"
 
     def test_rotated_on_every_resume_and_the_spent_one_is_refused(self) -> None:
         state = offered()
-        first = state.next_token("n1")
+        first = state.next_token()
         assert state.reattach(0, 0.0, first, keep_all, resumed)
         assert state.token_matches(first)
-        assert not state.token_matches("engine-token"), "the engine's token is spent"
-        second = state.next_token("n2")
+        assert not state.token_matches(first_token()), "the token of session.created is spent"
+        second = state.next_token()
+        assert second != first
         assert state.reattach(0, 0.0, second, keep_all, resumed)
         assert state.token_matches(second)
         assert not state.token_matches(first), "a spent token"
@@ -114,7 +127,7 @@ class TestHeld:
     def test_a_resume_ends_holding(self) -> None:
         state = offered()
         state.detach(0.0)
-        assert state.reattach(0, 1.0, state.next_token("n"), keep_all, resumed)
+        assert state.reattach(0, 1.0, state.next_token(), keep_all, resumed)
         assert not state.held
         assert state.grace_at is None
         assert not state.grace_over(BIG)
@@ -139,14 +152,14 @@ class TestReattach:
     def test_the_notice_then_what_came_after_the_cursor(self) -> None:
         state, texts = self._journaled(6)
         state.detach(0.0)
-        assert state.reattach(3, 1.0, state.next_token("n"), keep_all, resumed)
+        assert state.reattach(3, 1.0, state.next_token(), keep_all, resumed)
         assert list(state.replay) == ["resumed 1", *texts[3:]]
         assert state.generation == 1
         assert state.take_report() == (3, False)
 
     def test_audio_the_filter_refuses_is_not_replayed(self) -> None:
         state, texts = self._journaled(6)
-        assert state.reattach(0, 1.0, state.next_token("n"), lambda rid: rid != "r1", resumed)
+        assert state.reattach(0, 1.0, state.next_token(), lambda rid: rid != "r1", resumed)
         assert list(state.replay) == ["resumed 1", texts[1], texts[3], texts[5]]
 
     def test_a_gap_changes_nothing(self) -> None:
@@ -154,13 +167,13 @@ class TestReattach:
         assert state.journal is not None
         state.journal.ack(4)
         state.detach(0.0)
-        token = state.next_token("n")
+        token = state.next_token()
         assert not state.reattach(2, 1.0, token, keep_all, resumed)
         assert state.held, "still held for a resume from a later cursor"
         assert state.generation == 0
         assert not state.replay
         assert not state.token_matches(token)
-        assert state.token_matches("engine-token")
+        assert state.token_matches(first_token())
         assert state.take_report() == (0, False)
 
     def test_a_client_ack_trims_the_journal(self) -> None:

@@ -1360,7 +1360,8 @@ class Resumable:
             "resume_token": "engine-token",
         }
         self.engine(h.dumps(created))
-        self.p.deliver()
+        #: The token the client got in session.created (bound, in place of the engine's).
+        self.created_token = self.p.deliver()[0].body["resume_token"]
 
     def engine(self, *frames: str) -> list[int]:
         """Engine frames, each numbered; returns their seqs."""
@@ -1376,9 +1377,9 @@ class Resumable:
     def drop(self) -> bool:
         return self.p.core.client_ended(self.p.now, dropped=True)
 
-    def resume(self, cursor: int, nonce: str = "n1") -> tuple[bool, list[Delivered]]:
+    def resume(self, cursor: int) -> tuple[bool, list[Delivered]]:
         core = self.p.core
-        if not core.reattach(cursor, self.p.now, token=core.next_resume_token(nonce)):
+        if not core.reattach(cursor, self.p.now, token=core.next_resume_token()):
             return False, []
         return True, self.p.deliver(1000)
 
@@ -1445,7 +1446,7 @@ class TestResumeReplay:
         cursor = seqs_of(r.p.deliver())[0]
         r.drop()
         core = r.p.core
-        assert core.reattach(cursor, r.p.now, token=core.next_resume_token("n"))
+        assert core.reattach(cursor, r.p.now, token=core.next_resume_token())
         report = core.drain(r.p.now, 0).report
         assert report is not None
         assert report.replayed == 5 - 1
@@ -1468,7 +1469,7 @@ class TestResumeReplay:
         r.drop()
         r.resume(cursor)
         assert r.drop()
-        resumed, out = r.resume(cursor, "n2")
+        resumed, out = r.resume(cursor)
         assert resumed
         assert seqs_of(out) == [cursor + 1, cursor + 2]
 
@@ -1507,12 +1508,12 @@ class TestResumeTokens:
         r = Resumable()
         r.drop()
         core = r.p.core
-        token = core.next_resume_token("n1")
+        token = core.next_resume_token()
         assert core.reattach(0, r.p.now, token=token)
         out = r.p.deliver(10)
         assert out[0].body["resume_token"] == token
         assert core.resume_token_matches(token)
-        assert not core.resume_token_matches("engine-token"), "a spent token"
+        assert not core.resume_token_matches(r.created_token), "a spent token"
 
     def test_a_takeover_of_a_connection_that_still_looks_alive(self) -> None:
         """Not held (a half-open connection): the resume takes over; the old one is told."""
