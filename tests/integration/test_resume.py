@@ -445,9 +445,15 @@ async def test_a_resume_takes_over_a_connection_that_still_looks_alive(
         await _ask(old)
         await old.recv_until(AUDIO)
         async with connect(_url(proxy)) as new:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             await new.send(_resume(created, _cursor(old)))
             resumed = await new.recv()
             assert resumed["type"] == "session.resumed"
+            await new.send({"type": "session.close"})  # read at once: answered by the engine
+            await new.recv_until("session.closed")
+            waited = loop.time() - started
+            assert waited < GRACE / 2, f"served after {waited:.1f} s (close_timeout {GRACE} s)"
             events = await old.recv_until_closed()
             replaced = [e for e in events if e["type"] == "session.replaced"]
             assert replaced, [e["type"] for e in events]
