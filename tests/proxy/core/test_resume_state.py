@@ -60,7 +60,9 @@ class TestOffer:
         assert state.resumable
         assert state.journal is not None
         assert state.token_matches(first_token())
-        assert not state.token_matches("engine-token"), "the engine's own token is never the client's"
+        assert not state.token_matches("engine-token"), (
+            "the engine's own token is never the client's"
+        )
 
     @pytest.mark.parametrize(
         ("body", "grace"),
@@ -81,7 +83,9 @@ class TestOffer:
     def test_a_resumed_engine_session_keeps_its_offer(self) -> None:
         """The engine's ``session.resumed`` carries a token and no capabilities."""
         state = offered()
-        token = state.on_session({"type": "session.resumed", "resume_token": "engine-2"}, "duplex-1")
+        token = state.on_session(
+            {"type": "session.resumed", "resume_token": "engine-2"}, "duplex-1"
+        )
         assert state.resumable
         assert token is not None and token.startswith("engine-2" + TOKEN_MARK)
         assert state.token_matches(token)
