@@ -332,10 +332,11 @@ class SessionCore(SessionOutput):
     def receive_upstream(self, text: str, now: float) -> UpstreamEvent:
         """Take an engine frame: filter, queue, or apply the overflow policy.
 
-        Never blocks and never raises. Returns the classified event (the
-        shell counts it and sees, e.g., the engine's ``session.closed``).
+        Never blocks and never raises. Returns the classified event as the engine
+        sent it (the shell counts it and sees, e.g., the engine's ``session.closed``),
+        also when what is queued for the client is the sidecar's rewrite of it.
         """
-        event = classify_upstream(text)
+        received = event = classify_upstream(text)
         kind = event.kind
         if kind is EventKind.MALFORMED:
             self.telemetry.count_drop(DropReason.INVALID_UPSTREAM_FRAME, event.size)
@@ -397,13 +398,13 @@ class SessionCore(SessionOutput):
                 self._cancel_all_open(now)
         elif kind is EventKind.SESSION_CLOSED:
             self._close(event, CLOSE_NORMAL, self._closed_outcome(), now)
-            return event
+            return received
         elif kind is EventKind.SESSION_REPLACED:
             # Another socket resumed the engine session: it lives on there, so
             # this one ends without asking the engine to close it.
             self.upstream_close_sent = True
             self._close(event, CLOSE_NORMAL, Outcome.UPSTREAM_CLOSED, now)
-            return event
+            return received
         elif kind is EventKind.OTHER and event.type == "session.updated" and event.body:
             playback.on_session(event.body)
             self.limits.input.on_engine_session(event.body)
@@ -413,16 +414,16 @@ class SessionCore(SessionOutput):
         verdict = self.ledger.verdict(rid, is_audio=event.is_audio, now=now)
         if verdict is Verdict.CANCELLED:
             self.telemetry.count_drop(DropReason.LATE_AUDIO, event.size)
-            return event
+            return received
         if verdict is Verdict.FAILED:
             self.telemetry.count_drop(DropReason.FAILED_RESPONSE, event.size)
-            return event
+            return received
         if verdict is Verdict.EVICTED:
             self.telemetry.news = True  # late_audio_after_eviction changed
 
         if event.size > self._max_frame_bytes:
             self._refuse_oversized(event, now)
-            return event
+            return received
         offer = self.buffer.offer(event, now)
         if offer.accepted:
             if kind is EventKind.RESPONSE_DONE and rid is not None:
@@ -431,7 +432,7 @@ class SessionCore(SessionOutput):
                 self._journal_gives_way()
         elif offer is Offer.REJECTED_FULL:
             self._overflow(event, now)
-        return event
+        return received
 
     def receive_upstream_binary(self, size: int) -> None:
         """An engine binary frame: not part of the protocol, dropped and counted."""

@@ -326,7 +326,7 @@ def socket_unit() -> dict[tuple[str, str], list[str]]:
 
 
 class TestSocketUnit:
-    """The client listener's socket, held across ``systemctl restart`` (docs/operations.md)."""
+    """The client listener's socket, held while the service restarts (docs/operations.md)."""
 
     def test_listens_where_the_service_would(
         self, socket_unit: dict[tuple[str, str], list[str]]

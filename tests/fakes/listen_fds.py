@@ -10,7 +10,7 @@ another process).
 Unlike ``systemd-socket-activate`` (which binds its own socket and starts the
 command at the first connection), the caller holds the listening socket, so
 one socket can be handed to several processes in turn, as systemd does across
-``systemctl restart``.
+a restart of the service.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ __all__ = [
     "RawWebSocket",
     "SimulatorChild",
     "Trigger",
+    "assert_relayed_as_the_engine_wrote",
     "cancel_mid_response",
     "children_of",
     "clean_env",
@@ -426,3 +427,19 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
             await proc.wait()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+def assert_relayed_as_the_engine_wrote(proxied: list[str], direct: list[str]) -> None:
+    """Every frame byte for byte as the engine wrote it, but for the resume token in
+    ``session.created``: the client's copy is bound to its session and key
+    (docs/design.md, Resume), and nothing else in that frame changes."""
+    assert len(proxied) == len(direct), (len(proxied), len(direct))
+    for got, sent in zip(proxied, direct, strict=True):
+        engine_token = orjson.loads(sent).get("resume_token")
+        if isinstance(engine_token, str):
+            client_token = orjson.loads(got)["resume_token"]
+            assert client_token.startswith(engine_token + "~"), (client_token, engine_token)
+            sent = sent.replace(
+                orjson.dumps(engine_token).decode(), orjson.dumps(client_token).decode()
+            )
+        assert got == sent

@@ -71,6 +71,17 @@ KINDS = ("audio", "control", "error", "invalid")
 # -- helpers ----------------------------------------------------------------------------------
 
 
+def engine_size(text: str) -> int:
+    """A received frame's size as the engine wrote it: the client's resume token in
+    ``session.created`` is the engine's plus the sidecar's binding (docs/design.md,
+    Resume), which u2c_bytes (what came from the engine) does not count."""
+    size = len(text.encode())
+    token = orjson.loads(text).get("resume_token")
+    if isinstance(token, str) and "~" in token:
+        size -= len(token) - len(token.rpartition("~")[0])
+    return size
+
+
 @dataclass
 class SessionRecord:
     """What one client sent and saw."""
@@ -87,7 +98,8 @@ class SessionRecord:
 
     @property
     def received_bytes(self) -> int:
-        return sum(len(text.encode()) for text in self.received)
+        """What the engine wrote of what the client received (sizes as the engine sent them)."""
+        return sum(map(engine_size, self.received))
 
     def types(self) -> list[str]:
         return [orjson.loads(text)["type"] for text in self.received]
@@ -478,7 +490,7 @@ async def test_overflow_of_a_stalled_client_after_a_cancelled_session(
     assert counts["u2c_events"] == sim_sent
     assert counts["u2c_events"] == len(engine) + counts["dropped_events"]
     assert counts["u2c_bytes"] == sim_bytes
-    assert counts["u2c_bytes"] == sum(len(t.encode()) for t in engine) + counts["dropped_bytes"]
+    assert counts["u2c_bytes"] == sum(map(engine_size, engine)) + counts["dropped_bytes"]
     assert counts["c2u_events"] == len(client.sent)
     assert counts["c2u_bytes"] == record.sent_bytes
 

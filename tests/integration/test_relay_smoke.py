@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from tests.conftest import DEADLINE
+from tests.integration.helpers import assert_relayed_as_the_engine_wrote
 
 
 async def _session_frames(url: str) -> list[str]:
@@ -42,4 +43,4 @@ async def test_response_is_byte_identical_through_the_proxy(simulator, sidecar, 
     direct = await _session_frames(sim.ws_url)
     proxied = await _session_frames(proxy.url)
     assert [orjson.loads(f)["type"] for f in direct][-1] == "session.closed"
-    assert proxied == direct
+    assert_relayed_as_the_engine_wrote(proxied, direct)
