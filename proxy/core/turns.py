@@ -379,7 +379,9 @@ class TurnDetector:
         self._config = config
 
     def receive_response_active(self, active: bool) -> None:
-        """A response is in progress (``response.created``) or not (``response.done``)."""
+        """Whether a response is in progress: from ``response.created`` until its audio
+        has finished playing at the client (the playback ledger knows), not merely
+        until ``response.done``: speech over audio still playing is a barge-in too."""
         self._response_active = active
 
     def clear(self) -> None:
