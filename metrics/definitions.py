@@ -27,6 +27,7 @@ from metrics.vocabulary import (
     CONNECTION_REJECT_REASONS,
     CORE_BUILDS,
     DIRECTIONS,
+    DRAIN_OUTCOMES,
     DROP_REASONS,
     ENGINE_FULL_KINDS,
     ENGINE_REPLICAS,
@@ -58,6 +59,7 @@ __all__ = [
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
     "DIRECTIONS",
+    "DRAIN_OUTCOMES",
     "DROP_REASONS",
     "ENGINE_FULL_KINDS",
     "ENGINE_REPLICAS",
@@ -343,6 +345,13 @@ class SidecarMetrics:
             ["result"],
             registry=registry,
         )
+        self.drain_sessions = Counter(
+            f"{p}_drain_sessions",
+            "Sessions live when the sidecar began to drain, by how each ended: "
+            "handed_over, drained, cut (docs/design.md, Start-up and shutdown).",
+            ["outcome"],
+            registry=registry,
+        )
         self.resume_grace_expired = Counter(
             f"{p}_resume_grace_expired",
             "Held sessions whose client never came back within client_resume_grace.",
@@ -473,6 +482,8 @@ class SidecarMetrics:
             self.engine_full.labels(kind)
         for result in RESUME_RESULTS:
             self.resumes.labels(result)
+        for outcome in DRAIN_OUTCOMES:
+            self.drain_sessions.labels(outcome)
         self.set_usage_keys(())
 
     def set_usage_keys(self, names: Iterable[str]) -> None:

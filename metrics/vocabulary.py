@@ -20,6 +20,7 @@ __all__ = [
     "CONNECT_BUCKETS",
     "CORE_BUILDS",
     "DIRECTIONS",
+    "DRAIN_OUTCOMES",
     "DROP_REASONS",
     "ENGINE_FULL_KINDS",
     "ENGINE_REPLICAS",
@@ -81,7 +82,15 @@ SESSION_OUTCOMES: Final = (
     "shutdown",
     "error",
     "rate_limited",
+    # left the engine at a drain without session.close, its client told to resume
+    # elsewhere with close 1012 (docs/design.md, Start-up and shutdown).
+    "handed_over",
 )
+#: drain_sessions_total's ``outcome``: how each session live at a SIGTERM ended:
+#: handed over to another sidecar (close 1012, the engine keeps it), ended by
+#: itself before ``drain_timeout`` (drained), or ended by the sidecar (cut: the
+#: deadline passed, or a second signal).
+DRAIN_OUTCOMES: Final = ("handed_over", "drained", "cut")
 REJECT_REASONS: Final = (
     "unauthorized",
     "forbidden_origin",

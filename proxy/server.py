@@ -18,6 +18,8 @@ import os
 import signal
 import socket
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any, Final
@@ -35,6 +37,7 @@ from metrics import SidecarMetrics
 from proxy import compat
 from proxy.admin.admin_app import build_admin_app
 from proxy.core.capabilities import EngineCapabilities
+from proxy.core.resume_state import HandOver
 from proxy.edge.client_app import build_client_app
 from proxy.edge.guard import EdgeAppRunner
 from proxy.edge.listener import EdgeSite
@@ -465,15 +468,22 @@ class Sidecar:
         return True
 
     async def _shutdown(self, supervisor_task: asyncio.Future[None]) -> None:
-        log.info("shutting down: draining %d sessions", len(self.sessions.relays))
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         self.admission.draining = True
-        # A resume would be refused from now on: a session held for one ends now.
+        # A resume would be refused from now on: no session is held for one here.
         self.sessions.draining = True
-        for relay in list(self.sessions.relays.values()):
-            if relay.view.held:
-                relay.shutdown()
+        started = time.monotonic()
+        live = self._hand_over()
         await self._drain()
+        if live:
+            counts = self.sessions.drain_outcomes
+            log.info(
+                "drained in %.1f s: %d handed over, %d ended by themselves, %d to cut",
+                time.monotonic() - started,
+                counts["handed_over"],
+                counts["drained"],
+                len(self.sessions.relays),
+            )
         self.sessions.closing_all = True
         for relay in list(self.sessions.relays.values()):
             relay.shutdown()
@@ -495,6 +505,37 @@ class Sidecar:
         with contextlib.suppress(Exception):
             await supervisor_task
         log.info("stopped")
+
+    def _hand_over(self) -> int:
+        """Hand every session that can be over to the fleet; say in one line what waits and
+        why (docs/design.md, Start-up and shutdown). Returns how many sessions were live."""
+        relays = list(self.sessions.relays.values())
+        waits: Counter[HandOver] = Counter()
+        # An engine this sidecar launched stops with it, and without a secret the fleet
+        # shares no other sidecar can take the client's token: nothing can move.
+        if self.settings.engine.kind != "external":
+            stays: HandOver | None = HandOver.ENGINE_STOPS
+        elif self.settings.resume_secret_file is None:
+            stays = HandOver.NO_SHARED_SECRET
+        else:
+            stays = None
+        self.sessions.handing_over = stays is None
+        for relay in relays:
+            wait = relay.hand_over() if stays is None else stays
+            waits[wait] += 1
+            if relay.view.held and wait is not HandOver.NOW:
+                relay.shutdown()  # held, and it cannot move: it ends now
+        staying = len(relays) - waits[HandOver.NOW]
+        why = ", ".join(f"{n} {w.value}" for w, n in waits.items() if w is not HandOver.NOW)
+        log.info(
+            "shutting down: draining %d sessions: %d handed over, %s",
+            len(relays),
+            waits[HandOver.NOW],
+            f"waiting up to {self.settings.drain_timeout:g} s for {staying} ({why})"
+            if staying
+            else "none to wait for",
+        )
+        return len(relays)
 
     async def _drain(self) -> None:
         if not self.sessions.relays or self.force_stop.is_set():

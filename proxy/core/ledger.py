@@ -203,6 +203,15 @@ class CancellationLedger:
         """Audio deltas let through because their tombstone was gone."""
         return self._late_after_eviction
 
+    def cancels_settling(self) -> int:
+        """Cancelled responses whose terminal has not been written to the client yet.
+
+        Until it is, late audio of such a response may be numbered after the
+        last event the client received (docs/engine-protocol.md, Late audio
+        after a cancel): a replay from that cursor would hold it.
+        """
+        return sum(1 for rid in self._tombs if rid in self._open)
+
     def tombstoned(self) -> list[str]:
         return list(self._tombs)
 

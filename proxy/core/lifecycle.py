@@ -26,6 +26,7 @@ __all__ = [
     "CLOSE_GOING_AWAY",
     "CLOSE_NORMAL",
     "CLOSE_POLICY_VIOLATION",
+    "CLOSE_SERVICE_RESTART",
     "ENDINGS",
     "TRANSITIONS",
     "EndReason",
@@ -41,6 +42,9 @@ CLOSE_NORMAL: Final = 1000
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY_VIOLATION: Final = 1008
 CLOSE_ABNORMAL_ENGINE: Final = 1011
+#: "Service restart" (RFC 6455 §7.4.1, IANA registry): the session was handed over,
+#: the client reconnects and resumes it on another sidecar (docs/design.md, Resume).
+CLOSE_SERVICE_RESTART: Final = 1012
 
 
 class SessionState(enum.Enum):
@@ -119,6 +123,9 @@ class Outcome(enum.Enum):
     SHUTDOWN = "shutdown"
     ERROR = "error"
     RATE_LIMITED = "rate_limited"
+    #: The sidecar drained: the session left the engine without ``session.close``
+    #: and its client was told to resume elsewhere (close 1012).
+    HANDED_OVER = "handed_over"
 
 
 #: How each of the proxy's own endings closes the client: (close code, outcome,
@@ -163,6 +170,9 @@ class SessionLifecycle:
         self._to_upstream: list[str] = []
         #: Closing because of an overflow: later engine output counts as dropped for it.
         self._overflowed = False
+        #: Handed over at a drain: nothing more goes to this client, no ``session.close``
+        #: upstream (docs/design.md, Start-up and shutdown).
+        self.handing_over = False
 
     # -- overflow ---------------------------------------------------------------------------------
 
@@ -353,7 +363,8 @@ class SessionLifecycle:
         """The client socket is closed: nothing more can be delivered."""
         if self.outcome is None:
             self.outcome = Outcome.CLIENT_CLOSED
-        if self.state is not SessionState.CLOSED:
+        if self.state is not SessionState.CLOSED and not self.handing_over:
+            # Handed over: what is queued is replayed by the engine to the next sidecar.
             stranded = self.buffer.statistics()
             self.telemetry.count_drop(
                 DropReason.SESSION_CLOSED, stranded.pending_bytes, events=stranded.pending_events
@@ -373,6 +384,8 @@ class SessionLifecycle:
             self._to_upstream.append(notices.session_close(reason))
 
     def _close(self, notice: UpstreamEvent, code: int, outcome: Outcome, now: float) -> None:
+        if self.handing_over:
+            return  # the session lives on elsewhere: this client only gets its 1012
         compact = notices.compact_session_closed(self._new_id(), self.session_id)
         if self.buffer.close(notice, compact=compact, now=now):
             self.state = next_state(self.state, SessionEvent.CLOSURE_QUEUED)

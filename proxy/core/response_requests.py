@@ -68,6 +68,11 @@ class ResponseRequests:
             1 for asked, _ in self._pending if now - asked < CREATE_IN_FLIGHT
         )
 
+    @property
+    def born_cancelled(self) -> int:
+        """Requests in flight a cancel already covers (their response is not created yet)."""
+        return self._born_cancelled
+
     def refused(self, body: dict[str, Any] | None) -> None:
         """An engine ``error`` that may answer a request: that response never comes.
 

@@ -9,6 +9,7 @@ session core feeds it engine bodies and ``now``.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 from collections import deque
@@ -18,11 +19,35 @@ from typing import Any
 from proxy.core.journal import ReplayJournal
 from proxy.core.resume_token import ResumeTokens
 
-__all__ = ["ResumeState"]
+__all__ = ["HandOver", "ResumeState"]
 
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+class HandOver(enum.Enum):
+    """Whether a draining sidecar can hand a session over now, or why not
+    (docs/design.md, Start-up and shutdown). The value is what the drain's log says."""
+
+    #: Leave the engine without ``session.close``; the client resumes elsewhere (1012).
+    NOW = "now"
+    #: A cancelled response's terminal has not reached the client yet: wait for it.
+    CANCEL_SETTLING = "cancel settling"
+    #: The engine has not said yet whether the session resumes, or its token has not
+    #: reached the client yet (``session.created`` / ``session.resumed`` not written):
+    #: handed over once it has, else it drains.
+    OPENING = "opening"
+    #: The engine does not offer resume for it, or ``client_resume_grace`` is 0.
+    NOT_RESUMABLE = "not resumable"
+    #: Its client did not say it resumes (no ``autostart=0``/``resume=1``, never resumed).
+    CLIENT_CANNOT_RESUME = "client cannot resume"
+    #: It is ending already (closing, or its client asked to close).
+    ENDING = "ending"
+    #: The engine is this sidecar's own child and stops with it (not ``external``).
+    ENGINE_STOPS = "engine stops with the sidecar"
+    #: No ``resume_secret_file``: no other sidecar could verify the client's token.
+    NO_SHARED_SECRET = "no shared resume secret"
 
 
 class ResumeState:
@@ -67,6 +92,9 @@ class ResumeState:
         self.expired = False
         #: The client's first message was a ``session.resume``, passed to the engine.
         self.passed_upstream = False
+        #: The engine's last token reached the client (its ``session.created`` or
+        #: ``session.resumed`` was written): only then can it resume elsewhere.
+        self.token_delivered = False
 
     def on_session(self, body: dict[str, Any], session_id: str | None) -> str | None:
         """``session.created`` / ``session.resumed`` from the engine.
@@ -96,6 +124,7 @@ class ResumeState:
             # client unbound: a resume elsewhere must be this key's.
             return self._tokens.issue(session_id or "", self.key_id, token, 0)
         self.resumable = True
+        self.token_delivered = False  # until this very event is written
         self._engine_token = token
         self._session_id = session_id
         self._issued = 0

@@ -41,6 +41,7 @@ from proxy.core.lifecycle import (
 )
 from proxy.core.playback import PlaybackLedger
 from proxy.core.response_requests import commit_creates_response
+from proxy.core.resume_state import HandOver
 from proxy.core.session_output import ACK_RIDE_WAIT, SessionOutput
 from proxy.core.session_settings import OverflowPolicy, SessionSettings
 from proxy.core.telemetry import DropReason
@@ -56,6 +57,7 @@ __all__ = [
     "ClientDecision",
     "DropReason",
     "EndReason",
+    "HandOver",
     "InvalidState",
     "Outcome",
     "OverflowPolicy",
@@ -110,6 +112,9 @@ class SessionCore(SessionOutput):
         resuming: the client's ``session.resume`` was sent to the engine already.
         key_id: the id of the API key the session opened with ("" without auth):
             the client's resume tokens are bound to it (proxy/core/resume_token.py).
+        client_resumes: the client's URL says it opens with its first message
+            (``autostart=0``/``resume=1``, as a client that resumes does): a
+            draining sidecar may hand the session over (docs/design.md, Resume).
     """
 
     def __init__(
@@ -120,11 +125,13 @@ class SessionCore(SessionOutput):
         capabilities: EngineCapabilities | None = None,
         resuming: bool = False,
         key_id: str = "",
+        client_resumes: bool = False,
     ) -> None:
         super().__init__(settings, new_event_id, capabilities)
         self.resume.key_id = key_id
         #: The client's ``session.resume`` went to the engine before the session was built.
         self.resume.passed_upstream = resuming
+        self.client_resumes = client_resumes or resuming
         #: Frame rate and input audio rate (proxy/core/client_limits.py).
         self.limits = ClientLimits(settings)
         #: An engine frame larger than this can never be queued (the whole budget).
@@ -351,6 +358,8 @@ class SessionCore(SessionOutput):
             usage.responses_started += 1
         elif kind is EventKind.RESPONSE_DONE:
             usage.on_response_done(event.status, event.body)
+        if self.handing_over:
+            return event  # not this client's any more: the engine replays it on resume
         if self.state is not SessionState.OPEN:
             reason = DropReason.OVERFLOW if self._overflowed else DropReason.SESSION_CLOSED
             self.telemetry.count_drop(reason, event.size)
@@ -499,7 +508,13 @@ class SessionCore(SessionOutput):
         if self.state is SessionState.CLOSED:
             resume.release()
             return False
-        if not dropped or not resume.resumable or self.client_close_requested or resume.held:
+        if (
+            self.handing_over
+            or not dropped
+            or not resume.resumable
+            or self.client_close_requested
+            or resume.held
+        ):
             resume.release()  # held and ended meanwhile (shutdown, replaced): nobody to tell
             self.client_gone()
             return False
@@ -535,6 +550,7 @@ class SessionCore(SessionOutput):
 
         if not resume.reattach(cursor, now, token, self._still_audible, resumed):
             return False
+        self.client_resumes = True
         self.telemetry.news = True
         return True
 

@@ -16,10 +16,17 @@ from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING, Drain, Report
 from proxy.core.events import EventKind, classify_upstream
-from proxy.core.lifecycle import SessionEvent, SessionLifecycle, SessionState, next_state
+from proxy.core.lifecycle import (
+    CLOSE_SERVICE_RESTART,
+    Outcome,
+    SessionEvent,
+    SessionLifecycle,
+    SessionState,
+    next_state,
+)
 from proxy.core.playback import PlaybackLedger
 from proxy.core.response_requests import ResponseRequests
-from proxy.core.resume_state import ResumeState
+from proxy.core.resume_state import HandOver, ResumeState
 from proxy.core.resume_token import ResumeTokens
 from proxy.core.session_settings import SessionSettings
 from proxy.core.telemetry import DropReason
@@ -31,6 +38,9 @@ __all__ = ["ACK_RIDE_WAIT", "SessionOutput"]
 #: While the client streams, a due playback ack waits this many ack intervals
 #: for a client frame to ride along with before the timer sends it alone.
 ACK_RIDE_WAIT: Final = 1.0
+
+#: What a requested hand-over waits for (anything else drains as before).
+_MAY_MOVE: Final = frozenset({HandOver.NOW, HandOver.CANCEL_SETTLING, HandOver.OPENING})
 
 
 class SessionOutput(SessionLifecycle):
@@ -79,6 +89,10 @@ class SessionOutput(SessionLifecycle):
             settings.resume_journal_ttl,
             ResumeTokens(settings.resume_secret),
         )
+        #: Its client resumes after a 1012: it said so, or it has resumed (``SessionCore``).
+        self.client_resumes = False
+        #: A drain asked for a hand-over (done at the first moment it may be).
+        self.hand_over_requested = False
 
     # -- output -----------------------------------------------------------------------------------
 
@@ -98,6 +112,7 @@ class SessionOutput(SessionLifecycle):
             room > 0
             and resume.detached_at is None  # held: no client to write to
             and (buffer.pending_events or buffer.closure_pending or resume.replay)
+            and not self.handing_over  # the engine replays it to the next sidecar
         ):
             entries = self._take(now, room)
             out.to_client = entries
@@ -194,6 +209,8 @@ class SessionOutput(SessionLifecycle):
                 created = asked_at.pop(rid, None)
                 if created is not None:
                     self.telemetry.first_audio(max(0.0, now - created))
+            elif event.kind is EventKind.SESSION_CREATED:
+                self.resume.token_delivered = True  # the engine's token (or ours on it)
             elif event.kind is EventKind.RESPONSE_DONE and rid is not None:
                 self.playback.done_delivered(rid)
                 self.ledger.on_done_delivered(rid, now)
@@ -277,6 +294,63 @@ class SessionOutput(SessionLifecycle):
         if journal is None:
             return 0
         return journal.trim(max(0, journal.bytes - excess))
+
+    # -- hand-over at drain (docs/design.md, Start-up and shutdown) ------------------------------
+
+    def hand_over_wait(self) -> HandOver:
+        """Whether the session can be handed over now (``NOW``), or why not.
+
+        A session is handed over when the engine keeps it for a resume and its
+        client resumes; a live one only once every cancelled response's terminal
+        reached the client: the engine replays after the client's cursor, and
+        in 0.30 late audio of a cancel is numbered before that terminal.
+        """
+        if self.state is not SessionState.OPEN or self.client_close_requested:
+            return HandOver.ENDING
+        if not self.resume.resumable:
+            return HandOver.OPENING if self.session_id is None else HandOver.NOT_RESUMABLE
+        if self.resume.held:
+            return HandOver.NOW  # held: its client resumes wherever it reconnects
+        if not self.client_resumes:
+            return HandOver.CLIENT_CANNOT_RESUME
+        if not self.resume.token_delivered:
+            return HandOver.OPENING  # its client could not present the engine's token
+        if self.ledger.cancels_settling() or self.requests.born_cancelled:
+            return HandOver.CANCEL_SETTLING
+        return HandOver.NOW
+
+    def request_hand_over(self) -> HandOver:
+        """The sidecar drains: hand the session over as soon as it may be.
+
+        Returns:
+            ``hand_over_wait()`` now; unless it is ``NOW``, ``CANCEL_SETTLING`` or
+            ``OPENING`` the session is not handed over and drains as it would have.
+        """
+        wait = self.hand_over_wait()
+        if wait in _MAY_MOVE and not self.handing_over:
+            self.hand_over_requested = True
+        return wait
+
+    def hand_over_due(self) -> bool:
+        """A requested hand-over may begin now (then call ``hand_over``)."""
+        return (
+            self.hand_over_requested
+            and not self.handing_over
+            and self.hand_over_wait() is HandOver.NOW
+        )
+
+    def hand_over(self) -> None:
+        """Begin the hand-over: nothing more is written to the client (it gets close
+        1012), the client's frames still go upstream until its close, and the
+        engine is left without ``session.close`` (it keeps the session for its grace).
+        """
+        self.hand_over_requested = False
+        self.handing_over = True
+        self.upstream_close_sent = True  # never session.close: the session lives on
+        self.close_code = CLOSE_SERVICE_RESTART
+        self.outcome = Outcome.HANDED_OVER
+        self.resume.release()  # a held one is not the sidecar's to end: the engine's grace runs
+        self.telemetry.news = True
 
     # -- reports ----------------------------------------------------------------------------------
 

@@ -396,6 +396,9 @@ def _side_factory(
             functools.partial(compat.push_text, client),
             write_buffer_bytes=state.settings.client_write_buffer_bytes,
             address=client_address(request),
+            # A client that opens with its first message resumes after a 1012: a
+            # drain hands its session over (docs/design.md, Start-up and shutdown).
+            resumes=opens_with_first_message(dict(request.query)),
         )
         # From here on every frame to this client, aiohttp's own close frames
         # included, goes through the connection's frame writer.
@@ -486,6 +489,8 @@ async def _run_relay(
     state.registry.add(relay, key_id=key_id)
     if state.registry.closing_all:
         relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
+    elif state.registry.handing_over:
+        relay.hand_over()  # its handshake raced the drain: it moves once it may
     relay.log.info("session open: %s -> %s", side.address, placement.url)
     try:
         await relay.run()

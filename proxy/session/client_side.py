@@ -33,6 +33,7 @@ class ClientSide:
             None reads every frame from aiohttp's queue.
         write_buffer_bytes: the write bound (``client_write_buffer_bytes``).
         address: the client's address, for logs and the access line.
+        resumes: its URL says its client resumes (a drain may hand the session over).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class ClientSide:
         *,
         write_buffer_bytes: int,
         address: str = "",
+        resumes: bool = False,
     ) -> None:
         self.client = client
         self.address = address
@@ -59,6 +61,8 @@ class ClientSide:
         #: one it is (1: the connection that opened the session).
         self.attached_at = time.monotonic()
         self.attachment = 1
+        #: Its URL says its client resumes after a 1012 (``autostart=0``/``resume=1``).
+        self.resumes = resumes
         #: Frames and bytes written to the session's earlier connections.
         self.earlier_frames = self.earlier_bytes = 0
         self._reader_task: asyncio.Task[None] | None = None
@@ -98,6 +102,20 @@ class ClientSide:
             await first_set(self.ended, expired)
         finally:
             timer.cancel()
+
+    async def wait_closed(self, scheduler: Scheduler, timeout: float) -> None:
+        """Our close frame went (``writer.close``): wait, at most ``timeout``, for the
+        client's own close while its reader still reads; then drop the connection."""
+        if not self.ended.is_set() and not self.writer.gone:
+            expired = asyncio.Event()
+            timer = scheduler.call_at(scheduler.time() + timeout, expired.set)
+            try:
+                await first_set(self.ended, expired)
+            finally:
+                timer.cancel()
+        if not self.ended.is_set():
+            self.writer.abort()
+        self.done.set()
 
     async def close(self, code: int, message: bytes, timeout: float) -> None:
         """Close the connection with ``code`` after what was written (at most ``timeout``)."""

@@ -21,6 +21,8 @@ from typing import Any, Final, Protocol
 
 from metrics import SidecarMetrics
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
+from proxy.core.lifecycle import Outcome
+from proxy.core.resume_state import HandOver
 from proxy.core.usage import UNNAMED_KEY
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
@@ -52,6 +54,8 @@ class Relay(Protocol):
     def attach(self, side: ClientSide, cursor: int) -> bool: ...
 
     def shutdown(self) -> None: ...
+
+    def hand_over(self) -> HandOver: ...
 
     def engine_unavailable(self) -> None: ...
 
@@ -140,8 +144,13 @@ class SessionRegistry:
         self._resume_waits: dict[str, int] = {}
         #: Set at shutdown: a session admitted after it is told to close at once.
         self.closing_all = False
-        #: Set when the sidecar starts to drain: no session is held for a resume.
+        #: Set when the sidecar starts to drain: no session is held for a resume, and
+        #: each session that ends is counted in ``drain_outcomes``.
         self.draining = False
+        self.drain_outcomes: dict[str, int] = {"handed_over": 0, "drained": 0, "cut": 0}
+        #: Set with ``draining`` when the engine outlives this sidecar: a session that
+        #: registers during the drain (its handshake was in flight) is handed over too.
+        self.handing_over = False
         # Read at scrape time: no gauge update on the per-event path.
         metrics.output_pending_bytes.set_function(lambda: self.total_pending_bytes)
         metrics.output_pending_events.set_function(lambda: self.total_pending_events)
@@ -168,6 +177,8 @@ class SessionRegistry:
     def remove(self, relay: Relay) -> None:
         if relay.key in self.relays:
             self.recent.append(self.detail(relay.key) or {"id": relay.key})
+            if self.draining:
+                self._count_drained(relay.view.outcome)
         self.relays.pop(relay.key, None)
         self._key_ids.pop(relay.key, None)
         self._observers.pop(relay.key, None)
@@ -178,6 +189,17 @@ class SessionRegistry:
         self.metrics.sessions_active.set(len(self.relays))
         if not self.relays and self._empty is not None:
             self._empty.set()
+
+    def _count_drained(self, outcome: Outcome | None) -> None:
+        """How a session live at the drain ended (drain_sessions_total{outcome})."""
+        if outcome is Outcome.HANDED_OVER:
+            label = "handed_over"
+        elif outcome is Outcome.SHUTDOWN:
+            label = "cut"  # the sidecar ended it: the deadline, or a second signal
+        else:
+            label = "drained"
+        self.drain_outcomes[label] += 1
+        self.metrics.drain_sessions.labels(label).inc()
 
     def observer(
         self,

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING
 from proxy.core.events import ClientKind, EventKind
-from proxy.core.lifecycle import EndReason, Outcome, SessionState
+from proxy.core.lifecycle import CLOSE_SERVICE_RESTART, EndReason, Outcome, SessionState
+from proxy.core.resume_state import HandOver
 from proxy.core.session_core import SessionCore, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
@@ -75,6 +76,7 @@ class Relay:
             capabilities=capabilities,
             resuming=resuming,
             key_id=key_id,
+            client_resumes=side.resumes,  # a drain may hand it over
         )
         #: What reporters may read of the session.
         self.view: SessionView = self.core
@@ -111,6 +113,9 @@ class Relay:
             side = self.side
             side.start(self, tg, f"{self.key}:client")
             await self._deliver(side)
+            if self.core.handing_over:  # its frames up to its close still go upstream
+                await side.wait_closed(self._scheduler, self.limits.close_timeout)
+                break
             await side.reader_verdict(self._scheduler, self.limits.close_timeout)
             if not (side.replaced or self.core.held):  # a dropped one is left be
                 await side.close(*self.core.close_frame(), self.limits.close_timeout)
@@ -143,6 +148,13 @@ class Relay:
         """Proxy shutdown after the drain deadline: ``session.closed`` {shutdown}, 1001."""
         self._shutting_down = True
         self._end(EndReason.SHUTDOWN)
+
+    def hand_over(self) -> HandOver:
+        """The sidecar drains: hand the session over now or once it may be (``_after``)."""
+        wait = self.core.request_hand_over()
+        if self.core.hand_over_requested:
+            self._send(self._after(self._clock()))
+        return wait
 
     def end_for_quota(self, message: str) -> None:
         """The key's day audio quota ran out: ``error`` {quota_exceeded}, then 1008.
@@ -377,6 +389,13 @@ class Relay:
         elif out.pending_events and not deferred and not held and (self._took or not room):
             # More than one room's worth, or a client not writable: delivery goes on.
             self._wake.set()
+        if core.hand_over_requested and core.hand_over_due():  # 1012, no session.close
+            if not core.held:  # a held one has no client connection to close
+                self.side.writer.close(CLOSE_SERVICE_RESTART, Outcome.HANDED_OVER.value.encode())
+            core.hand_over()
+            self._upstream.hand_over()
+            self.log.info("handed over: the client resumes on another sidecar")
+            self._wake.set()
         return NOTHING if self._upstream_ended else out.to_upstream
 
     def _send(self, frames: Sequence[str]) -> None:
@@ -403,7 +422,7 @@ class Relay:
                     continue
             elif core.pending_events or core.closing or writer.has_pending:
                 self._send(self._after(self._clock()))
-                if core.state is _CLOSED:
+                if core.state is _CLOSED or core.handing_over:
                     break
                 if self._took:
                     await asyncio.sleep(0)  # one room per turn: let other sessions run

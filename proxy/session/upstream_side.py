@@ -35,6 +35,9 @@ class UpstreamSide:
         self.session_closed = asyncio.Event()
         #: The link's ``run`` is over.
         self.gone = asyncio.Event()
+        #: Handed over: the engine session goes on, so nothing more is waited for
+        #: and the link is read until the engine answers its close.
+        self.live = False
         self._intake: asyncio.Task[None] | None = None
 
     def start(self, relay: UpstreamEnds, tg: asyncio.TaskGroup, name: str) -> None:
@@ -53,6 +56,11 @@ class UpstreamSide:
         self.gone.set()
         relay.upstream_ended(clean)
 
+    def hand_over(self) -> None:
+        """The session leaves this engine link without ``session.close``."""
+        self.live = True
+        self.session_closed.set()  # no session.closed to wait for
+
     async def close(self, session_close_timeout: float, close_timeout: float) -> None:
         """After ``session.close`` went: wait for the engine's answer, then close the link.
 
@@ -60,12 +68,19 @@ class UpstreamSide:
             session_close_timeout: how long ``session.closed`` is waited for
                 (``upstream_close_timeout``).
             close_timeout: the WebSocket close handshake's bound.
+
+        After a hand-over the engine session still streams: the link is read until
+        the engine answers the close, or an engine blocked on a full socket would
+        not read it before ``close_timeout``.
         """
-        if not self.gone.is_set():
+        live = self.live
+        if not self.gone.is_set() and not live:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(session_close_timeout):
                     await first_set(self.session_closed, self.gone)
-        await cancel_and_wait(self._intake)  # the engine had its chance to answer
+        if not live:
+            await cancel_and_wait(self._intake)  # the engine had its chance to answer
         with contextlib.suppress(Exception):
             async with asyncio.timeout(close_timeout):
                 await self.link.close()
+        await cancel_and_wait(self._intake)

@@ -95,6 +95,7 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     # docs/design.md, Resume.
     "omni_sidecar_sessions_detached": ("gauge", {}),
     "omni_sidecar_resumes": ("counter", {"result": d.RESUME_RESULTS}),
+    "omni_sidecar_drain_sessions": ("counter", {"outcome": d.DRAIN_OUTCOMES}),
     "omni_sidecar_resume_grace_expired": ("counter", {}),
     "omni_sidecar_resume_replayed_events": ("counter", {}),
     # docs/design.md, Usage: a fresh registry knows one key name, "unnamed";
@@ -268,7 +269,7 @@ NOT_YET_IN_DESIGN: dict[str, tuple[str, ...]] = {
         "client_rate_limited",
         "playback_answer",
     ),
-    "SESSION_OUTCOMES": ("rate_limited",),
+    "SESSION_OUTCOMES": ("rate_limited", "handed_over"),
     "REJECT_REASONS": ("engine_capacity", "quota_exceeded"),
 }
 
