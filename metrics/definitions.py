@@ -352,6 +352,28 @@ class SidecarMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.resume_waits = Counter(
+            f"{p}_resume_waits",
+            "Connections that read their first message before taking a slot (their API key "
+            "has a session a resume could take over).",
+            registry=registry,
+        )
+        self.resume_wait_evictions = Counter(
+            f"{p}_resume_wait_evictions",
+            "First-message waits ended early to make room for a newer connection "
+            "(max_resume_waits, max_resume_waits_per_key); refused with capacity.",
+            registry=registry,
+        )
+        self.resume_waiting = Gauge(
+            f"{p}_resume_waiting",
+            "Connections reading their first message now, without a slot.",
+            registry=registry,
+        )
+        self.session_slots_used = Gauge(
+            f"{p}_session_slots_used",
+            "max_sessions slots taken now (sessions, held ones included, and handshakes admitted).",
+            registry=registry,
+        )
         self.resume_grace_expired = Counter(
             f"{p}_resume_grace_expired",
             "Held sessions whose client never came back within client_resume_grace.",

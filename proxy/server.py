@@ -145,6 +145,8 @@ class Sidecar:
             settings.max_sessions,
             settings.admission_timeout,
             max_sessions_per_ip=settings.max_sessions_per_ip,
+            max_resume_waits=settings.max_resume_waits,
+            max_resume_waits_per_key=settings.max_resume_waits_per_key,
         )
         capabilities = EngineCapabilities.resolve(settings.engine.version, engine_version)
         self.sessions = SessionRegistry(

@@ -153,7 +153,9 @@ class SessionOutput(SessionLifecycle):
             again = Entry(classify_upstream(replay.popleft()), now)
             taken.append(again)
             size += again.event.size
-        while size < room and (buffer.pending_events or buffer.closure_pending):
+        # What queued meanwhile goes after the whole replay, never into a room it left:
+        # clients drop every seq at or below the last they saw (docs/design.md, Resume).
+        while not replay and size < room and (buffer.pending_events or buffer.closure_pending):
             if pacing or size:
                 head = buffer.peek()
                 if head is None:

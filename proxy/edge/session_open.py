@@ -26,11 +26,7 @@ from aiohttp import web
 
 from engine_launcher.admission import EngineAdmission
 from proxy import compat
-from proxy.core.capabilities import (
-    opens_at_connect,
-    opens_with_first_message,
-    session_is_duplex,
-)
+from proxy.core.capabilities import opens_at_connect, opens_with_first_message, session_is_duplex
 from proxy.core.events import classify_upstream, is_engine_full
 from proxy.core.resume_token import ResumeTokens
 from proxy.edge.guard import client_address
@@ -39,15 +35,10 @@ from proxy.edge.refusals import log_refused as _log_refused
 from proxy.edge.refusals import quota_refused as _quota_refused
 from proxy.edge.refusals import refuse_in_band
 from proxy.edge.refusals import retry_after as _retry_after
-from proxy.edge.resume import (
-    ResumeRequest,
-    first_message,
-    parse_resume,
-    refuse_resume,
-    resume_held,
-    resume_unknown,
-)
+from proxy.edge.resume import ResumeRequest, first_message, parse_resume, refuse_resume, resume_held
+from proxy.edge.resume_pass import Asked, ask_replicas
 from proxy.edge.resume_spent import SpentTokens
+from proxy.edge.session_slots import FirstMessageWait
 from proxy.edge.state import ProxyState, UpstreamTarget
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
@@ -198,12 +189,18 @@ async def open_session(
     settings = state.settings
     resume_on = state.session_settings.client_resume_grace > 0
     first_message_opens = resume_on and opens_with_first_message(dict(request.query))
-    if first_message_opens and state.registry.begin_resume_wait(key_id):
-        # This key holds a session for a resume: this may be it (docs/design.md, Resume).
+    resumable = state.registry.resumable_of(key_id) if first_message_opens else 0
+    if resumable:
+        # This key has a session a resume could take over: this may be it, so its
+        # first message is read before any slot is taken (docs/design.md, Resume).
+        wait, evicted = state.admission.begin_wait(key_id, resumable)
+        state.metrics.resume_waits.inc()
+        if evicted is not None:
+            state.metrics.resume_wait_evictions.inc()
         try:
-            return await _open_resume_first(request, state, key_name, key_id)
+            return await _open_resume_first(request, state, key_name, key_id, wait)
         finally:
-            state.registry.end_resume_wait(key_id)
+            state.admission.end_wait(wait)
     try:
         async with admitted(request, state, key_name) as placement:
             upstream = await _connect(request, state, placement)
@@ -215,21 +212,15 @@ async def open_session(
             if first_message_opens:
                 opening = await first_message(client, settings.handshake_timeout)
                 resume = parse_resume(opening)
+                if resume is not None and state.registry.holds(resume.session_id):
+                    # Held here: it takes that session's resources back, so this
+                    # connection's go back first (never a second slot).
+                    await _close_link(upstream, settings.close_timeout)
+                    raise _HeldHere(client, protocol, resume)
                 if resume is not None:
-                    side_for = _side_factory(request, state, client, protocol)
                     engine_text = await _verified(state, resume, key_id)
-                    held = await resume_held(
-                        state.registry,
-                        state.metrics,
-                        client,
-                        side_for,
-                        resume,
-                        key_id,
-                        _tokens(state),
-                    )
-                    if not held and engine_text is None:
+                    if engine_text is None:
                         await refuse_resume(state.metrics, client, resume)
-                    if held or engine_text is None:
                         await _close_link(upstream, settings.close_timeout)
                         return client
                     upstream = await _pass_resume(
@@ -242,16 +233,37 @@ async def open_session(
             return client
     except Refused as refused:
         return refused.response
+    except _HeldHere as held:
+        client, side_for = held.client, _side_factory(request, state, held.client, held.protocol)
+        registry, metrics, tokens = state.registry, state.metrics, _tokens(state)
+        if not await resume_held(registry, metrics, client, side_for, held.resume, key_id, tokens):
+            await refuse_resume(metrics, client, held.resume)  # it ended meanwhile
+        return client
+
+
+class _HeldHere(Exception):
+    """The first message resumes a session held here: leave the slots taken for a new one."""
+
+    def __init__(self, client: web.WebSocketResponse, protocol: Any, resume: ResumeRequest):
+        super().__init__(resume.session_id)
+        self.client, self.protocol, self.resume = client, protocol, resume
 
 
 async def _open_resume_first(
-    request: web.Request, state: ProxyState, key_name: str, key_id: str
+    request: web.Request, state: ProxyState, key_name: str, key_id: str, wait: FirstMessageWait
 ) -> web.StreamResponse:
     """Upgrade, read the first message; a resume of a session held here takes none of
-    the resources a new session needs. Anything else is admitted now, refused in band."""
+    the resources a new session needs. Anything else is admitted now, refused in band;
+    a connection whose wait was evicted for a newer one is refused at once."""
     settings = state.settings
     client, protocol = await _upgrade(request, state, None)
-    opening = await first_message(client, settings.handshake_timeout)
+    opening = await wait.receive(client, settings.handshake_timeout)
+    state.admission.end_wait(wait)  # read (or not): its place is free for the next
+    if wait.evicted:
+        state.metrics.sessions_rejected.labels("capacity").inc()
+        message = "too many connections wait for their first message"
+        await refuse_in_band(client, 503, "capacity", message, settings.close_timeout)
+        return client
     resume = parse_resume(opening)
     side_for = _side_factory(request, state, client, protocol)
     if resume is not None and await resume_held(
@@ -416,35 +428,28 @@ async def _pass_resume(
     resume: ResumeRequest,
     text: str,
 ) -> UpstreamLink:
-    """A resume of a session not held here goes to the engine replica that holds it.
-
-    Sent on the placed replica's link first; where that replica does not know the
-    session and there is a pool, each other serving replica is asked in turn and
-    the session moves to the one that answers. Its answer stays first on the link.
-    """
+    """A resume of a session not held here goes to the engine replica that holds it:
+    with a pool every serving replica is asked at once (proxy/edge/resume_pass.py)
+    and the session moves to the one that has it. Its answer stays first on the link."""
     settings, router = state.settings, state.router
     state.metrics.resumes.labels("passed_upstream").inc()
-    upstream.send_nowait(text)
-    answer = await upstream.first_text(settings.handshake_timeout)
-    if router is None or router.count < 2 or not resume_unknown(answer):
-        return upstream
-    for engine in range(router.count):
-        target = _replica(state, engine) if router.serving(engine) else None
-        if engine == placement.engine or target is None:
-            continue
-        try:
-            link, url = await _connect_to(request, state, target, placement.tracer)
-        except (UpstreamConnectError, TimeoutError):
-            continue
-        link.send_nowait(text)
-        if resume_unknown(await link.first_text(settings.handshake_timeout)):
-            await _close_link(link, settings.close_timeout)
-            continue
-        await _close_link(upstream, settings.close_timeout)
+    others = [] if router is None or router.count < 2 else range(router.count)
+
+    async def connect(engine: int) -> Asked | None:
+        target = _replica(state, engine)
+        with contextlib.suppress(UpstreamConnectError, TimeoutError):
+            if target is not None:
+                return (engine, *await _connect_to(request, state, target, placement.tracer))
+        return None
+
+    serving = [engine for engine in others if router is not None and router.serving(engine)]
+    placed = (placement.engine, upstream, placement.url)
+    timeouts = {"timeout": settings.handshake_timeout, "close_timeout": settings.close_timeout}
+    engine, link, url = await ask_replicas(text, placed, serving, connect, **timeouts)
+    if link is not upstream and engine is not None:
         placement.move(engine, url)
         log.info("session.resume of %s found on engine %d", resume.session_id, engine)
-        return link
-    return upstream
+    return link
 
 
 async def _close_link(upstream: UpstreamLink, timeout: float) -> None:

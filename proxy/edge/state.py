@@ -158,6 +158,8 @@ class ProxyState:
         )
         self.metrics.pending_handshakes.set_function(lambda: self.edge.pending)
         self.metrics.lingering_connections.set_function(lambda: self.edge.lingering)
+        self.metrics.resume_waiting.set_function(lambda: len(self.admission.waits))
+        self.metrics.session_slots_used.set_function(lambda: self.admission.active)
         self.registry.on_engine_full = self.engine_full
 
     def refusal(self) -> tuple[str, str] | None:
@@ -239,6 +241,8 @@ class ProxyState:
         self.admission.max_sessions = settings.max_sessions
         self.admission.admission_timeout = settings.admission_timeout
         self.admission.max_sessions_per_ip = settings.max_sessions_per_ip
+        self.admission.max_resume_waits = settings.max_resume_waits
+        self.admission.max_resume_waits_per_key = settings.max_resume_waits_per_key
         if self.router is not None:
             self.router.max_per_engine = max_per_engine(settings)
         self.edge.update(EdgeLimits.from_settings(settings))

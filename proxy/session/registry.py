@@ -140,8 +140,6 @@ class SessionRegistry:
         #: Responses cancelled, all sessions, since start (the console's total).
         self.total_cancels = 0
         self._empty: asyncio.Event | None = None
-        #: Connections per API key reading their first message for a resume.
-        self._resume_waits: dict[str, int] = {}
         #: Set at shutdown: a session admitted after it is told to close at once.
         self.closing_all = False
         #: Set when the sidecar starts to drain: no session is held for a resume, and
@@ -241,24 +239,14 @@ class SessionRegistry:
         """Sessions held for a resume now."""
         return sum(1 for relay in self.relays.values() if relay.view.held)
 
-    def begin_resume_wait(self, key_id: str) -> bool:
-        """A connection of ``key_id`` may read its first message before taking any slot:
-        at most one waits per session that key has held for a resume (False: none may)."""
-        held = sum(
+    def resumable_of(self, key_id: str) -> int:
+        """How many live sessions of ``key_id`` a resume could take over: held after a
+        drop, or still attached (the old connection may be half-open, not noticed yet)."""
+        return sum(
             1
             for key, relay in self.relays.items()
-            if relay.view.held and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
+            if relay.view.resumable and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
         )
-        waiting = self._resume_waits.get(key_id, 0)
-        if waiting >= held:
-            return False
-        self._resume_waits[key_id] = waiting + 1
-        return True
-
-    def end_resume_wait(self, key_id: str) -> None:
-        left = self._resume_waits.pop(key_id, 1) - 1
-        if left > 0:
-            self._resume_waits[key_id] = left
 
     def relays_on(self, engine: int) -> list[Relay]:
         """Live sessions placed on one engine replica (its failure ends only these)."""

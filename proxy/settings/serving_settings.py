@@ -203,6 +203,30 @@ class ServingSettings:
         live=True,
         section=SECTION_ADMISSION,
     )
+    max_resume_waits: int = setting(
+        256,
+        help="Connections reading their first message before taking a session slot, in all "
+        "(a connection whose URL opens with its first message, autostart=0, while its API "
+        "key has a session a resume could take over; docs/design.md, Resume). At the bound "
+        "the oldest wait of the key with the most waits is ended and refused (error "
+        "capacity, close 1013): a newcomer, a session owner's resume included, always waits.",
+        unit="count",
+        minimum=1,
+        live=True,
+        section=SECTION_ADMISSION,
+    )
+    max_resume_waits_per_key: int = setting(
+        16,
+        help="Connections of one API key reading their first message before taking a "
+        "session slot (see max_resume_waits); a key with more sessions a resume could take "
+        "over may have as many. At the bound the key's oldest wait is ended "
+        "and refused (error capacity, close 1013), so silent connections push out each "
+        "other, never the owner's resume that comes after them.",
+        unit="count",
+        minimum=1,
+        live=True,
+        section=SECTION_ADMISSION,
+    )
     max_sessions_per_engine: int = setting(
         0,
         help="Concurrent sessions one engine replica takes (docs/design.md, Engine pool); "

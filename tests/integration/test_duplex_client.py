@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, Self
 
 import pytest
 
-from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port
+from tests.conftest import DEADLINE, TIMEOUT_FACTOR, free_port, wait_until
 from tests.integration.helpers import (
     REPO_ROOT,
     SimulatorChild,
@@ -207,6 +207,21 @@ class FirstConnectionCut:
         self.received: list[tuple[int, dict[str, Any]]] = []
         self.sent: list[tuple[int, dict[str, Any]]] = []
         self.connections = 0
+        #: Whether the relay was cut, and the connection that got ``session.resumed`` since.
+        self.was_cut = False
+        self.resumed_on: _RecordedConnection | None = None
+        self._resumed = asyncio.Event()
+
+    def cut_now(self) -> None:
+        assert self.relay is not None
+        self.was_cut = True
+        self.relay.cut()
+
+    async def wait_connected(self, client: Any) -> None:
+        """Once the relay was cut: until the client has resumed on a new connection."""
+        if self.was_cut:
+            await asyncio.wait_for(self._resumed.wait(), DEADLINE)
+            await wait_until(lambda: client._ws is self.resumed_on, what="the client resumed")
 
     async def connect(self, target: str) -> _RecordedConnection:
         import websockets
@@ -233,8 +248,10 @@ class _RecordedConnection:
             event = json.loads(data)
             self.cut.received.append((self.number, event))
             if self.number == 1 and self.cut.cut_at(event):
-                assert self.cut.relay is not None
-                self.cut.relay.cut()
+                self.cut.cut_now()
+            elif self.number > 1 and event["type"] == "session.resumed":
+                self.cut.resumed_on = self
+                self.cut._resumed.set()
         return data
 
     async def close(self) -> None:
@@ -374,6 +391,141 @@ async def test_duplex_client_resumes_through_the_sidecar_when_its_connection_is_
     # The sidecar held and resumed it; the engine never saw the drop.
     assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
     assert await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total") == engine_resumes
+
+
+class _Call:
+    """What a two-turn call knows as it goes: the cancelled first response, the second."""
+
+    def __init__(self) -> None:
+        self.cancelled: str | None = None
+        self.second: str | None = None
+        self.second_deltas = 0
+
+
+def _moment(name: str, call: _Call) -> Callable[[dict[str, Any]], bool]:
+    """The event (received on the first connection) at which ``name`` cuts it; the idle
+    moment is cut by the script itself, between the turns."""
+
+    def cut_at(event: dict[str, Any]) -> bool:
+        kind, response = event["type"], event.get("response_id")
+        if kind == AUDIO_DELTA and call.cancelled is not None and response != call.cancelled:
+            call.second, call.second_deltas = response, call.second_deltas + 1
+        if name == "before_response":  # turn 1 committed, its response not started yet
+            return bool(kind == "input_audio_buffer.committed" and call.cancelled is None)
+        if name == "right_after_cancel":  # the cancelled response's done, nothing after it
+            return bool(kind == "response.done" and response == call.cancelled is not None)
+        if name == "mid_response":
+            return kind == AUDIO_DELTA and response == call.second and call.second_deltas == 2
+        if name == "late_second_turn":  # its last audio: only the response's end is left
+            return kind == AUDIO_DELTA and response == call.second and call.second_deltas == CHUNKS
+        return False
+
+    return cut_at
+
+
+MOMENTS: Final = (
+    "before_response",
+    "right_after_cancel",
+    "idle_between_turns",
+    "mid_response",
+    "late_second_turn",
+)
+
+
+@pytest.mark.parametrize("target", ["engine", "sidecar"])
+@pytest.mark.parametrize("moment", MOMENTS)
+async def test_duplex_client_cut_at_any_moment_of_a_call_resumes_with_every_event_once(
+    vllm_omni: VllmOmni, duplex_sim: SimulatorChild, sidecar: Any, moment: str, target: str
+) -> None:
+    """The unmodified client (default ReconnectPolicy) makes a two-turn call: the first
+    response is cancelled after its first audio, the second plays in full. Its TCP
+    connection is cut (no FIN, no close frame) once, at ``moment``, and its
+    ReconnectPolicy resumes. Through the sidecar it resumes at every moment it
+    resumes at straight on the engine (docs/design.md, Resume): ``session.resumed``
+    goes out the moment the session is reattached, even when nothing is queued
+    (idle, right after a cancel), and every event reaches the client once."""
+    if target == "sidecar":
+        proxy = await sidecar(
+            upstream=duplex_sim.ws_url, playback_ack="off", client_resume_grace=30
+        )
+        host, port = proxy.sidecar.bound["listen"]
+        url = f"ws://{host}:{port}"
+    else:
+        proxy, port, url = None, duplex_sim.port, duplex_sim.ws_url.removesuffix("/v1/realtime")
+    engine_resumes = await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total")
+    duplex = vllm_omni.client
+    call = _Call()
+    cut = FirstConnectionCut(port, cut_at=_moment(moment, call))
+    received, sent = cut.received, cut.sent
+    tone = base64.b64decode(pcm16_b64(400, amplitude=0.3))
+    async with CuttableRelay(port) as cut.relay:
+        # Only the handshake wait is shortened (a refusal shows in seconds, not 30 s).
+        client = duplex.DuplexClient(
+            url,
+            model=MODEL,
+            heartbeat_interval_s=None,
+            handshake_timeout_s=DEADLINE,
+            connect=cut.connect,
+        )
+        async with asyncio.timeout(DEADLINE * 6), client:
+            responses = client.responses()
+            await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+            await client.commit()
+            first = await asyncio.wait_for(anext(responses), DEADLINE * 2)
+            await asyncio.wait_for(anext(first.audio()), DEADLINE * 2)
+            call.cancelled = first.response_id
+            await cut.wait_connected(client)
+            await client.cancel_response()
+            await first.wait(DEADLINE * 2)
+            if moment == "idle_between_turns":
+                # Nothing in flight either way: one heartbeat round trip, then the cut.
+                await client.send({"type": "session.heartbeat"})
+                await client.wait_for("session.heartbeat_ack", timeout_s=DEADLINE)
+                cut.cut_now()
+            await cut.wait_connected(client)
+            await client.stream_pcm(tone, chunk_ms=200, realtime=False)
+            await client.commit()
+            handle = await asyncio.wait_for(anext(responses), DEADLINE * 2)
+            audio = b"".join([chunk async for chunk in handle.audio()])
+            await handle.wait(DEADLINE * 2)
+            await cut.wait_connected(client)
+        assert client._closed_marker is not None and client._closed_marker.expected
+
+    assert cut.connections == 2, "one cut, one resume"
+    before = [e for n, e in received if n == 1]
+    after = [e for n, e in received if n == 2]
+    cursor = max(e["server_event_seq"] for e in before if "server_event_seq" in e)
+    (resume,) = [e for _, e in sent if e["type"] == "session.resume"]
+    assert resume["last_received_server_event_seq"] == cursor
+    assert after[0]["type"] == "session.resumed"
+    # Every event once: seqs only grow, across both connections; the only missing
+    # ones are what the sidecar dropped on purpose (the cancelled response's late audio).
+    seqs = [e["server_event_seq"] for _, e in received if "server_event_seq" in e]
+    assert seqs == sorted(set(seqs)), "no event twice"
+    dropped = 0.0
+    if proxy is not None:
+        dropped = sum(
+            proxy.metric("omni_sidecar_dropped_events_total", {"reason": reason})
+            for reason in ("late_audio", "cancelled_audio")
+        )
+    assert len(set(range(1, seqs[-1] + 1)) - set(seqs)) == dropped
+    assert first.done_event.raw["response"]["status"] in ("cancelled", "completed")
+    assert handle.done_event.raw["response"]["status"] == "completed"
+    deltas = [
+        e
+        for _, e in received
+        if e["type"] == AUDIO_DELTA and e["response_id"] == handle.response_id
+    ]
+    assert len(deltas) == CHUNKS
+    assert audio == b"".join(base64.b64decode(e["delta"]) for e in deltas)
+    assert [e["type"] for _, e in received].count("session.closed") == 1
+    assert after[-1]["type"] == "session.closed"
+    resumes = await sim_metric(duplex_sim, "vllm_omni_sim_resumes_total") - engine_resumes
+    if proxy is not None:  # the sidecar held and resumed it; the engine never saw the drop
+        assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 1
+        assert resumes == 0
+    else:
+        assert resumes == 1
 
 
 async def _sidecar_metric(child: Any, name: str) -> float:

@@ -23,10 +23,11 @@ import orjson
 import pytest
 
 from tests.aiohttp_private import abort
-from tests.conftest import free_port, wait_until
+from tests.conftest import DEADLINE, free_port, wait_until
 from tests.integration.helpers import (
     SILENCE_100MS,
     Client,
+    RawWebSocket,
     SimulatorChild,
     connect,
     module_simulator,
@@ -521,3 +522,259 @@ async def test_a_refusal_after_the_upgrade_for_an_engine_out_of_reach_closes_101
     assert refusal["type"] == "error"
     assert refusal["error"]["code"] == "upstream_unavailable"
     assert newcomer.close_code == 1014
+
+
+async def test_a_key_gets_all_its_sessions_back_after_one_blip_with_no_second_slot(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path
+) -> None:
+    """One Wi-Fi blink for a client with three calls: the key's quota (3), the
+    address's (3) and the sidecar's slots (3) are all full. Two old connections
+    end at once (the sidecar sees the drop), the third is half-open (it looks
+    alive). All three resume at the same time: none is refused (429, 503) and
+    none takes a second slot; the half-open one is replaced (``session.replaced``,
+    close), its resume takes over its resources."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha max_sessions=3\n")
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        api_keys_file=str(keys),
+        max_sessions=3,
+        max_sessions_per_ip=3,
+        playback_ack="off",
+    )
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    registry = proxy.sidecar.state.registry
+    async with contextlib.AsyncExitStack() as stack:
+        calls = [await stack.enter_async_context(connect(_url(proxy), headers=own)) for _ in "abc"]
+        created = [await _open(call) for call in calls]
+        for call in calls:
+            await _ask(call)
+            await call.recv_until(AUDIO)
+        cursors = [_cursor(call) for call in calls]
+
+        async def come_back(n: int) -> Client:
+            client = await stack.enter_async_context(connect(_url(proxy), headers=own))
+            await client.send(_resume(created[n], cursors[n]))
+            return client
+
+        # calls[2] stays open, unread: half-open as far as the sidecar knows. Its
+        # client comes back first, before the sidecar sees the other two drop.
+        resumed = [await come_back(2)]
+        abort(calls[0].ws)
+        abort(calls[1].ws)
+        await wait_until(lambda: registry.detached() == 2, what="two held")
+        resumed += await asyncio.gather(come_back(0), come_back(1))
+        for client in resumed:
+            assert (await client.recv())["type"] == "session.resumed"
+        replaced = await calls[2].recv_until("session.replaced")
+        assert replaced["session_id"] == created[2]["session"]["id"]
+        await calls[2].recv_until_closed()
+        assert calls[2].close_code == 1000
+        for client in resumed:
+            done = await client.recv_until("response.done")
+            assert done["response"]["status"] == "completed"
+        rejected = proxy.metric("omni_sidecar_sessions_rejected_total", {"reason": "capacity"})
+        rejected += proxy.metric(
+            "omni_sidecar_sessions_rejected_total", {"reason": "quota_exceeded"}
+        )
+        assert rejected == 0, "no 429, no 503"
+        assert proxy.metric("omni_sidecar_resumes_total", {"result": "resumed"}) == 3
+        # Three sessions, three slots of each kind: none taken twice.
+        assert proxy.metric("omni_sidecar_session_slots_used") == 3
+        assert proxy.metric("omni_sidecar_sessions_active") == 3
+        assert proxy.metric("omni_sidecar_resume_waiting") == 0
+        (alpha,) = proxy.sidecar.state.quota.headroom()
+        assert alpha["sessions"] == 3
+        assert proxy.sidecar.state.admission.per_ip == {"127.0.0.1": 3}
+
+
+@pytest.mark.parametrize("reads", ["at_once", "after_a_stall"])
+async def test_an_idle_session_replays_more_than_one_write_buffer_at_once(
+    streaming_sim: SimulatorChild, sidecar: Any, reads: str
+) -> None:
+    """Dropped while idle (its response done, nothing queued), resumed from an early
+    cursor: ``session.resumed`` and a replay of many write buffers' worth go out at
+    once, not one buffer's worth per frame that happens to arrive later; also to a
+    client that reads only once its transport stopped taking writes."""
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        playback_ack="off",
+        client_write_buffer_bytes=16 * 1024,
+    )
+    async with connect(_url(proxy)) as client:
+        created = await _open(client)
+        for _ in range(2):  # far more than the client's buffers take without reading
+            await _ask(client)
+            await client.recv_until("response.done")
+        seqs = [e["server_event_seq"] for e in client.events if "server_event_seq" in e]
+        cursor, missed = seqs[0], seqs[1:]  # as if it had received only the first
+        abort(client.ws)
+    registry = proxy.sidecar.state.registry
+    await wait_until(lambda: registry.detached() == 1, what="the session held")
+    raw = await RawWebSocket.connect(_url(proxy))  # reads only when asked to
+    try:
+        raw.send_text(orjson.dumps(_resume(created, cursor)).decode())
+        if reads == "after_a_stall":
+            (relay,) = registry.relays.values()
+            await wait_until(lambda: relay.side.writer.paused, what="writes paused")
+        events: list[dict[str, Any]] = []
+        while [e["type"] for e in events].count("response.done") < 2:
+            opcode, payload = await raw.read_frame()
+            assert opcode == 0x1
+            events.append(orjson.loads(payload))
+    finally:
+        raw.close()
+    assert events[0]["type"] == "session.resumed"
+    replayed = [e["server_event_seq"] for e in events if "server_event_seq" in e]
+    assert replayed == missed, f"{replayed} != {missed}"
+    assert sum(1 for e in events if e["type"] == AUDIO) >= 10, "many buffers' worth"
+
+
+async def test_a_resume_on_a_connection_that_took_slots_gives_them_back_first(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """A connection opened before its key had a session to resume took the slots a
+    new session needs; when its first message turns out to resume a session held
+    here after all, it gives them back before it attaches: never a second slot."""
+    proxy = await sidecar(upstream=streaming_sim.ws_url, client_resume_grace=GRACE)
+    async with connect(_url(proxy)) as early:  # no session yet: it takes a slot
+        await wait_until(
+            lambda: proxy.metric("omni_sidecar_session_slots_used") == 1, what="its slot"
+        )
+        async with _dropped_mid_response(proxy) as (created, cursor, _):
+            assert proxy.metric("omni_sidecar_session_slots_used") == 2
+            await early.send(_resume(created, cursor))
+            assert (await early.recv())["type"] == "session.resumed"
+            assert proxy.metric("omni_sidecar_session_slots_used") == 1, "the held session's"
+            assert proxy.metric("omni_sidecar_sessions_active") == 1
+
+
+@pytest.mark.parametrize("full", ["per_key", "in_all"])
+async def test_silent_connections_up_to_the_cap_cannot_stop_the_owners_resume(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path, full: str
+) -> None:
+    """Connections that never send wait for their first message without a slot,
+    at most ``max_resume_waits_per_key`` of a key and ``max_resume_waits`` in all.
+    With the waits full of silent ones (the owner's own key's, or another key's),
+    the owner's resume still gets through: it pushes the oldest silent wait out
+    (of its key, or of the key with the most), which is refused with capacity."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha\n{KEY_B} name=beta\n")
+    cap = 4
+    limits = {"max_resume_waits_per_key": cap, "max_resume_waits": 100}
+    if full == "in_all":
+        limits = {"max_resume_waits_per_key": 100, "max_resume_waits": cap}
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        api_keys_file=str(keys),
+        max_sessions=2,
+        handshake_timeout=DEADLINE * 3,
+        **limits,
+    )
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    other = {"Authorization": f"Bearer {KEY_B}"}
+    silent_key = own if full == "per_key" else other
+    async with contextlib.AsyncExitStack() as stack:
+        if full == "in_all":  # the other key holds a session too, so its connections may wait
+            await _open(await stack.enter_async_context(connect(_url(proxy), headers=other)))
+        created, cursor, _ = await stack.enter_async_context(
+            _dropped_mid_response(proxy, headers=own)
+        )
+        silent = [
+            await stack.enter_async_context(connect(_url(proxy), headers=silent_key))
+            for _ in range(cap)
+        ]
+        await wait_until(
+            lambda: proxy.metric("omni_sidecar_resume_waiting") == cap, what="the waits full"
+        )
+        async with connect(_url(proxy), headers=own) as client:
+            await client.send(_resume(created, cursor))
+            assert (await client.recv())["type"] == "session.resumed"
+            pushed_out = await silent[0].recv()
+            await silent[0].recv_until_closed()
+            assert pushed_out["type"] == "error" and pushed_out["error"]["code"] == "capacity"
+            assert silent[0].close_code == 1013
+            assert proxy.metric("omni_sidecar_resume_wait_evictions_total") == 1
+            assert proxy.metric("omni_sidecar_resume_waiting") == cap - 1, "the rest wait on"
+
+
+@pytest.mark.parametrize("answer", ["nobody_holds_it", "one_holds_it"])
+async def test_a_pool_asks_every_replica_at_once_for_a_resume_held_elsewhere(
+    sidecar: Any, answer: str
+) -> None:
+    """A resume this sidecar does not hold goes to the engines. With a pool of three,
+    every replica is asked before any has answered, so a refusal comes with the
+    slowest answer, not with the answers (or timeouts) added up; and the replica
+    that holds the session gets it while another has not answered at all."""
+    from engine_launcher.engine_config import EngineConfig
+    from tests.fakes.scripted_engine import ScriptedEngine
+
+    engines = [await ScriptedEngine().start() for _ in range(3)]
+    try:
+        pool = EngineConfig(
+            kind="external", upstreams=tuple(e.ws_url for e in engines), health_interval=0.2
+        )
+        proxy = await sidecar(
+            engine=pool, client_resume_grace=GRACE, playback_ack="off", close_timeout=1.0
+        )
+        router = proxy.sidecar.router
+        await wait_until(lambda: router.states == ["ready"] * 3, what="three replicas ready")
+        request = {
+            "type": "session.resume",
+            "session_id": "duplex-elsewhere",
+            "resume_token": "engine-token",
+            "last_received_server_event_seq": 4,
+        }
+        async with connect(_url(proxy)) as client:
+            await client.send(request)
+
+            async def asked(engine: ScriptedEngine) -> Any:
+                conn = await engine.next_connection()
+                assert (await conn.receive_event())["type"] == "session.resume"
+                return conn
+
+            # No replica answers before all three were asked (one after the other,
+            # the second would wait for the first's answer, or its timeout).
+            conns = await asyncio.gather(*(asked(engine) for engine in engines))
+            if answer == "nobody_holds_it":
+                for conn in conns:
+                    await conn.send(_engine_refusal())
+                refusal = await client.recv()
+                assert refusal["type"] == "error"
+                assert refusal["error"]["code"] == "session_resume_expired"
+            else:  # replica 2 holds it; replicas 0 and 1 never answer
+                await conns[2].send(_engine_resumed(request["session_id"]))
+                resumed = await client.recv()
+                assert resumed["type"] == "session.resumed"
+                for conn in conns[:2]:
+                    await conn.wait_closed()  # let go, not waited for
+                (relay,) = proxy.sidecar.state.registry.relays.values()
+                assert proxy.sidecar.state.registry.detail(relay.key)["engine"] == 2
+    finally:
+        for engine in engines:
+            await engine.aclose()
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "passed_upstream"}) == 1
+
+
+def _engine_refusal() -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "code": "session_resume_expired",
+            "message": "unknown or expired session",
+        },
+    }
+
+
+def _engine_resumed(session_id: str) -> dict[str, Any]:
+    return {
+        "type": "session.resumed",
+        "session_id": session_id,
+        "attachment_generation": 2,
+        "resume_token": "engine-token-2",
+        "session": {"id": session_id, "capabilities": {"supports_session_resume": True}},
+    }

@@ -97,6 +97,10 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_resumes": ("counter", {"result": d.RESUME_RESULTS}),
     "omni_sidecar_drain_sessions": ("counter", {"outcome": d.DRAIN_OUTCOMES}),
     "omni_sidecar_resume_grace_expired": ("counter", {}),
+    "omni_sidecar_resume_waits": ("counter", {}),
+    "omni_sidecar_resume_wait_evictions": ("counter", {}),
+    "omni_sidecar_resume_waiting": ("gauge", {}),
+    "omni_sidecar_session_slots_used": ("gauge", {}),
     "omni_sidecar_resume_replayed_events": ("counter", {}),
     # docs/design.md, Usage: a fresh registry knows one key name, "unnamed";
     # the operator's key file adds its names (test_usage_key_label_is_the_files).
