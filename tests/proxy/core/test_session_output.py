@@ -33,7 +33,7 @@ def test_a_replay_longer_than_a_room_goes_out_whole_before_what_queued_meanwhile
     assert pair.core.client_ended(pair.now, dropped=True)
     done = {"type": "response.output_audio.done", "response_id": "resp_1", "item_id": "item_1"}
     pair.upstream(_numbered(7, done))  # live, queued while held
-    token = pair.core.next_resume_token("nonce")
+    token = pair.core.next_resume_token()
     assert pair.core.reattach(1, pair.now, token=token)  # it saw only session.created
     written: list[dict[str, object]] = []
     room = len(_audio(2)) + 100  # one audio event per room, with space left over
