@@ -722,10 +722,12 @@ async def test_a_pool_asks_every_replica_at_once_for_a_resume_held_elsewhere(
         )
         router = proxy.sidecar.router
         await wait_until(lambda: router.states == ["ready"] * 3, what="three replicas ready")
+        # A token another sidecar of the fleet issued (no API keys: key id "").
+        tokens = proxy.sidecar.state.resume_tokens
         request = {
             "type": "session.resume",
             "session_id": "duplex-elsewhere",
-            "resume_token": "engine-token",
+            "resume_token": tokens.issue("duplex-elsewhere", "", "engine-token", 0),
             "last_received_server_event_seq": 4,
         }
         async with connect(_url(proxy)) as client:
@@ -733,7 +735,9 @@ async def test_a_pool_asks_every_replica_at_once_for_a_resume_held_elsewhere(
 
             async def asked(engine: ScriptedEngine) -> Any:
                 conn = await engine.next_connection()
-                assert (await conn.receive_event())["type"] == "session.resume"
+                asked = await conn.receive_event()
+                assert asked["type"] == "session.resume"
+                assert asked["resume_token"] == "engine-token", "the engine's own"
                 return conn
 
             # No replica answers before all three were asked (one after the other,
