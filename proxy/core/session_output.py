@@ -401,6 +401,12 @@ class SessionOutput(SessionLifecycle):
         return self.buffer.pending_events
 
     @property
+    def output_waiting(self) -> bool:
+        """Events wait for the client: queued ones, or a resume's ``session.resumed`` and
+        replay, which go out the moment it attaches, whatever is queued (docs/design.md, Resume)."""
+        return bool(self.buffer.pending_events or self.resume.replay)
+
+    @property
     def closing(self) -> bool:
         return self.buffer.closed
 

@@ -195,8 +195,7 @@ async def open_session(
         # first message is read before any slot is taken (docs/design.md, Resume).
         wait, evicted = state.admission.begin_wait(key_id, resumable)
         state.metrics.resume_waits.inc()
-        if evicted is not None:
-            state.metrics.resume_wait_evictions.inc()
+        state.metrics.resume_wait_evictions.inc(evicted is not None)
         try:
             return await _open_resume_first(request, state, key_name, key_id, wait)
         finally:
@@ -433,7 +432,8 @@ async def _pass_resume(
     and the session moves to the one that has it. Its answer stays first on the link."""
     settings, router = state.settings, state.router
     state.metrics.resumes.labels("passed_upstream").inc()
-    others = [] if router is None or router.count < 2 else range(router.count)
+    pool = [] if router is None or router.count < 2 else range(router.count)
+    serving = [engine for engine in pool if router is not None and router.serving(engine)]
 
     async def connect(engine: int) -> Asked | None:
         target = _replica(state, engine)
@@ -442,7 +442,6 @@ async def _pass_resume(
                 return (engine, *await _connect_to(request, state, target, placement.tracer))
         return None
 
-    serving = [engine for engine in others if router is not None and router.serving(engine)]
     placed = (placement.engine, upstream, placement.url)
     timeouts = {"timeout": settings.handshake_timeout, "close_timeout": settings.close_timeout}
     engine, link, url = await ask_replicas(text, placed, serving, connect, **timeouts)

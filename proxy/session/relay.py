@@ -398,11 +398,6 @@ class Relay:
             self._wake.set()
         return NOTHING if self._upstream_ended else out.to_upstream
 
-    def _output_left(self, pending_events: int) -> bool:
-        """Events wait for the client: queued ones, or a resume's ``session.resumed`` and
-        replay, which go out the moment it attaches, whatever is queued (docs/design.md, Resume)."""
-        return bool(pending_events or self.core.resume.replay)
-
     def _send(self, frames: Sequence[str]) -> None:
         send = self.upstream.send_nowait
         for frame in frames:
@@ -419,13 +414,13 @@ class Relay:
             if core.state is _CLOSED or writer.gone or writer.close_sent:
                 break
             if writer.paused:
-                if writer.has_pending or self._output_left(core.pending_events) or core.closing:
+                if writer.has_pending or core.output_waiting or core.closing:
                     try:
                         await writer.wait_writable()  # write only below the high-water mark
                     except (ConnectionError, RuntimeError):
                         break
                     continue
-            elif self._output_left(core.pending_events) or core.closing or writer.has_pending:
+            elif core.output_waiting or core.closing or writer.has_pending:
                 self._send(self._after(self._clock()))
                 if core.state is _CLOSED or core.handing_over:
                     break

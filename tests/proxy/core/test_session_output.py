@@ -45,3 +45,22 @@ def test_a_replay_longer_than_a_room_goes_out_whole_before_what_queued_meanwhile
         pair.core.written(out.to_client, pair.now)
     assert written[0]["type"] == "session.resumed"
     assert [e["server_event_seq"] for e in written[1:]] == [2, 3, 4, 5, 6, 7]
+
+
+def test_a_reattached_idle_session_has_output_waiting_with_nothing_queued() -> None:
+    """``output_waiting`` (what the relay's delivery loop asks) counts the replay: an
+    idle session's ``session.resumed`` must go out with nothing queued behind it."""
+    pair = SessionPair(dataclasses.replace(make_settings(), client_resume_grace=30.0))
+    created = {
+        "type": "session.created",
+        "session": {"id": "duplex-1", "capabilities": {"supports_session_resume": True}},
+        "resume_token": "engine-token",
+    }
+    pair.upstream(_numbered(1, created))
+    pair.deliver()
+    assert pair.core.client_ended(pair.now, dropped=True)
+    assert not pair.core.output_waiting
+    assert pair.core.reattach(1, pair.now, token=pair.core.next_resume_token())
+    assert pair.core.pending_events == 0 and pair.core.output_waiting
+    assert [d.type for d in pair.deliver()] == ["session.resumed"]
+    assert not pair.core.output_waiting
