@@ -42,9 +42,13 @@ __all__ = [
 EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
 ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
 """Every valid ``kind`` (docs/design.md, Engine supervision)."""
+#: ``auto`` and every release of proxy/core/engine_releases.py, oldest first (a
+#: Literal for the type checker and the settings' choices; the launcher may not
+#: import the proxy, so tests/proxy/core/test_engine_releases.py checks it).
 EngineVersionSetting = Literal["auto", "0.30", "0.31", "0.32"]
 ENGINE_VERSIONS: Final[tuple[str, ...]] = get_args(EngineVersionSetting)
 """Every valid ``version`` (docs/design.md, Engine capabilities)."""
+_RELEASES: Final = ENGINE_VERSIONS[1:]
 
 ProbeKind = Literal["auto", "health", "websocket", "tcp"]
 PROBE_KINDS: Final[tuple[str, ...]] = get_args(ProbeKind)
@@ -132,8 +136,9 @@ class EngineConfig:
         gpus: ``"0,1"`` or ``"auto"``: one engine per GPU, pinned with
             ``CUDA_VISIBLE_DEVICES``; overrides :attr:`replicas`.
         upstreams: For ``external``: one engine per URL; overrides :attr:`replicas`.
-        version: The vLLM-Omni behaviour to expect (``0.30``, ``0.31``,
-            ``0.32``); ``auto`` asks preflight, then what sessions see.
+        version: The vLLM-Omni behaviour to expect (a release of
+            :data:`ENGINE_VERSIONS`); ``auto`` asks preflight, then what
+            sessions see.
 
     Raises:
         EngineConfigError: A field has an invalid value.
@@ -289,10 +294,13 @@ class EngineConfig:
     )
     version: EngineVersionSetting = setting(  # noqa: RUF009 - a dataclasses.field
         "auto",
-        help='vLLM-Omni behaviour to expect: "0.30", "0.31", "0.32", or "auto": the '
+        help="vLLM-Omni behaviour to expect: "
+        + "".join(f'"{release}", ' for release in _RELEASES)
+        + 'or "auto": the '
         "vllm-omni package in the engine's interpreter (preflight; for the simulator its "
         "--engine-version), else "
-        "what sessions see on the wire, else 0.30's (docs/design.md, Engine capabilities). "
+        f"what sessions see on the wire, else {_RELEASES[0]}'s "
+        "(docs/design.md, Engine capabilities). "
         "Shown in /debug/summary and omni_sidecar_engine_info.",
         metavar="VERSION",
     )

@@ -155,7 +155,8 @@ ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
 ENGINE_REPLICAS: Final = tuple(str(index) for index in range(64))
 #: A SIGHUP reload either applied (its live part) or was rejected (old config kept).
 CONFIG_RELOAD_RESULTS: Final = ("applied", "rejected")
-#: engine_info's ``version``: proxy.core.capabilities.EngineVersion values.
+#: engine_info's ``version``: proxy.core.engine_releases.EngineVersion values (the
+#: releases of that table; tests/proxy/core/test_engine_releases.py checks them).
 ENGINE_VERSIONS: Final = ("unknown", "0.30", "0.31", "0.32")
 #: engine_info's ``source``: proxy.core.capabilities.CapabilitySource values.
 CAPABILITY_SOURCES: Final = ("unknown", "wire", "preflight", "config")

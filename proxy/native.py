@@ -44,6 +44,7 @@ COMPILED_MODULES: Final = (
     "proxy.core.capabilities",
     "proxy.core.client_limits",
     "proxy.core.drain",
+    "proxy.core.engine_releases",
     "proxy.core.events",
     "proxy.core.input_audio",
     "proxy.core.journal",

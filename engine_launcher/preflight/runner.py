@@ -85,7 +85,8 @@ def engine_package_version(config: EngineConfig) -> str | None:
     return _package_version(config, Interpreter(config, gpus=False))
 
 
-#: The simulator's release when ``simulator_args`` name none (its own default).
+#: The simulator's release when ``simulator_args`` name none (its own default,
+#: engine_launcher/simulator/releases.py; tests/proxy/core/test_engine_releases.py checks it).
 _SIMULATOR_DEFAULT_VERSION: Final = "0.30"
 
 

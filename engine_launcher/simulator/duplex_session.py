@@ -117,7 +117,7 @@ class DuplexSession(ResponseGeneration):
         payload = error_payload(
             "resource_exhausted", f"duplex_session_capacity_exhausted: limit={limit}"
         )
-        if self.config.at_least("0.32"):
+        if self.config.release.open_rejections_retryable:
             payload["error"]["retryable"] = True
         self._outbox.put_outside_journal(payload)
         self._outbox.put_final(CloseFrame(1000, ""))

@@ -15,6 +15,7 @@ from typing import Final, Literal
 
 from engine_launcher.simulator.delivery import DEFAULT_OUTPUT_LIMITS, OutputLimits
 from engine_launcher.simulator.playback_history import COMMIT_ALL_ON_DONE, PLAYBACK_COMMIT_POLICIES
+from engine_launcher.simulator.releases import ENGINE_VERSIONS, EngineRelease, release_of
 from engine_launcher.simulator.replay_journal import DEFAULT_JOURNAL_LIMITS, JournalLimits
 
 __all__ = [
@@ -32,8 +33,6 @@ __all__ = [
 
 EventNaming = Literal["ga", "beta"]
 
-#: vLLM-Omni versions whose behaviour ``--engine-version`` reproduces, oldest first.
-ENGINE_VERSIONS: Final = ("0.30", "0.31", "0.32")
 #: ``--session-mode``: ``duplex`` (a model served with ``session_mode: duplex``) or
 #: ``realtime`` (the plain OpenAI-style /v1/realtime handler of 0.31 and later).
 SESSION_MODES: Final = ("duplex", "realtime")
@@ -126,8 +125,11 @@ class SimulatorConfig:
             raise ValueError(
                 f"--session-mode must be duplex or realtime, got {self.session_mode!r}"
             )
-        if self.session_mode == "realtime" and not self.at_least("0.31"):
-            raise ValueError("--session-mode realtime needs --engine-version 0.31 or later")
+        if self.session_mode == "realtime" and not self.release.openai_realtime_handler:
+            raise ValueError(
+                f"--session-mode realtime needs --engine-version {_first('openai_realtime_handler')}"
+                " or later"
+            )
         if self.max_sessions is not None and self.max_sessions <= 0:
             raise ValueError(f"--max-sessions must be positive, got {self.max_sessions}")
         bounds = {
@@ -140,9 +142,11 @@ class SimulatorConfig:
             flag = "--" + name.replace("_", "-")
             if value is None:
                 continue
-            if not self.at_least("0.31"):
-                # 0.30 has no output bound at all: a bound there would be a lie.
-                raise ValueError(f"{flag} needs --engine-version 0.31 or later")
+            if not self.release.bounded_output:
+                # A release without an output bound: a bound there would be a lie.
+                raise ValueError(
+                    f"{flag} needs --engine-version {_first('bounded_output')} or later"
+                )
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
         for name in ("reaper_interval", "replay_ttl"):
@@ -164,17 +168,19 @@ class SimulatorConfig:
             if value is not None and (value < 0 or not math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
-    def at_least(self, version: str) -> bool:
-        """Whether ``--engine-version`` is ``version`` or newer (``"0.31"``)."""
-        return ENGINE_VERSIONS.index(self.engine_version) >= ENGINE_VERSIONS.index(version)
+    @property
+    def release(self) -> EngineRelease:
+        """What ``--engine-version`` does (engine_launcher/simulator/releases.py)."""
+        return release_of(self.engine_version)
 
     @property
     def output_limits(self) -> OutputLimits | None:
         """Bounds of each session's queued output: ``None`` (unbounded) on 0.30.
 
-        0.31 and later always bound it; unset flags take the engine's defaults.
+        0.31 and later always bound it (``bounded_output``); unset flags take
+        the engine's defaults.
         """
-        if not self.at_least("0.31"):
+        if not self.release.bounded_output:
             return None
         d = DEFAULT_OUTPUT_LIMITS
         return OutputLimits(
@@ -201,10 +207,10 @@ class SimulatorConfig:
     def late_audio(self) -> int:
         """Audio deltas of a cancelled response still sent after the cancel.
 
-        ``--late-audio-chunks`` on 0.30; 0.31 and later produce none and remove
-        what was queued.
+        ``--late-audio-chunks`` on 0.30; 0.31 and later (``drops_cancelled_audio``)
+        produce none and remove what was queued.
         """
-        return self.late_audio_chunks if not self.at_least("0.31") else 0
+        return 0 if self.release.drops_cancelled_audio else self.late_audio_chunks
 
     @property
     def chunks_per_response(self) -> int:
@@ -232,6 +238,11 @@ class SimulatorConfig:
         return interval if interval > 0 else self.chunk_ms / 1000
 
 
+def _first(capability: str) -> str:
+    """The oldest ``--engine-version`` with ``capability``."""
+    return next(v for v in ENGINE_VERSIONS if getattr(release_of(v), capability))
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0 or not math.isfinite(value):
@@ -245,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m engine_launcher.simulator",
         description=(
             "CPU stand-in for `vllm-omni serve MODEL --omni`: speaks the vLLM-Omni "
-            "duplex realtime protocol with generated PCM16 audio, as 0.30, 0.31 or 0.32 "
-            "behaves (--engine-version)."
+            "duplex realtime protocol with generated PCM16 audio, as "
+            f"{', '.join(ENGINE_VERSIONS[:-1])} or {ENGINE_VERSIONS[-1]} behaves "
+            "(--engine-version)."
         ),
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help="bind address (default %(default)s)")

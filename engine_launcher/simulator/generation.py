@@ -129,7 +129,7 @@ class ResponseGeneration(SessionState):
         # 0.31 and later remove the cancelled response's audio that is still
         # queued and produce no more: no late audio, and (numbered when sent)
         # no gap in server_event_seq.
-        if self._outbox.bounded:
+        if self._outbox.drops_cancelled_audio:
             self._stats.removed_audio_events += self._outbox.remove_audio(resp.response_id)
         late = min(self.config.late_audio, resp.remaining)
         for _ in range(late):

@@ -335,7 +335,7 @@ def on_item_truncate(s: DuplexSession, event: Payload) -> None:
             event,
         )
         return
-    if s.config.at_least("0.32") and record.generated_ms <= 0:
+    if s.config.release.truncate_needs_audio_item and record.generated_ms <= 0:
         s.error(
             "bad_event", "conversation.item.truncate requires an item that produced audio", event
         )
@@ -387,7 +387,7 @@ def on_playback_ack(s: DuplexSession, event: Payload) -> None:
     0.31 drops the flag as it parses the event (a truncating ack is a plain
     ack there); 0.30 is kept as the simulator always modelled it (the flag counts).
     """
-    hard = event.get("truncate") is True and s.config.engine_version != "0.31"
+    hard = event.get("truncate") is True and s.config.release.ack_truncate_flag
     _apply_playback_ack(s, event, hard=hard)
 
 
@@ -413,8 +413,9 @@ def _apply_playback_ack(s: DuplexSession, event: Payload, *, hard: bool) -> None
         event: the ack (a client's, or the one ``conversation.item.truncate`` implies).
         hard: apply it as a truncation.
     """
+    release = s.config.release
     # 0.32 answers an ack's errors without the ack's event_id.
-    echo: Payload | None = None if s.config.at_least("0.32") else event
+    echo: Payload | None = event if release.ack_errors_carry_event_id else None
     played = event.get("played_ms", event.get("audio_ms", 0))
     if isinstance(played, bool) or not isinstance(played, int | float):
         s.error("bad_event", "playback.ack requires played_ms", echo)
@@ -443,7 +444,9 @@ def _apply_playback_ack(s: DuplexSession, event: Payload, *, hard: bool) -> None
                 echo,
             )
             return
-        audio_only = s.config.at_least("0.32") and record.ended and not record.full_text.strip()
+        audio_only = (
+            release.audio_only_acks_never_late and record.ended and not record.full_text.strip()
+        )
         if (
             not record.reserved
             and not record.in_history
@@ -464,7 +467,7 @@ def _apply_playback_ack(s: DuplexSession, event: Payload, *, hard: bool) -> None
             echo,
         )
         return
-    if hard and s.config.at_least("0.32") and (record is None or record.generated_ms <= 0):
+    if hard and release.truncate_needs_audio_item and (record is None or record.generated_ms <= 0):
         s.error(
             "bad_event",
             "playback.ack truncate requires one identifiable item that produced audio",

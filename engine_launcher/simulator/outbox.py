@@ -65,8 +65,9 @@ class Outbox:
         # session.resumed and replay (bounded by the journal's bytes), or the
         # frame held back behind a journal_overflow notice.
         self._ready: deque[str] = deque()
-        #: 0.31 and later: bounded, a cancel removes queued audio.
-        self.bounded = config.at_least("0.31")
+        #: 0.31 and later: bounded; a cancel or clear removes queued audio.
+        self.bounded = config.release.bounded_output
+        self.drops_cancelled_audio = config.release.drops_cancelled_audio
         #: The duplex handler numbers events; the plain realtime handler does not.
         self.numbered = config.session_mode == "duplex"
         #: Numbered frames a resume may replay (the duplex handler only).
@@ -155,7 +156,7 @@ class Outbox:
         if self.failed and kind not in _RESERVE_TYPES:
             return True  # after an overflow only the failure's own events go in
         if (
-            self.bounded
+            self.drops_cancelled_audio
             and kind == "output_audio_buffer.cleared"
             and isinstance(payload.get("response_id"), str)
         ):

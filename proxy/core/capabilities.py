@@ -3,8 +3,10 @@
 vLLM-Omni changed behaviour a proxy depends on between releases and has no
 version endpoint: the version comes from ``config``, then ``preflight``, then
 what a session saw on the ``wire`` (never overriding the first two, only
-moving up), else ``unknown`` (behave as 0.30); docs/design.md, Engine
-capabilities. Sans-I/O; label values are this module's enum values.
+moving up), else ``unknown`` (behave as the oldest release); docs/design.md,
+Engine capabilities. The releases and what each does are rows of
+:mod:`proxy.core.engine_releases`; this module only derives from them.
+Sans-I/O; label values are the enums' values.
 """
 
 from __future__ import annotations
@@ -15,24 +17,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from proxy.core.engine_releases import RELEASES, EngineVersion, WireSign, release_of
+
 __all__ = [
     "CapabilitySource",
     "EngineCapabilities",
     "EngineVersion",
+    "WireSign",
     "opens_at_connect",
     "opens_with_first_message",
     "parse_version",
     "session_is_duplex",
 ]
-
-
-class EngineVersion(enum.Enum):
-    """Engine behaviours the sidecar tells apart (the ``version`` label)."""
-
-    UNKNOWN = "unknown"
-    V0_30 = "0.30"
-    V0_31 = "0.31"
-    V0_32 = "0.32"
 
 
 class CapabilitySource(enum.Enum):
@@ -44,9 +40,22 @@ class CapabilitySource(enum.Enum):
     CONFIG = "config"
 
 
-_ORDER: Final = (EngineVersion.V0_30, EngineVersion.V0_31, EngineVersion.V0_32)
+#: Each release's place, oldest first (the wire only moves the version up).
+_AGE: Final[dict[EngineVersion, int]] = {r.version: age for age, r in enumerate(RELEASES)}
 _RANK: Final = {source: rank for rank, source in enumerate(CapabilitySource)}
 _MAJOR_MINOR: Final = re.compile(r"^\s*v?(\d+)\.(\d+)")
+
+
+def _major_minor(text: str) -> tuple[int, int]:
+    match = _MAJOR_MINOR.match(text)
+    assert match is not None, text
+    return int(match.group(1)), int(match.group(2))
+
+
+#: The releases as (major, minor), newest first, for :func:`parse_version`.
+_NEWEST_FIRST: Final[tuple[tuple[tuple[int, int], EngineVersion], ...]] = tuple(
+    (_major_minor(r.version.value), r.version) for r in reversed(RELEASES)
+)
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"0", "false", "no", "off"})
 
@@ -54,36 +63,38 @@ _FALSE: Final = frozenset({"0", "false", "no", "off"})
 def parse_version(text: str | None) -> EngineVersion:
     """The behaviour of a ``vllm-omni`` release version (``"0.32.0rc1"`` → 0.32).
 
-    A release newer than the newest known behaves as the newest known, one
-    older than 0.30 as 0.30; text that is not a version is ``UNKNOWN``.
+    A release between two known ones behaves as the older, one newer than the
+    newest known as the newest, one older than the oldest as the oldest; text
+    that is not a version is ``UNKNOWN``.
     """
     match = _MAJOR_MINOR.match(text or "")
     if match is None:
         return EngineVersion.UNKNOWN
-    major, minor = int(match.group(1)), int(match.group(2))
-    if major > 0 or minor > 32:
-        return EngineVersion.V0_32
-    if minor < 30:
-        return EngineVersion.V0_30
-    return EngineVersion(f"0.{minor}")
+    found = (int(match.group(1)), int(match.group(2)))
+    for known, version in _NEWEST_FIRST:
+        if found >= known:
+            return version
+    return _NEWEST_FIRST[-1][1]
 
 
 @dataclass(frozen=True, slots=True)
 class EngineCapabilities:
-    """What the engine does, derived from its version (see :meth:`of`).
+    """What the engine does, derived from its version's row (see :meth:`of`).
+
+    The capabilities a session reads are fields (attribute reads on a frozen
+    value), copied from the row of :mod:`proxy.core.engine_releases`, which
+    says what each means and which release has it.
 
     Attributes:
         version: the behaviour assumed.
         source: where ``version`` came from.
-        bounded_output: the engine bounds each session's output itself (0.31+:
-            2 MiB / 512 events, then ``output_backpressure`` and a close); a
+        bounded_output: the engine bounds each session's output itself; a
             sidecar that stops reading to push back gets the session closed.
         drops_cancelled_audio: the engine removes queued audio of a cancelled
-            response before sending it (0.31+); the sidecar filters anyway.
-        truncate_needs_audio_item: a truncation (``playback.ack`` with
-            ``truncate: true``, ``conversation.item.truncate``) must name an
-            item that produced audio, else ``bad_event`` (0.32); the sidecar
-            then truncates only items whose audio it relayed.
+            response before sending it; the sidecar filters anyway.
+        truncate_needs_audio_item: a truncation must name an item that
+            produced audio, else ``bad_event``; the sidecar then truncates
+            only items whose audio it relayed.
         duplex_acks: the session's engine takes ``playback.ack`` (a duplex
             session). A non-duplex session answers it ``invalid_event``; the
             sidecar sends it no acks.
@@ -98,16 +109,16 @@ class EngineCapabilities:
 
     @classmethod
     def of(cls, version: EngineVersion, source: CapabilitySource) -> EngineCapabilities:
-        """The capabilities of ``version`` (``UNKNOWN``: those of 0.30)."""
+        """The capabilities of ``version`` (``UNKNOWN``: those of the oldest release)."""
         if version is EngineVersion.UNKNOWN:
             source = CapabilitySource.UNKNOWN
-        at_least = _ORDER.index(version) if version in _ORDER else 0
+        release = release_of(version)
         return cls(
             version=version,
             source=source,
-            bounded_output=at_least >= 1,
-            drops_cancelled_audio=at_least >= 1,
-            truncate_needs_audio_item=at_least >= 2,
+            bounded_output=release.bounded_output,
+            drops_cancelled_audio=release.drops_cancelled_audio,
+            truncate_needs_audio_item=release.truncate_needs_audio_item,
         )
 
     @classmethod
@@ -128,9 +139,9 @@ class EngineCapabilities:
             newer than what is known; else the capabilities of ``version``
             from the ``wire``.
         """
-        if _RANK[self.source] > _RANK[CapabilitySource.WIRE] or version not in _ORDER:
+        if _RANK[self.source] > _RANK[CapabilitySource.WIRE] or version not in _AGE:
             return self
-        if self.version in _ORDER and _ORDER.index(version) <= _ORDER.index(self.version):
+        if self.version in _AGE and _AGE[version] <= _AGE[self.version]:
             return self
         return replace(
             EngineCapabilities.of(version, CapabilitySource.WIRE), duplex_acks=self.duplex_acks

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
+from proxy.core.engine_releases import WireSign, shown_by
 from proxy.core.events import UpstreamEvent
 from proxy.core.playback_state import (
     ACK_EVENT_PREFIX,
@@ -253,10 +254,11 @@ class PlaybackLedger:
             self.capabilities = self.capabilities.for_session(duplex=False)
             self.acking = False
         elif code is AckErrorCode.BAD_EVENT and entry.truncates:
-            self.learn(EngineVersion.V0_32)
+            self.learn(WireSign.TRUNCATION_REFUSED)
 
-    def learn(self, version: EngineVersion) -> None:
-        """The wire showed ``version``'s behaviour (the session adapts at once)."""
+    def learn(self, sign: WireSign) -> None:
+        """The wire showed ``sign``, a behaviour of some releases (the session adapts at once)."""
+        version = shown_by(sign)
         learned = self.capabilities.learn(version)
         if learned is not self.capabilities:
             self.capabilities = learned

@@ -15,7 +15,7 @@ from typing import Final, NamedTuple
 
 from proxy.core import notices
 from proxy.core.buffer import Offer
-from proxy.core.capabilities import EngineCapabilities, EngineVersion
+from proxy.core.capabilities import EngineCapabilities, WireSign
 from proxy.core.client_limits import ClientLimits
 from proxy.core.events import (
     ENGINE_FULL_CODE,
@@ -468,7 +468,7 @@ class SessionCore(SessionOutput):
             self.engine_full = True
             self.telemetry.news = True
         elif code == _ENGINE_BACKPRESSURE_CODE:
-            self.playback.learn(EngineVersion.V0_31)
+            self.playback.learn(WireSign.OUTPUT_BACKPRESSURE)
 
     def _note_session_id(self, event: UpstreamEvent) -> None:
         body = event.body or {}

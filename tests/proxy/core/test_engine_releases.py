@@ -1,0 +1,187 @@
+"""The table of engine releases (proxy/core/engine_releases.py) and everything kept beside it.
+
+The table is the one place a release is written down; what can import it
+derives from it (the capabilities, version parsing, what the wire teaches),
+and every copy that may not import it (the launcher's ``engine.version``
+choices, the metric label values, the simulator's rows, preflight's simulator
+default, the design document's table) is checked here. A release added to the
+table and missing anywhere fails one test below, named after the place to edit
+(docs/design.md, New engine release).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from engine_launcher import engine_config
+from engine_launcher.preflight import runner
+from engine_launcher.simulator import releases as simulator_releases
+from engine_launcher.simulator.flags import SimulatorConfig, parse_args
+from metrics import vocabulary
+from proxy.core.capabilities import (
+    CapabilitySource,
+    EngineCapabilities,
+    EngineVersion,
+    parse_version,
+)
+from proxy.core.engine_releases import (
+    CAPABILITIES,
+    RELEASES,
+    EngineRelease,
+    WireSign,
+    release_of,
+    shown_by,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+VERSIONS = tuple(r.version.value for r in RELEASES)
+
+
+def _minor_of(release: EngineRelease) -> tuple[int, int]:
+    major, minor = release.version.value.split(".")
+    return int(major), int(minor)
+
+
+class TestTable:
+    def test_one_row_per_version_oldest_first(self) -> None:
+        assert [r.version for r in RELEASES] == [
+            v for v in EngineVersion if v is not EngineVersion.UNKNOWN
+        ]
+        ages = [_minor_of(r) for r in RELEASES]
+        assert ages == sorted(ages) and len(set(ages)) == len(ages)
+
+    def test_every_capability_is_a_named_flag(self) -> None:
+        for release in RELEASES:
+            for name in CAPABILITIES:
+                assert isinstance(getattr(release, name), bool), (release.version, name)
+
+    def test_unknown_behaves_as_the_oldest(self) -> None:
+        assert release_of(EngineVersion.UNKNOWN) is RELEASES[0]
+        unknown = EngineCapabilities()
+        oldest = EngineCapabilities.of(RELEASES[0].version, CapabilitySource.CONFIG)
+        assert dataclasses.replace(oldest, version=unknown.version, source=unknown.source) == (
+            unknown
+        )
+
+
+class TestDerived:
+    @pytest.mark.parametrize("release", RELEASES, ids=VERSIONS)
+    def test_capabilities_are_the_rows(self, release: EngineRelease) -> None:
+        caps = EngineCapabilities.of(release.version, CapabilitySource.CONFIG)
+        for field in dataclasses.fields(EngineCapabilities):
+            if field.name in CAPABILITIES:
+                assert getattr(caps, field.name) == getattr(release, field.name), field.name
+
+    @pytest.mark.parametrize("release", RELEASES, ids=VERSIONS)
+    def test_a_package_version_parses_to_its_release(self, release: EngineRelease) -> None:
+        text = release.version.value
+        for spelling in (f"{text}.0", f"{text}.0rc1", f"v{text}.2", f"{text}.0.dev3+cu12"):
+            assert parse_version(spelling) is release.version, spelling
+        major, minor = _minor_of(release)
+        newer = parse_version(f"{major}.{minor + 1}.0")
+        following = [r.version for r in RELEASES if _minor_of(r) == (major, minor + 1)]
+        assert newer is (following[0] if following else release.version), (
+            "an unknown release behaves as the newest known one before it"
+        )
+
+    def test_older_and_newer_than_all_known(self) -> None:
+        major, minor = _minor_of(RELEASES[0])
+        assert parse_version(f"{major}.{minor - 1}.9") is RELEASES[0].version
+        newest_major, _ = _minor_of(RELEASES[-1])
+        assert parse_version(f"{newest_major + 1}.0.0") is RELEASES[-1].version
+        assert parse_version("dev") is EngineVersion.UNKNOWN
+        assert parse_version(None) is EngineVersion.UNKNOWN
+
+    def test_configured_versions_resolve_to_their_row(self) -> None:
+        for release in RELEASES:
+            caps = EngineCapabilities.resolve(release.version.value, None)
+            assert (caps.version, caps.source) == (release.version, CapabilitySource.CONFIG)
+
+
+class TestWireSigns:
+    @pytest.mark.parametrize("sign", list(WireSign), ids=[s.name for s in WireSign])
+    def test_a_sign_teaches_the_oldest_release_with_its_capability(self, sign: WireSign) -> None:
+        assert sign.value in CAPABILITIES
+        having = [r.version for r in RELEASES if getattr(r, sign.value)]
+        assert having, f"no release shows {sign}"
+        assert shown_by(sign) is having[0]
+
+    @pytest.mark.parametrize("sign", list(WireSign), ids=[s.name for s in WireSign])
+    def test_a_capability_the_wire_proves_is_never_lost(self, sign: WireSign) -> None:
+        """The wire only moves the version up: every newer release must show it too."""
+        flags = [getattr(r, sign.value) for r in RELEASES]
+        assert flags == sorted(flags), f"{sign.value} is lost in a later release"
+
+    def test_the_session_learns_through_the_table(self) -> None:
+        for sign in WireSign:
+            learned = EngineCapabilities().learn(shown_by(sign))
+            assert getattr(learned, sign.value) is True
+            assert learned.source is CapabilitySource.WIRE
+
+
+class TestConsumers:
+    """Each copy a module keeps because it may not import the table (tests/test_architecture.py)."""
+
+    def test_engine_config_accepts_auto_and_every_release(self) -> None:
+        assert engine_config.ENGINE_VERSIONS == ("auto", *VERSIONS)
+
+    def test_engine_config_help_names_every_release(self) -> None:
+        field = next(
+            f for f in dataclasses.fields(engine_config.EngineConfig) if f.name == "version"
+        )
+        help_text = next(iter(field.metadata.values())).help
+        assert all(f'"{v}"' in help_text for v in VERSIONS), help_text
+
+    def test_metric_label_values_are_the_versions(self) -> None:
+        assert vocabulary.ENGINE_VERSIONS == tuple(v.value for v in EngineVersion)
+
+    def test_the_simulator_plays_every_release(self) -> None:
+        assert simulator_releases.ENGINE_VERSIONS == VERSIONS
+        for version in VERSIONS:
+            assert parse_args(["--engine-version", version]).release.version == version
+
+    @pytest.mark.parametrize("release", RELEASES, ids=VERSIONS)
+    def test_the_simulators_rows_agree_with_the_table(self, release: EngineRelease) -> None:
+        row = simulator_releases.release_of(release.version.value)
+        names = {f.name for f in dataclasses.fields(row)} - {"version"}
+        assert names - set(CAPABILITIES) == simulator_releases.SIMULATOR_ONLY, (
+            "a simulator capability the table lacks must be named SIMULATOR_ONLY"
+        )
+        for name in names & set(CAPABILITIES):
+            assert getattr(row, name) == getattr(release, name), (release.version, name)
+
+    def test_preflight_knows_the_simulators_default(self) -> None:
+        default = SimulatorConfig().engine_version
+        assert default == simulator_releases.ENGINE_VERSIONS[0]
+        assert runner._SIMULATOR_DEFAULT_VERSION == default
+        assert parse_version(default) is RELEASES[0].version
+
+
+class TestDesignDocument:
+    """docs/design.md, Engine capabilities: a column per release, a row per capability."""
+
+    def _table(self) -> tuple[list[str], dict[str, list[str]]]:
+        text = (ROOT / "docs/design.md").read_text(encoding="utf-8")
+        section = text.split("\n## Engine capabilities\n", 1)[1].split("\n## ", 1)[0]
+        lines = [line for line in section.splitlines() if line.startswith("| ")]  # no |---|
+        header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+        rows = {}
+        for line in lines[1:]:
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[cells[0].strip("`")] = cells[1 : len(header) - 1]
+        return header, rows
+
+    def test_a_column_per_release(self) -> None:
+        header, _ = self._table()
+        assert header[1:-1] == list(VERSIONS)
+
+    def test_a_row_per_capability_with_the_tables_values(self) -> None:
+        _, rows = self._table()
+        for name in CAPABILITIES:
+            assert name in rows, f"docs/design.md, Engine capabilities has no row {name}"
+            expected = ["yes" if getattr(r, name) else "no" for r in RELEASES]
+            assert [re.sub(r"[^a-z]", "", c) for c in rows[name]] == expected, name
