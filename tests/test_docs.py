@@ -355,3 +355,27 @@ def test_readme_key_settings_are_real_settings() -> None:
     full = set(_setting_keys(ROOT / "docs/configuration.md", SETTINGS_HEADER))
     absent = [key for key in keys if key not in full]
     assert not absent, f"README's key settings missing from docs/configuration.md: {absent}"
+
+
+def _engine_capabilities_table() -> tuple[list[str], dict[str, list[str]]]:
+    """docs/design.md, Engine capabilities: the header and each capability's cells."""
+    section = _text(ROOT / "docs/design.md").split("\n## Engine capabilities\n", 1)[1]
+    lines = [line for line in section.split("\n## ", 1)[0].splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[1:]:  # the |---| line does not start with "| "
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1 : len(header) - 1]
+    return header, rows
+
+
+def test_engine_capabilities_table_is_the_release_table() -> None:
+    """A column per release of proxy/core/engine_releases.py, a row per capability, its values."""
+    from proxy.core.engine_releases import CAPABILITIES, RELEASES
+
+    header, rows = _engine_capabilities_table()
+    assert header[1:-1] == [r.version.value for r in RELEASES]
+    for name in CAPABILITIES:
+        assert name in rows, f"docs/design.md, Engine capabilities has no row {name}"
+        expected = ["yes" if getattr(r, name) else "no" for r in RELEASES]
+        assert rows[name] == expected, name

@@ -26,6 +26,7 @@ from proxy.core.capabilities import (
     parse_version,
     session_is_duplex,
 )
+from proxy.core.engine_releases import RELEASES
 from proxy.core.playback import ANSWER_TIMEOUT, AckErrorCode, AckMode, PlaybackSettings
 from proxy.core.session_core import DropReason
 from tests.proxy.core.helpers import (
@@ -41,6 +42,7 @@ from tests.proxy.core.helpers import (
 from tests.proxy.core.test_playback import chunk
 
 V032 = EngineCapabilities.of(EngineVersion.V0_32, CapabilitySource.CONFIG)
+NEWEST = RELEASES[-1].version
 
 
 def pair(caps: EngineCapabilities | None = None, **playback: Any) -> SessionPair:
@@ -93,8 +95,7 @@ class TestVersions:
             ("0.30.0", EngineVersion.V0_30),
             ("0.31.0rc1", EngineVersion.V0_31),
             ("0.32.0rc1", EngineVersion.V0_32),
-            ("0.33.1", EngineVersion.V0_32),  # newer: the newest known behaviour
-            ("1.0.0", EngineVersion.V0_32),
+            ("9.0.1", NEWEST),  # newer than every known release: the newest's behaviour
             ("0.29.9", EngineVersion.V0_30),
             ("dev", EngineVersion.UNKNOWN),
             (None, EngineVersion.UNKNOWN),

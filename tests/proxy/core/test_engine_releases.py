@@ -12,8 +12,6 @@ table and missing anywhere fails one test below, named after the place to edit
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
 import pytest
 
@@ -37,7 +35,6 @@ from proxy.core.engine_releases import (
     shown_by,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
 VERSIONS = tuple(r.version.value for r in RELEASES)
 
 
@@ -159,29 +156,3 @@ class TestConsumers:
         assert default == simulator_releases.ENGINE_VERSIONS[0]
         assert runner._SIMULATOR_DEFAULT_VERSION == default
         assert parse_version(default) is RELEASES[0].version
-
-
-class TestDesignDocument:
-    """docs/design.md, Engine capabilities: a column per release, a row per capability."""
-
-    def _table(self) -> tuple[list[str], dict[str, list[str]]]:
-        text = (ROOT / "docs/design.md").read_text(encoding="utf-8")
-        section = text.split("\n## Engine capabilities\n", 1)[1].split("\n## ", 1)[0]
-        lines = [line for line in section.splitlines() if line.startswith("| ")]  # no |---|
-        header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-        rows = {}
-        for line in lines[1:]:
-            cells = [cell.strip() for cell in line.strip("|").split("|")]
-            rows[cells[0].strip("`")] = cells[1 : len(header) - 1]
-        return header, rows
-
-    def test_a_column_per_release(self) -> None:
-        header, _ = self._table()
-        assert header[1:-1] == list(VERSIONS)
-
-    def test_a_row_per_capability_with_the_tables_values(self) -> None:
-        _, rows = self._table()
-        for name in CAPABILITIES:
-            assert name in rows, f"docs/design.md, Engine capabilities has no row {name}"
-            expected = ["yes" if getattr(r, name) else "no" for r in RELEASES]
-            assert [re.sub(r"[^a-z]", "", c) for c in rows[name]] == expected, name
