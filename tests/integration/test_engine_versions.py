@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import pytest
 
+from engine_launcher.simulator.releases import ENGINE_VERSIONS, release_of
 from proxy.settings import EngineConfig
 from tests.conftest import DEADLINE, TIMEOUT_FACTOR
 from tests.integration.helpers import (
@@ -42,7 +43,8 @@ from tests.integration.test_relay_overflow import (
 
 Event = dict[str, Any]
 
-VERSIONS: Final = ("0.30", "0.31", "0.32")
+#: Every release the simulator plays; what each does is read from its row.
+VERSIONS: Final = ENGINE_VERSIONS
 #: 6 chunks of 200 ms at real-time pace (times the suite's slack factor), 3 late on 0.30.
 CHUNKS: Final = 6
 PACED_ARGS: Final = (
@@ -83,17 +85,20 @@ async def test_a_cancel_leaves_no_stale_audio_on_every_release(
     assert "error" not in c.types()
     late = await sim_metric(paced_sim, "vllm_omni_sim_late_audio_events_total")
     # 0.30 sent late audio the sidecar had to drop; 0.31+ never produce any.
-    assert (late > 0) if version == "0.30" else (late == 0)
+    assert (late == 0) if release_of(version).drops_cancelled_audio else (late > 0)
 
 
 @pytest.fixture(
     scope="module",
-    params=[("0.30", False), ("0.31", False), ("0.32", False), ("0.32", True)],
+    params=[
+        *((v, False) for v in VERSIONS),
+        (VERSIONS[-1], True),
+    ],
     ids=lambda p: f"{p[0]}-{'item-truncate' if p[1] else 'ack-truncate'}",
 )
 def playback_sim(request: pytest.FixtureRequest) -> Iterator[SimulatorChild]:
     """Paced 4x faster than real time; each release with the sidecar truncating by
-    ``playback.ack`` ``truncate: true``, and 0.32 also by ``conversation.item.truncate``."""
+    ``playback.ack`` ``truncate: true``, and the newest also by ``conversation.item.truncate``."""
     version, truncate = request.param
     extra = ("--supports-audio-truncate",) if truncate else ()
     with module_simulator(
@@ -188,7 +193,7 @@ def _comparable(event: Event) -> Event:
     return {k: v for k, v in event.items() if k not in ("event_id", "session_id")}
 
 
-@pytest.mark.parametrize("version", ("0.31", "0.32"))
+@pytest.mark.parametrize("version", [v for v in VERSIONS if release_of(v).bounded_output])
 async def test_the_engines_own_overflow_passes_through_intact(
     simulator: Any, sidecar: Any, version: str
 ) -> None:

@@ -29,6 +29,7 @@ from engine_launcher.simulator.duplex_session import DuplexSession
 from engine_launcher.simulator.flags import SimulatorConfig, build_parser, parse_args
 from engine_launcher.simulator.handlers import HANDLERS
 from engine_launcher.simulator.outbox import CloseFrame
+from engine_launcher.simulator.releases import ENGINE_VERSIONS, release_of
 from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import (
     AUDIO_DELTA,
@@ -42,8 +43,10 @@ from tests.integration.helpers import (
 
 Event = dict[str, Any]
 
-VERSIONS: Final = ("0.30", "0.31", "0.32")
-BOUNDED: Final = ("0.31", "0.32")
+#: Every release the simulator plays (engine_launcher/simulator/releases.py); the
+#: tests read what each does from its row, so a new release runs them all.
+VERSIONS: Final = ENGINE_VERSIONS
+BOUNDED: Final = tuple(v for v in VERSIONS if release_of(v).bounded_output)
 APPEND: Final = {"type": "input_audio_buffer.append", "audio": pcm16_b64(100)}
 ASK: Final = (APPEND, {"type": "input_audio_buffer.commit"}, {"type": "response.create"})
 #: A long reply produced as fast as possible, in big (4 s, ~256 KB) deltas:
@@ -193,7 +196,8 @@ async def test_cancel_with_audio_queued_in_the_engine(simulator: Any, version: s
     The client does not read until the engine has audio queued, then cancels
     and reads to the cancelled ``response.done``.
     """
-    bound = () if version == "0.30" else ("--max-pending-output-bytes", str(256 * 1024 * 1024))
+    release = release_of(version)
+    bound = ("--max-pending-output-bytes", str(256 * 1024 * 1024)) if release.bounded_output else ()
     sim = await simulator(*PACED_FLOOD_ARGS, "--engine-version", version, *bound)
     async with connect(sim.ws_url, receive_buffer_bytes=16384) as c:
         await ask(c)
@@ -211,7 +215,7 @@ async def test_cancel_with_audio_queued_in_the_engine(simulator: Any, version: s
     received = sum(1 for e in c.events if e["type"] == AUDIO_DELTA)
     generated = done["response"]["metadata"]["playback"]["generated_ms"] // 4000
     assert_seq_gap_free(c.events)
-    if version == "0.30":
+    if not release.drops_cancelled_audio:
         assert removed == 0 and late == 3
         assert received == generated  # everything queued, plus the late chunks, arrived
     else:
@@ -250,7 +254,7 @@ async def _reply_without_audio(c: Client) -> str:
 async def test_truncation_of_a_reply_that_produced_no_audio(paced_sim: SimulatorChild) -> None:
     """0.32: a truncating ack or conversation.item.truncate for it is bad_event (the ack's
     without event_id); 0.31 ignores the ack's truncate flag; 0.30 applies both."""
-    version: str = paced_sim.version  # type: ignore[attr-defined]
+    release = release_of(paced_sim.version)  # type: ignore[attr-defined]
     async with connect(paced_sim.ws_url + "?autostart=0") as c:
         rid = await _reply_without_audio(c)
         assert not [e for e in c.events if e["type"] == AUDIO_DELTA]
@@ -262,19 +266,19 @@ async def test_truncation_of_a_reply_that_produced_no_audio(paced_sim: Simulator
                     "item_id": f"item_{rid}", "content_index": 0, "audio_end_ms": 0}  # fmt: skip
         await c.send(truncate)
         cut = await c.recv_until(lambda e: e["type"] in ("error", "conversation.item.truncated"))
-    if version == "0.32":
+    if release.truncate_needs_audio_item:
         assert answer["type"] == "error" and answer["error"]["code"] == "bad_event"
-        assert "event_id" not in answer["error"]
+        assert ("event_id" in answer["error"]) is release.ack_errors_carry_event_id
         assert cut["type"] == "error" and cut["error"]["code"] == "bad_event"
         assert cut["error"]["event_id"] == "evt_cut"
     else:
         assert answer["type"] == "playback.acknowledged"
-        assert answer["event"]["truncate"] is (version == "0.30")
+        assert answer["event"]["truncate"] is release.ack_truncate_flag
         assert cut["type"] == "conversation.item.truncated"
 
 
 async def test_ack_errors_carry_the_event_id_before_032_only(paced_sim: SimulatorChild) -> None:
-    version: str = paced_sim.version  # type: ignore[attr-defined]
+    release = release_of(paced_sim.version)  # type: ignore[attr-defined]
     async with connect(paced_sim.ws_url + "?autostart=0") as c:
         await c.send({"type": "session.update", "session": {}})
         await c.recv_until("session.updated")
@@ -282,13 +286,14 @@ async def test_ack_errors_carry_the_event_id_before_032_only(paced_sim: Simulato
                       "item_id": "item_resp-nope", "played_ms": 10})  # fmt: skip
         error = await c.recv_until("error")
     assert error["error"]["code"] == "playback_item_not_found"
-    assert error["error"].get("event_id") == (None if version == "0.32" else "evt_nf")
+    expected = "evt_nf" if release.ack_errors_carry_event_id else None
+    assert error["error"].get("event_id") == expected
 
 
 # ---------------------------------------------------------------------- capacity
 
 
-@pytest.mark.parametrize("version", ("0.30", "0.31", "0.32"))
+@pytest.mark.parametrize("version", VERSIONS)
 async def test_a_full_engine_accepts_then_refuses_the_open_and_closes_1000(
     simulator: Any, version: str
 ) -> None:
@@ -305,7 +310,7 @@ async def test_a_full_engine_accepts_then_refuses_the_open_and_closes_1000(
         assert error["message"] == "duplex_session_capacity_exhausted: limit=1"
         # docs/engine-protocol.md: only 0.32 marks it retryable; 0.30 and 0.31 carry no
         # such field at all (not even false).
-        if version == "0.32":
+        if release_of(version).open_rejections_retryable:
             assert error["retryable"] is True
         else:
             assert "retryable" not in error, error
@@ -388,7 +393,7 @@ async def test_plain_realtime_refuses_duplex(plain_sim: SimulatorChild) -> None:
     [
         ["--max-pending-output-bytes", "1000"],  # 0.30 has no bound
         ["--session-mode", "realtime"],  # 0.30 has no plain handler here
-        ["--engine-version", "0.33"],
+        ["--engine-version", "9.99"],
         ["--engine-version", "0.31", "--output-reserve-events", "0"],
         ["--max-sessions", "0"],
     ],
@@ -409,5 +414,5 @@ def test_flags_that_do_not_fit_the_version_exit_2(
 
 def test_help_says_what_each_version_does() -> None:
     text = " ".join(build_parser().format_help().split())
-    for phrase in ("0.30:", "0.31:", "0.32:", "output_backpressure", "--max-sessions"):
+    for phrase in (*(f"{v}:" for v in VERSIONS), "output_backpressure", "--max-sessions"):
         assert phrase in text
