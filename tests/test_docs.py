@@ -22,6 +22,7 @@ the README stays a short front door whose key-settings table names real keys.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -379,3 +380,102 @@ def test_engine_capabilities_table_is_the_release_table() -> None:
         assert name in rows, f"docs/design.md, Engine capabilities has no row {name}"
         expected = ["yes" if getattr(r, name) else "no" for r in RELEASES]
         assert rows[name] == expected, name
+
+
+# -- the module map (docs/design.md, Architecture) ---------------------------------------
+
+#: The product's packages, whose every module the map names.
+PRODUCT_PACKAGES = ("proxy", "engine_launcher", "metrics")
+#: The line that opens the map's table in docs/design.md.
+MODULE_MAP_LEAD = "Module map"
+#: One row of the map: one module's path in backticks, then its one job.
+MODULE_MAP_ROW = re.compile(r"^\| `([\w/.]+\.py)` \| (.+) \|$")
+
+
+def _defines_something(path: Path) -> bool:
+    """Whether a file holds a function or class of its own (not only names it re-exports)."""
+    tree = ast.parse(_text(path), filename=str(path))
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        for node in tree.body
+    )
+
+
+def product_modules(root: Path = ROOT) -> list[str]:
+    """Every product module the map must name, as a path from the repository root.
+
+    The rule: every ``.py`` file under ``proxy/``, ``engine_launcher/`` and
+    ``metrics/``, except an ``__init__.py`` or ``__main__.py`` that defines no
+    function or class (a package's list of re-exported names, a ``python -m`` shim).
+    """
+    found = []
+    for package in PRODUCT_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            if path.name in {"__init__.py", "__main__.py"} and not _defines_something(path):
+                continue
+            found.append(str(path.relative_to(root)))
+    return found
+
+
+def _module_map_lines(text: str) -> list[str]:
+    """The map's table rows under its header and separator, from docs/design.md's text."""
+    lines = text[text.index(MODULE_MAP_LEAD) :].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[first + 2 :]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    return table
+
+
+def module_map(text: str) -> dict[str, str]:
+    """The map's rows, path → job."""
+    matches = (MODULE_MAP_ROW.match(line) for line in _module_map_lines(text))
+    return {m.group(1): m.group(2) for m in matches if m}
+
+
+def module_map_problems(modules: list[str], rows: dict[str, str]) -> list[str]:
+    problems = [
+        f"{module} is not in the module map: add the row\n"
+        f"    | `{module}` | <its one job, one line> |\n"
+        f"  to the table under {MODULE_MAP_LEAD!r} in docs/design.md (Architecture)"
+        for module in modules
+        if module not in rows
+    ]
+    problems += [
+        f"the module map names {path}, which is not a product module: remove or rename its row"
+        for path in rows
+        if path not in modules
+    ]
+    return problems
+
+
+def test_the_module_map_names_every_product_module_once() -> None:
+    text = _text(ROOT / "docs/design.md")
+    rows = module_map(text)
+    problems = module_map_problems(product_modules(), rows)
+    problems += [
+        f"a module map row is not one module and its job (| `path.py` | job |): {line}"
+        for line in _module_map_lines(text)
+        if not MODULE_MAP_ROW.match(line)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_module_map_rule_sees_a_new_module_and_a_stale_row(tmp_path: Path) -> None:
+    (tmp_path / "proxy" / "shim").mkdir(parents=True)
+    (tmp_path / "engine_launcher").mkdir()
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "proxy" / "new_thing.py").write_text("def f() -> None: ...\n")
+    (tmp_path / "proxy" / "shim" / "__init__.py").write_text('"""Names."""\nfrom x import y\n')
+    (tmp_path / "proxy" / "__main__.py").write_text("def main() -> None: ...\n")
+    modules = product_modules(tmp_path)
+    assert modules == ["proxy/__main__.py", "proxy/new_thing.py"]
+    text = "Module map (one row per module):\n\n| path | job |\n|---|---|\n| `proxy/__main__.py` | run |\n| `proxy/gone.py` | x |\n"
+    problems = module_map_problems(modules, module_map(text))
+    assert len(problems) == 2
+    assert "| `proxy/new_thing.py` | <its one job, one line> |" in problems[0]
+    assert "proxy/gone.py" in problems[1]

@@ -23,7 +23,7 @@ from engine_launcher.simulator.session_host import (
     SessionHost,
     SimulatorState,
 )
-from engine_launcher.simulator.session_resume import Resumed, ResumeRequest
+from engine_launcher.simulator.session_resume import Resumed, EngineResumeRequest
 from engine_launcher.simulator.session_state import Phase
 from engine_launcher.simulator.wire import MAX_CLIENT_MESSAGE_BYTES
 
@@ -123,7 +123,7 @@ class SocketRunner:
             if session.phase is Phase.CLOSED:
                 return  # stop reading; the pump delivers session.closed and closes
 
-    async def _resume(self, own: SessionHost, request: ResumeRequest) -> bool:
+    async def _resume(self, own: SessionHost, request: EngineResumeRequest) -> bool:
         """This socket's first message was ``session.resume``: attach it to that session.
 
         Returns whether it did; if not, the socket's own session says why and closes.

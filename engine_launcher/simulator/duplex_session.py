@@ -29,7 +29,7 @@ from engine_launcher.simulator.session_resume import (
     Refusal,
     ResumeCredential,
     Resumed,
-    ResumeRequest,
+    EngineResumeRequest,
     ResyncRequired,
 )
 from engine_launcher.simulator.session_state import Payload, Phase
@@ -61,7 +61,7 @@ class DuplexSession(ResponseGeneration):
         slots: the process's open-session slots, if limited.
 
     Its attributes are those of
-    :class:`~engine_launcher.simulator.session_state.SessionState`.
+    :class:`~engine_launcher.simulator.session_state.SimulatedSession`.
     """
 
     def __init__(
@@ -189,7 +189,7 @@ class DuplexSession(ResponseGeneration):
 
     # ------------------------------------------------------------------ resume
 
-    def take_resume_request(self) -> ResumeRequest | None:
+    def take_resume_request(self) -> EngineResumeRequest | None:
         """The ``session.resume`` this socket opened with, once (for the shell to carry out)."""
         request, self.resume_request = self.resume_request, None
         return request
@@ -249,7 +249,7 @@ class DuplexSession(ResponseGeneration):
         self._outbox.put_final(CloseFrame(1000, reason))
         self.phase = Phase.CLOSED
 
-    def resume(self, request: ResumeRequest, now: float) -> Refusal | ResyncRequired | Resumed:
+    def resume(self, request: EngineResumeRequest, now: float) -> Refusal | ResyncRequired | Resumed:
         """Attach a new socket (docs/engine-protocol.md, Resume).
 
         Checks, in the engine's order: the session is alive, it resumes, the

@@ -1,7 +1,7 @@
 """Response generation: how a session starts, streams, completes and cancels a response.
 
 :class:`ResponseGeneration` adds the response lifecycle to
-:class:`~engine_launcher.simulator.session_state.SessionState`: ``response.created``
+:class:`~engine_launcher.simulator.session_state.SimulatedSession`: ``response.created``
 … ``response.speak`` on start, one audio + transcript delta per
 :meth:`~ResponseGeneration.produce_chunk` (the shell paces the calls), the
 terminal events on completion or cancel, and what each release does with
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from engine_launcher.simulator.playback_history import ACK_ONLY, AssistantRecord, PlaybackCursor
 from engine_launcher.simulator.responses import ResponseState
-from engine_launcher.simulator.session_state import MAX_ASSISTANT_RECORDS, Phase, SessionState
+from engine_launcher.simulator.session_state import MAX_ASSISTANT_RECORDS, Phase, SimulatedSession
 
 __all__ = ["ResponseGeneration"]
 
 
-class ResponseGeneration(SessionState):
+class ResponseGeneration(SimulatedSession):
     """The response lifecycle of a session: start, produce, complete, cancel."""
 
     def release_playback_wait(self) -> bool:

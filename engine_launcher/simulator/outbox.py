@@ -4,7 +4,7 @@ Events wait unnumbered in the :class:`~engine_launcher.simulator.delivery.Output
 (unbounded on 0.30, bounded from 0.31, where a cancel removes queued audio
 first) and get ``event_id`` and ``server_event_seq`` when taken, at which point
 a numbered frame enters the session's
-:class:`~engine_launcher.simulator.replay_journal.ReplayJournal`. The plain
+:class:`~engine_launcher.simulator.replay_journal.EngineJournal`. The plain
 realtime handler (``--session-mode realtime``) numbers nothing. A
 :class:`CloseFrame` is always the last item. Sans-I/O. docs/design.md, Simulator.
 """
@@ -18,10 +18,10 @@ from typing import Any, Final
 from engine_launcher.simulator.counters import SimulatorStats
 from engine_launcher.simulator.delivery import OutputEntry, OutputOverflow, OutputQueue
 from engine_launcher.simulator.flags import SimulatorConfig
-from engine_launcher.simulator.replay_journal import ReplayJournal, frame_bytes
+from engine_launcher.simulator.replay_journal import EngineJournal, frame_bytes
 from engine_launcher.simulator.wire import IdFactory, dumps
 
-__all__ = ["CloseFrame", "Outbox", "Outgoing"]
+__all__ = ["CloseFrame", "EngineOutbox", "Outgoing"]
 
 Payload = dict[str, Any]
 
@@ -40,7 +40,7 @@ class CloseFrame:
 Outgoing = str | CloseFrame
 
 
-class Outbox:
+class EngineOutbox:
     """The numbering, journaling and queueing rules of one session's output.
 
     Args:
@@ -71,7 +71,7 @@ class Outbox:
         #: The duplex handler numbers events; the plain realtime handler does not.
         self.numbered = config.session_mode == "duplex"
         #: Numbered frames a resume may replay (the duplex handler only).
-        self.journal = ReplayJournal(config.journal_limits) if self.numbered else None
+        self.journal = EngineJournal(config.journal_limits) if self.numbered else None
         #: An output overflow happened: only the failure's own events go in now.
         self.failed = False
         #: Named in ``session.resync_required`` (set when the session opens).

@@ -17,7 +17,7 @@ __all__ = [
     "DEFAULT_JOURNAL_LIMITS",
     "JournalLimits",
     "Replay",
-    "ReplayJournal",
+    "EngineJournal",
     "ReplayProblem",
     "frame_bytes",
 ]
@@ -70,7 +70,7 @@ class Replay:
     frames: list[str]
 
 
-class ReplayJournal:
+class EngineJournal:
     """Numbered frames of one session, bounded by :class:`JournalLimits`.
 
     Args:

@@ -29,7 +29,7 @@ from engine_launcher.simulator.session_resume import (
     Refusal,
     ResumeCredential,
     Resumed,
-    ResumeRequest,
+    EngineResumeRequest,
     ResyncRequired,
 )
 from engine_launcher.simulator.session_state import Phase
@@ -124,7 +124,7 @@ class SimulatorState:
         return sum(1 for h in self.hosts if h.session.detached_at is not None)
 
     def resume(
-        self, request: ResumeRequest, now: float
+        self, request: EngineResumeRequest, now: float
     ) -> tuple[SessionHost | None, Refusal | ResyncRequired | Resumed]:
         """Carry out ``request`` against the session it names (an unknown id is refused
         exactly like a wrong token)."""

@@ -23,7 +23,7 @@ __all__ = [
     "UNSUPPORTED_SESSION_RESUME",
     "Refusal",
     "ResumeCredential",
-    "ResumeRequest",
+    "EngineResumeRequest",
     "Resumed",
     "ResyncRequired",
     "parse_resume_request",
@@ -43,7 +43,7 @@ INVALID_EVENT_ACK: Final = "invalid_event_ack"
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeRequest:
+class EngineResumeRequest:
     """A well-formed ``session.resume``."""
 
     session_id: str
@@ -51,7 +51,7 @@ class ResumeRequest:
     cursor: int
 
 
-def parse_resume_request(event: Mapping[str, Any]) -> ResumeRequest | None:
+def parse_resume_request(event: Mapping[str, Any]) -> EngineResumeRequest | None:
     """The request in ``event``, or ``None`` when a field is missing or malformed.
 
     ``last_received_server_event_seq`` may be left out (0: nothing received yet).
@@ -69,7 +69,7 @@ def parse_resume_request(event: Mapping[str, Any]) -> ResumeRequest | None:
         or cursor < 0
     ):
         return None
-    return ResumeRequest(session_id, token, cursor)
+    return EngineResumeRequest(session_id, token, cursor)
 
 
 def _digest(token: str) -> bytes:

@@ -1,9 +1,9 @@
 """The state of one simulated duplex session, and how it emits and closes.
 
-:class:`SessionState` holds what a session is (phase, ids, epoch, settings,
+:class:`SimulatedSession` holds what a session is (phase, ids, epoch, settings,
 input, history, the active response, each reply's ledger, its attachment)
-and answers queries about it; :meth:`SessionState.emit` queues events through
-the session's :class:`~engine_launcher.simulator.outbox.Outbox`, which fails the
+and answers queries about it; :meth:`SimulatedSession.emit` queues events through
+the session's :class:`~engine_launcher.simulator.outbox.EngineOutbox`, which fails the
 session on a 0.31+ output overflow. ``generation`` (responses) and
 ``duplex_session`` (input, open, resume) build on it. No I/O, no clock. Phases:
 AWAITING_OPEN (no session yet) → OPEN → CLOSED (``session.closed`` queued;
@@ -19,12 +19,12 @@ from engine_launcher.simulator.audio import AudioBank
 from engine_launcher.simulator.conversation import Conversation, InputBuffer
 from engine_launcher.simulator.counters import SessionSlots, SimulatorStats
 from engine_launcher.simulator.flags import SimulatorConfig
-from engine_launcher.simulator.outbox import CloseFrame, Outbox, Outgoing
+from engine_launcher.simulator.outbox import CloseFrame, EngineOutbox, Outgoing
 from engine_launcher.simulator.playback_history import ACK_ONLY, AssistantRecord, PlaybackCursor
-from engine_launcher.simulator.replay_journal import ReplayJournal
+from engine_launcher.simulator.replay_journal import EngineJournal
 from engine_launcher.simulator.responses import ResponseEvents, ResponseState
-from engine_launcher.simulator.session_resume import ResumeCredential, ResumeRequest
-from engine_launcher.simulator.session_update import SessionSettings
+from engine_launcher.simulator.session_resume import ResumeCredential, EngineResumeRequest
+from engine_launcher.simulator.session_update import SimulatedSettings
 from engine_launcher.simulator.wire import IdFactory, error_payload, names_for
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "OUTPUT_BACKPRESSURE",
     "Payload",
     "Phase",
-    "SessionState",
+    "SimulatedSession",
 ]
 
 Payload = dict[str, Any]
@@ -58,7 +58,7 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
-class SessionState:
+class SimulatedSession:
     """Protocol state of one simulated duplex session.
 
     The attributes below are read and changed by the event handlers.
@@ -109,13 +109,13 @@ class SessionState:
         self._stats = stats
         self._ids = IdFactory(deterministic=config.deterministic)
         self._builder = ResponseEvents(names_for(config.event_names), bank)
-        self._outbox = Outbox(config, stats, self._builder.audio_delta_type)
+        self._outbox = EngineOutbox(config, stats, self._builder.audio_delta_type)
         self._new_responses: list[str] = []
         self.phase = Phase.AWAITING_OPEN
         self.session_id = ""
         self.epoch = 0
         self.turn_id = 0
-        self.settings = SessionSettings(
+        self.settings = SimulatedSettings(
             model=model or config.model, playback_commit_policy=config.playback_commit_policy
         )
         self.input = InputBuffer()
@@ -128,7 +128,7 @@ class SessionState:
         self.attachment_generation = 0
         self.attached = True
         self.detached_at: float | None = None
-        self.resume_request: ResumeRequest | None = None
+        self.resume_request: EngineResumeRequest | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -190,7 +190,7 @@ class SessionState:
         }
 
     @property
-    def journal(self) -> ReplayJournal | None:
+    def journal(self) -> EngineJournal | None:
         """The replay journal (``None`` for the plain realtime handler, which numbers nothing)."""
         return self._outbox.journal
 

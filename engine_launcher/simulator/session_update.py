@@ -19,7 +19,7 @@ from engine_launcher.simulator.playback_history import COMMIT_ALL_ON_DONE, norma
 
 __all__ = [
     "DEFAULT_INPUT_RATE",
-    "SessionSettings",
+    "SimulatedSettings",
     "SettingsError",
     "apply_update",
     "truthy",
@@ -58,7 +58,7 @@ class SettingsError(ValueError):
 
 
 @dataclass(slots=True, kw_only=True)
-class SessionSettings:
+class SimulatedSettings:
     """Effective configuration of one session."""
 
     model: str
@@ -103,7 +103,7 @@ def _format_name(value: object) -> tuple[str | None, int | None]:
     return None, None
 
 
-def apply_update(current: SessionSettings, session: dict[str, Any]) -> SessionSettings:
+def apply_update(current: SimulatedSettings, session: dict[str, Any]) -> SimulatedSettings:
     """Return ``current`` updated by a ``session.update``'s ``session`` object.
 
     Validation happens before anything changes, so a rejected update leaves

@@ -1003,7 +1003,7 @@ def test_resume_events_render_like_the_wheel_classes(vllm_omni: VllmOmni) -> Non
     from engine_launcher.simulator import DuplexSession, SimulatorConfig, SimulatorStats
     from engine_launcher.simulator.audio import make_audio_bank
     from engine_launcher.simulator.handlers import HANDLERS
-    from engine_launcher.simulator.session_resume import ResumeRequest, ResyncRequired
+    from engine_launcher.simulator.session_resume import EngineResumeRequest, ResyncRequired
 
     def core(**flags: Any) -> DuplexSession:
         config = SimulatorConfig(chunk_ms=100, response_seconds=1, **flags)
@@ -1018,7 +1018,7 @@ def test_resume_events_render_like_the_wheel_classes(vllm_omni: VllmOmni) -> Non
     s.receive_text(orjson.dumps({"type": "session.update", "session": {}}).decode())
     token = frames(s)[0]["resume_token"]
     s.detach(now=1.0)
-    s.resume(ResumeRequest(s.session_id, token, 1), now=2.0)
+    s.resume(EngineResumeRequest(s.session_id, token, 1), now=2.0)
     events = frames(s) + [orjson.loads(s.replaced_frame(1))]
     append = {"type": "input_audio_buffer.append", "audio": pcm16_b64(100)}
     for event in (append, {"type": "input_audio_buffer.commit", "response_create": True}):

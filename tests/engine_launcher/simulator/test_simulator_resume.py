@@ -24,14 +24,14 @@ from engine_launcher.simulator.outbox import CloseFrame
 from engine_launcher.simulator.replay_journal import (
     JournalLimits,
     Replay,
-    ReplayJournal,
+    EngineJournal,
     ReplayProblem,
 )
 from engine_launcher.simulator.session_resume import (
     Refusal,
     ResumeCredential,
     Resumed,
-    ResumeRequest,
+    EngineResumeRequest,
     ResyncRequired,
 )
 from tests.aiohttp_private import abort
@@ -60,7 +60,7 @@ FAST_REAP: Final = ("--reaper-interval", f"{0.05 * TIMEOUT_FACTOR:g}")
 
 
 def test_journal_acks_age_and_gaps() -> None:
-    journal = ReplayJournal(JournalLimits(max_bytes=1000, ttl_s=10))
+    journal = EngineJournal(JournalLimits(max_bytes=1000, ttl_s=10))
     for seq in range(1, 6):
         assert journal.fits(10, now=seq)
         journal.record(seq, f"frame{seq}", 10, now=seq)
@@ -78,7 +78,7 @@ def test_journal_acks_age_and_gaps() -> None:
 
 
 def test_journal_overflow_is_for_good_and_frees_what_it_held() -> None:
-    journal = ReplayJournal(JournalLimits(max_bytes=25, ttl_s=10))
+    journal = EngineJournal(JournalLimits(max_bytes=25, ttl_s=10))
     for seq in (1, 2):
         assert journal.fits(10, now=0)
         journal.record(seq, "x", 10, now=0)
@@ -160,7 +160,7 @@ def test_resume_replays_exactly_what_follows_the_cursor_then_live_events() -> No
         s.produce_chunk(rid)  # still generating while detached
     unseen, _ = _take(s, now=3.0)  # journaled, sent to nobody
     s.produce_chunk(rid)  # queued, not taken yet when the resume comes
-    outcome = s.resume(ResumeRequest(s.session_id, token, cursor), now=4.0)
+    outcome = s.resume(EngineResumeRequest(s.session_id, token, cursor), now=4.0)
     assert outcome == Resumed(replaced=None)
     resumed, *after = _take(s, now=4.0)[0]
     assert resumed["type"] == "session.resumed" and "server_event_seq" not in resumed
@@ -174,12 +174,12 @@ def test_resume_replays_exactly_what_follows_the_cursor_then_live_events() -> No
     live += _take(s, now=5.0)[0]
     assert _seqs(replay + live) == list(range(cursor + 1, last + 1 + len(live)))
     # The token rotated: the old one lost the race, a made-up one names nothing.
-    old = s.resume(ResumeRequest(s.session_id, token, 0), now=5.0)
+    old = s.resume(EngineResumeRequest(s.session_id, token, 0), now=5.0)
     assert isinstance(old, Refusal) and old.code == "session_resume_conflict"
-    forged = s.resume(ResumeRequest(s.session_id, "forged", 0), now=5.0)
+    forged = s.resume(EngineResumeRequest(s.session_id, "forged", 0), now=5.0)
     assert forged == Refusal("session_resume_expired", "unknown or expired duplex session")
     # The new token takes the session over from the attached socket.
-    again = s.resume(ResumeRequest(s.session_id, resumed["resume_token"], last), now=5.0)
+    again = s.resume(EngineResumeRequest(s.session_id, resumed["resume_token"], last), now=5.0)
     assert again == Resumed(replaced=2)
 
 
@@ -193,9 +193,9 @@ def test_an_ack_trims_the_journal_and_an_older_cursor_needs_a_resync() -> None:
     _send(s, {"type": "session.event_ack", "server_event_seq": acked})
     assert _take(s) == ([], [])  # no answer
     assert s.detach(now=1.0)
-    behind = s.resume(ResumeRequest(s.session_id, token, acked - 1), now=1.0)
+    behind = s.resume(EngineResumeRequest(s.session_id, token, acked - 1), now=1.0)
     assert behind == ResyncRequired(s.session_id, "journal_gap")
-    assert isinstance(s.resume(ResumeRequest(s.session_id, token, acked), now=1.0), Resumed)
+    assert isinstance(s.resume(EngineResumeRequest(s.session_id, token, acked), now=1.0), Resumed)
     # An ack of something never sent, or of nothing, is an error outside the journal.
     _send(s, {"type": "session.event_ack", "server_event_seq": 10_000, "event_id": "evt_a"})
     _send(s, {"type": "session.event_ack", "server_event_seq": -1})
@@ -210,7 +210,7 @@ def test_journal_frames_age_out_after_the_replay_ttl() -> None:
     _send(s, *ASK)
     _take(s, now=0.0)
     assert s.detach(now=1.0)
-    outcome = s.resume(ResumeRequest(s.session_id, token, 0), now=10.5)
+    outcome = s.resume(EngineResumeRequest(s.session_id, token, 0), now=10.5)
     assert outcome == ResyncRequired(s.session_id, "journal_gap")
 
 
@@ -230,7 +230,7 @@ def test_journal_overflow_sends_resync_required_once_then_numbers_nothing() -> N
     assert _seqs(events[:at]) == list(range(2, at + 2))  # 1 was session.updated
     assert _seqs(events[at:]) == [] and len(events) - at > 5
     assert s.detach(now=1.0)
-    assert s.resume(ResumeRequest(s.session_id, token, at), now=1.0) == ResyncRequired(
+    assert s.resume(EngineResumeRequest(s.session_id, token, at), now=1.0) == ResyncRequired(
         s.session_id, "journal_gap"
     )
 
@@ -262,7 +262,7 @@ def test_grace_expiry_and_what_a_detached_session_ends_with() -> None:
     s, token = _opened(disconnect_grace=30.0)
     assert s.detach(now=100.0)
     assert not s.grace_over(129.9) and s.grace_over(130.0)
-    late = s.resume(ResumeRequest(s.session_id, token, 1), now=130.0)
+    late = s.resume(EngineResumeRequest(s.session_id, token, 1), now=130.0)
     assert late == Refusal("session_resume_expired", "unknown or expired duplex session")
     s.expire()
     events, closes = _take(s)
@@ -288,7 +288,7 @@ def test_audio_of_a_cancelled_response_in_the_journal_per_release(
     _send(s, {"type": "response.cancel"})
     assert s.detach(now=1.0)
     _take(s, now=1.0)
-    outcome = s.resume(ResumeRequest(s.session_id, token, 1), now=2.0)
+    outcome = s.resume(EngineResumeRequest(s.session_id, token, 1), now=2.0)
     assert isinstance(outcome, Resumed)
     replay = _take(s, now=2.0)[0][1:]
     audio = [e for e in replay if e["type"] == AUDIO_DELTA and e["response_id"] == rid]
