@@ -16,6 +16,12 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
+from engine_launcher.exit_statuses import (
+    EXIT_CONFIG,
+    EXIT_LISTEN,
+    EXIT_PREFLIGHT,
+    EXIT_STATUSES,
+)
 from engine_launcher.preflight import (
     CheckStatus,
     add_preflight_arguments,
@@ -36,33 +42,9 @@ from proxy.settings import (
 )
 
 __all__ = [
-    "EXIT_CONFIG",
-    "EXIT_ENGINE_FAILED",
-    "EXIT_LISTEN",
-    "EXIT_PREFLIGHT",
-    "EXIT_STATUSES",
     "main",
     "version",
 ]
-
-#: The engine failed for good: restart budget spent, or it never became ready.
-EXIT_ENGINE_FAILED: int = 1
-#: A setting is invalid (unknown key, bad value, a value the core rejects).
-EXIT_CONFIG: int = 2
-#: A cheap preflight check failed before the engine was started.
-EXIT_PREFLIGHT: int = 3
-#: The listen or admin address is in use, not permitted or not available, or a
-#: socket systemd passed cannot be served on (docs/design.md, Socket activation).
-EXIT_LISTEN: int = 4
-
-EXIT_STATUSES: dict[int, str] = {
-    0: "stopped on request (SIGTERM, SIGINT)",
-    EXIT_ENGINE_FAILED: "the engine failed for good (restart budget spent, or never ready)",
-    EXIT_CONFIG: "configuration error",
-    EXIT_PREFLIGHT: "a preflight check failed",
-    EXIT_LISTEN: "listen or admin address in use, not permitted or not available, "
-    "or a socket systemd passed cannot be served on",
-}
 
 
 def version() -> str:

@@ -28,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_launcher.admission import EngineAdmission
+from engine_launcher.exit_statuses import EXIT_ENGINE_FAILED, EXIT_LISTEN, EXIT_OK
 from engine_launcher.launcher_errors import LauncherError
 from engine_launcher.policy import EngineState, Observation
 from engine_launcher.pool import EnginePool
@@ -59,19 +60,11 @@ from proxy.settings import (
 from proxy.startup import start_tracing, tune_gc, validate_runtime
 
 __all__ = [
-    "EXIT_ENGINE_FAILED",
-    "EXIT_LISTEN",
-    "EXIT_OK",
     "Sidecar",
     "serve",
 ]
 
 log = logging.getLogger("omni_sidecar")
-
-EXIT_OK: Final = 0
-EXIT_ENGINE_FAILED: Final = 1
-#: The listen or admin address is in use, not permitted or not available.
-EXIT_LISTEN: Final = 4
 
 
 class _BindError(Exception):

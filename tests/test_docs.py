@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine_launcher.exit_statuses import EXIT_STATUSES
 from metrics import SidecarMetrics, definitions
-from proxy.cli import EXIT_STATUSES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,26 +12,18 @@ import argparse
 import sys
 import tomllib
 from collections.abc import Mapping
-from typing import Any, Final, TextIO
+from typing import Any, TextIO
 
 from engine_launcher.engine_config import EngineConfig, EngineConfigError
+from engine_launcher.exit_statuses import EXIT_CONFIG, EXIT_OK, EXIT_PREFLIGHT
 from engine_launcher.preflight.results import CheckStatus
 from engine_launcher.preflight.runner import run_checks
 
 __all__ = [
-    "EXIT_CONFIG",
-    "EXIT_FAILED",
-    "EXIT_OK",
     "add_preflight_arguments",
     "engine_config_from_file",
     "main_preflight",
 ]
-
-
-EXIT_OK: Final = 0
-#: A check failed: the engine cannot start here (``serve`` exits with it too).
-EXIT_FAILED: Final = 3
-EXIT_CONFIG: Final = 2
 
 
 def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +76,7 @@ def main_preflight(
     warned = [r.name for r in results if r.status is CheckStatus.WARN]
     if failed:
         print(f"omni-sidecar preflight: FAIL ({', '.join(failed)})", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_PREFLIGHT
     verdict = f"PASS with warnings ({', '.join(warned)})" if warned else "PASS"
     print(f"omni-sidecar preflight: {verdict}", file=sys.stderr)
     return EXIT_OK

@@ -23,7 +23,7 @@ from engine_launcher.simulator.session_host import (
     SessionHost,
     SimulatorState,
 )
-from engine_launcher.simulator.session_resume import Resumed, EngineResumeRequest
+from engine_launcher.simulator.session_resume import EngineResumeRequest, Resumed
 from engine_launcher.simulator.session_state import Phase
 from engine_launcher.simulator.wire import MAX_CLIENT_MESSAGE_BYTES
 

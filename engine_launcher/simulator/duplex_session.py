@@ -26,10 +26,10 @@ from engine_launcher.simulator.session_resume import (
     SESSION_RESUME_CONFLICT,
     UNKNOWN_SESSION,
     UNSUPPORTED_SESSION_RESUME,
+    EngineResumeRequest,
     Refusal,
     ResumeCredential,
     Resumed,
-    EngineResumeRequest,
     ResyncRequired,
 )
 from engine_launcher.simulator.session_state import Payload, Phase
@@ -249,7 +249,9 @@ class DuplexSession(ResponseGeneration):
         self._outbox.put_final(CloseFrame(1000, reason))
         self.phase = Phase.CLOSED
 
-    def resume(self, request: EngineResumeRequest, now: float) -> Refusal | ResyncRequired | Resumed:
+    def resume(
+        self, request: EngineResumeRequest, now: float
+    ) -> Refusal | ResyncRequired | Resumed:
         """Attach a new socket (docs/engine-protocol.md, Resume).
 
         Checks, in the engine's order: the session is alive, it resumes, the

@@ -15,9 +15,9 @@ from typing import Final
 
 __all__ = [
     "DEFAULT_JOURNAL_LIMITS",
+    "EngineJournal",
     "JournalLimits",
     "Replay",
-    "EngineJournal",
     "ReplayProblem",
     "frame_bytes",
 ]

@@ -26,10 +26,10 @@ from engine_launcher.simulator.flags import SimulatorConfig
 from engine_launcher.simulator.outbox import CloseFrame
 from engine_launcher.simulator.session_resume import (
     UNKNOWN_SESSION,
+    EngineResumeRequest,
     Refusal,
     ResumeCredential,
     Resumed,
-    EngineResumeRequest,
     ResyncRequired,
 )
 from engine_launcher.simulator.session_state import Phase

@@ -23,7 +23,7 @@ from engine_launcher.simulator.outbox import CloseFrame, EngineOutbox, Outgoing
 from engine_launcher.simulator.playback_history import ACK_ONLY, AssistantRecord, PlaybackCursor
 from engine_launcher.simulator.replay_journal import EngineJournal
 from engine_launcher.simulator.responses import ResponseEvents, ResponseState
-from engine_launcher.simulator.session_resume import ResumeCredential, EngineResumeRequest
+from engine_launcher.simulator.session_resume import EngineResumeRequest, ResumeCredential
 from engine_launcher.simulator.session_update import SimulatedSettings
 from engine_launcher.simulator.wire import IdFactory, error_payload, names_for
 

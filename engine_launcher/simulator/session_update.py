@@ -19,8 +19,8 @@ from engine_launcher.simulator.playback_history import COMMIT_ALL_ON_DONE, norma
 
 __all__ = [
     "DEFAULT_INPUT_RATE",
-    "SimulatedSettings",
     "SettingsError",
+    "SimulatedSettings",
     "apply_update",
     "truthy",
 ]

@@ -269,7 +269,7 @@ class TestUnitFile:
         assert float(unit[("Service", "TimeoutStartSec")][0]) > EngineConfig().startup_timeout
 
     def test_config_errors_are_not_restarted(self, unit: dict[tuple[str, str], list[str]]) -> None:
-        from proxy.cli import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
+        from engine_launcher.exit_statuses import EXIT_CONFIG, EXIT_LISTEN, EXIT_PREFLIGHT
 
         expected = f"{EXIT_CONFIG} {EXIT_PREFLIGHT} {EXIT_LISTEN}"
         assert unit[("Service", "RestartPreventExitStatus")] == [expected]

@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.cli import EXIT_LISTEN
+from engine_launcher.exit_statuses import EXIT_LISTEN
 from tests.children import SidecarChild, child_pids, clean_env, cli_argv, free_port
 from tests.conftest import DEADLINE, wait_until
 from tests.integration.helpers import connect, request_response

@@ -22,16 +22,16 @@ from engine_launcher.simulator.flags import SimulatorConfig, parse_args
 from engine_launcher.simulator.handlers import HANDLERS
 from engine_launcher.simulator.outbox import CloseFrame
 from engine_launcher.simulator.replay_journal import (
+    EngineJournal,
     JournalLimits,
     Replay,
-    EngineJournal,
     ReplayProblem,
 )
 from engine_launcher.simulator.session_resume import (
+    EngineResumeRequest,
     Refusal,
     ResumeCredential,
     Resumed,
-    EngineResumeRequest,
     ResyncRequired,
 )
 from tests.aiohttp_private import abort
