@@ -117,7 +117,7 @@ class PlaybackSettings:
     pacing: bool = False
     max_audio_lead: float = DEFAULT_MAX_AUDIO_LEAD
     max_paced_audio_bytes: int = DEFAULT_MAX_PACED_AUDIO_BYTES
-    ack: AckMode = AckMode.OFF  # the product default ("auto") comes from the settings
+    ack: AckMode = AckMode.AUTO
     ack_interval: float = DEFAULT_ACK_INTERVAL
 
 

@@ -19,7 +19,8 @@ __all__ = ["ResponseRequests", "commit_creates_response"]
 #: A response request still unanswered after this long no longer counts as in flight.
 CREATE_IN_FLIGHT: Final = 10.0
 
-#: Requests remembered (oldest dropped).
+#: ``response.create`` requests remembered per session, awaiting their
+#: ``response.created`` (the oldest dropped); the tracing spans keep as many.
 MAX_PENDING_CREATES: Final = 64
 
 #: Error codes with which the engine refuses to start a response (docs/engine-protocol.md,

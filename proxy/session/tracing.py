@@ -27,12 +27,12 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.core.events import ClientEvent, ClientKind, EventKind, UpstreamEvent
+from proxy.core.response_requests import MAX_PENDING_CREATES
 
 __all__ = [
     "EXPORT_AT_EXIT_SECONDS",
     "GEN_AI_OPERATION",
     "MAX_OPEN_RESPONSE_SPANS",
-    "MAX_PENDING_CREATES",
     "OtlpTracing",
     "SessionTrace",
 ]
@@ -50,8 +50,6 @@ GEN_AI_OPERATION: Final = "generate_content"
 _PROVIDER: Final = "vllm_omni"
 #: Response spans open at once per session (spans); one more ends the oldest.
 MAX_OPEN_RESPONSE_SPANS: Final = 32
-#: ``response.create`` times awaiting their ``response.created`` (per session); oldest dropped.
-MAX_PENDING_CREATES: Final = 16
 #: Outcomes (proxy.core.session_core.Outcome values) that end the session span in error.
 _ABNORMAL: Final = frozenset({"overflow", "engine_unavailable", "error", "rate_limited"})
 #: Who cancelled, by the client event that asked.
@@ -149,6 +147,8 @@ class SessionTrace:
         self._ended = False
         self._responses: dict[str, Span] = {}
         self._cancel_reported: set[str] = set()
+        #: ``response.create`` times awaiting their ``response.created``, as many as the
+        #: core remembers (the oldest dropped).
         self._creates: deque[int] = deque(maxlen=MAX_PENDING_CREATES)
         self._cancelled_by = "engine"
 

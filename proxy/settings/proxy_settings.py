@@ -21,8 +21,8 @@ from proxy.errors import ConfigError
 from proxy.settings.serving_settings import (
     DEFAULT_ADMIN_LISTEN,
     DEFAULT_LISTEN,
-    OVERFLOW_POLICIES,
-    OverflowPolicy,
+    OVERFLOW_POLICY_NAMES,
+    OverflowPolicyName,
     PlaybackAck,
     ServingSettings,
 )
@@ -44,7 +44,7 @@ __all__ = [
     "LIVE_KEYS",
     "LOG_FORMATS",
     "LOG_LEVELS",
-    "OVERFLOW_POLICIES",
+    "OVERFLOW_POLICY_NAMES",
     "SETTINGS",
     "SETTING_KEYS",
     "SPECS",
@@ -52,7 +52,7 @@ __all__ = [
     "TRACING_MODES",
     "LogFormat",
     "LogLevel",
-    "OverflowPolicy",
+    "OverflowPolicyName",
     "PlaybackAck",
     "Settings",
     "TracingMode",

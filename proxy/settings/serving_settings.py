@@ -25,6 +25,15 @@ from proxy.core.playback import (
     DEFAULT_MAX_AUDIO_LEAD,
     DEFAULT_MAX_PACED_AUDIO_BYTES,
 )
+from proxy.core.session_settings import (
+    DEFAULT_CLIENT_FRAME_BURST,
+    DEFAULT_CLIENT_RESUME_GRACE,
+    DEFAULT_MAX_CLIENT_FRAME_RATE,
+    DEFAULT_MAX_INPUT_AUDIO_RATE,
+    DEFAULT_MAX_PENDING_INPUT_BYTES,
+    DEFAULT_RESUME_JOURNAL_BYTES,
+    DEFAULT_RESUME_JOURNAL_TTL,
+)
 from proxy.settings.value_checks import (
     check_listen,
     check_networks,
@@ -35,8 +44,8 @@ from proxy.settings.value_checks import (
 __all__ = [
     "DEFAULT_ADMIN_LISTEN",
     "DEFAULT_LISTEN",
-    "OVERFLOW_POLICIES",
-    "OverflowPolicy",
+    "OVERFLOW_POLICY_NAMES",
+    "OverflowPolicyName",
     "PlaybackAck",
     "ServingSettings",
 ]
@@ -44,8 +53,8 @@ __all__ = [
 DEFAULT_LISTEN: Final = "127.0.0.1:8000"
 DEFAULT_ADMIN_LISTEN: Final = "127.0.0.1:9464"
 
-OverflowPolicy = Literal["close_session", "fail_response"]
-OVERFLOW_POLICIES: Final[tuple[str, ...]] = typing.get_args(OverflowPolicy)
+OverflowPolicyName = Literal["close_session", "fail_response"]
+OVERFLOW_POLICY_NAMES: Final[tuple[str, ...]] = typing.get_args(OverflowPolicyName)
 PlaybackAck = Literal["auto", "off", "always"]
 
 # Section headings of the example config and docs/configuration.md, in order
@@ -330,7 +339,7 @@ class ServingSettings:
         live=True,
         section=SECTION_LIMITS,
     )
-    overflow_policy: OverflowPolicy = setting(  # noqa: RUF009 - a dataclasses.field
+    overflow_policy: OverflowPolicyName = setting(  # noqa: RUF009 - a dataclasses.field
         "close_session",
         help='What to do when a session\'s output budget overflows: "close_session" (close '
         'with 1008) or "fail_response" (fail the active response, keep the session).',
@@ -339,7 +348,7 @@ class ServingSettings:
         metavar="POLICY",
     )
     max_pending_input_bytes: int = setting(
-        16 * MIB,
+        DEFAULT_MAX_PENDING_INPUT_BYTES,
         help="Unsent bytes toward the engine per session.",
         unit="bytes",
         positive=True,
@@ -347,7 +356,7 @@ class ServingSettings:
         section=SECTION_LIMITS,
     )
     max_input_audio_rate: float = setting(
-        4.0,
+        DEFAULT_MAX_INPUT_AUDIO_RATE,
         help="Appended input audio, in audio seconds per wall-clock second, averaged over "
         "5 s with a burst allowance of 10 s of audio. 0 = off.",
         unit="ratio",
@@ -356,7 +365,7 @@ class ServingSettings:
         section=SECTION_LIMITS,
     )
     max_client_frame_rate: float = setting(
-        200.0,
+        DEFAULT_MAX_CLIENT_FRAME_RATE,
         help="Client data frames per second per session (pings excluded; audio also has "
         "max_input_audio_rate). Above it frames are dropped with one error "
         "{client_rate_limited}; 2 s of it closes the session with 1008. 0 = off.",
@@ -366,7 +375,7 @@ class ServingSettings:
         section=SECTION_LIMITS,
     )
     client_frame_burst: float = setting(
-        400.0,
+        DEFAULT_CLIENT_FRAME_BURST,
         help="Client frames allowed at once above max_client_frame_rate (token bucket size).",
         unit="frames",
         minimum=0,
@@ -458,7 +467,7 @@ class ServingSettings:
         section=SECTION_TIMERS,
     )
     client_resume_grace: float = setting(
-        30 * SECONDS,
+        DEFAULT_CLIENT_RESUME_GRACE,
         help="Seconds a resumable session is held after its client drops without "
         "session.close: the engine keeps streaming into the session's output budget, and "
         "a session.resume on a new connection (same key, the session's token) gets what it "
@@ -469,7 +478,7 @@ class ServingSettings:
         section=SECTION_TIMERS,
     )
     resume_journal_bytes: int = setting(
-        2 * MIB,
+        DEFAULT_RESUME_JOURNAL_BYTES,
         help="What a resumable session keeps of the events it wrote to its client, for a "
         "replay after a drop, counted as the memory it holds; the oldest go first, the "
         "client's session.event_ack trims it, and it counts with the session's and the "
@@ -482,7 +491,7 @@ class ServingSettings:
         section=SECTION_LIMITS,
     )
     resume_journal_ttl: float = setting(
-        60 * SECONDS,
+        DEFAULT_RESUME_JOURNAL_TTL,
         help="Seconds a written event stays in the resume journal.",
         unit="seconds",
         positive=True,

@@ -21,7 +21,7 @@ from proxy.core.buffer import BufferLimits, Entry
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.drain import Drain
 from proxy.core.events import UpstreamEvent, classify_upstream
-from proxy.core.playback_state import AckErrorCode
+from proxy.core.playback_state import AckErrorCode, AckMode, PlaybackSettings
 from proxy.core.session_core import ClientDecision, OverflowPolicy, SessionCore, SessionSettings
 from proxy.core.telemetry import DropReason
 
@@ -351,6 +351,12 @@ def make_settings(
         interrupt_on_speech_started=interrupt_on_speech_started,
         max_tombstones=max_tombstones,
         tombstone_ttl=tombstone_ttl,
+        # The rules under test one at a time: the limits a deployment runs with are off.
+        max_input_audio_rate=0.0,
+        max_client_frame_rate=0.0,
+        max_pending_input_bytes=0,
+        client_resume_grace=0.0,
+        playback=PlaybackSettings(ack=AckMode.OFF),
     )
 
 

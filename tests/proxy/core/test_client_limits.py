@@ -83,8 +83,8 @@ class TestClientFrameRate:
         assert pair.core.state is SessionState.OPEN
         assert [d.body["error"]["code"] for d in pair.deliver()] == ["client_rate_limited"] * 5
 
-    def test_off_by_default(self) -> None:
-        pair = SessionPair()
+    def test_zero_is_off(self) -> None:
+        pair = SessionPair()  # make_settings: max_client_frame_rate=0
         assert all(admitted(pair) for _ in range(100_000))
 
 

@@ -41,7 +41,9 @@ def chunk(response_id: str, seq: int, *, chars: int = CHUNK_CHARS, **extra: Any)
 
 
 def pair(**playback: Any) -> SessionPair:
-    settings = dataclasses.replace(make_settings(), playback=PlaybackSettings(**playback))
+    settings = dataclasses.replace(
+        make_settings(), playback=PlaybackSettings(**{"ack": AckMode.OFF, **playback})
+    )
     return SessionPair(settings=settings)
 
 
