@@ -2,7 +2,7 @@
 and what an answer to ``GET /health`` says about an endpoint.
 
 Every state change goes through ``EngineStateMachine.apply``, which looks the
-(state, observation) pair up in ``TRANSITIONS``; a missing pair raises
+(state, observation) pair up in ``ENGINE_TRANSITIONS``; a missing pair raises
 ``InvalidTransition`` naming both. Nothing here reads a clock or a random
 source: ``now`` and ``rng`` are arguments. The state diagram and the rules:
 docs/design.md, Engine supervision.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "ENGINE_TRANSITIONS",
     "NO_HEALTH_ROUTE_STATUSES",
-    "TRANSITIONS",
     "Backoff",
     "EngineState",
     "EngineStateMachine",
@@ -67,7 +67,7 @@ class InvalidTransition(RuntimeError):
 S = EngineState
 O = Observation
 
-TRANSITIONS: Final[dict[EngineState, dict[Observation, EngineState]]] = {
+ENGINE_TRANSITIONS: Final[dict[EngineState, dict[Observation, EngineState]]] = {
     S.STARTING: {
         O.READY: S.READY,
         O.EXITED: S.RESTARTING,
@@ -122,10 +122,10 @@ class EngineStateMachine:
         """Move on an observation.
 
         Raises:
-            InvalidTransition: the pair is not in ``TRANSITIONS``.
+            InvalidTransition: the pair is not in ``ENGINE_TRANSITIONS``.
         """
         try:
-            self.state = TRANSITIONS[self.state][observation]
+            self.state = ENGINE_TRANSITIONS[self.state][observation]
         except KeyError:
             raise InvalidTransition(self.state, observation) from None
         return self.state

@@ -37,8 +37,8 @@ __all__ = [
     "MAX_PROBE_TIMEOUT",
     "REALTIME_PATH",
     "EngineProcess",
+    "HealthCheck",
     "HealthProbe",
-    "ProbeResult",
     "UpstreamProbe",
     "build_argv",
     "free_port",
@@ -126,7 +126,7 @@ def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child
 
 
 @dataclass(frozen=True, slots=True)
-class ProbeResult:
+class HealthCheck:
     """One readiness probe: ``stage`` is "tcp", "health" or "websocket"; ``detail`` says why not."""
 
     ok: bool
@@ -136,7 +136,7 @@ class ProbeResult:
 
 async def probe_health(
     session: aiohttp.ClientSession, host: str, port: int, path: str, timeout: float
-) -> ProbeResult:
+) -> HealthCheck:
     """TCP connect, then ``GET path`` must answer 200; the whole probe within ``timeout``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -147,16 +147,16 @@ async def probe_health(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
     except (OSError, TimeoutError) as exc:
-        return ProbeResult(False, "tcp", f"connect {host}:{port}: {exc or type(exc).__name__}")
+        return HealthCheck(False, "tcp", f"connect {host}:{port}: {exc or type(exc).__name__}")
     url = f"http://{_url_host(host)}:{port}{path}"
     left = max(0.001, deadline - loop.time())
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=left)) as resp:
             if resp.status == 200:
-                return ProbeResult(True, "health", f"GET {path} -> 200")
-            return ProbeResult(False, "health", f"GET {path} -> {resp.status}")
+                return HealthCheck(True, "health", f"GET {path} -> 200")
+            return HealthCheck(False, "health", f"GET {path} -> {resp.status}")
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return ProbeResult(False, "health", f"GET {path}: {exc or type(exc).__name__}")
+        return HealthCheck(False, "health", f"GET {path}: {exc or type(exc).__name__}")
 
 
 class HealthProbe:
@@ -178,7 +178,7 @@ class HealthProbe:
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
 
-    async def __call__(self) -> ProbeResult:
+    async def __call__(self) -> HealthCheck:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return await probe_health(self._session, self.host, self.port, self.path, self.timeout)
@@ -238,7 +238,7 @@ class UpstreamProbe:
         self._stage = "health"  # what the probe in flight is doing, for its timeout's detail
         self._session: aiohttp.ClientSession | None = None
 
-    async def __call__(self) -> ProbeResult:
+    async def __call__(self) -> HealthCheck:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         self._stage = "tcp" if self.kind == "tcp" else "health"
@@ -247,7 +247,7 @@ class UpstreamProbe:
             async with asyncio.timeout(self.timeout):
                 return await self._probe(self._session, opened)
         except TimeoutError:
-            return ProbeResult(False, self._stage, f"no answer within {self.timeout:.1f} s")
+            return HealthCheck(False, self._stage, f"no answer within {self.timeout:.1f} s")
         finally:
             # Outside the deadline, so that the engine gets a close frame, not a dropped socket.
             for ws in opened:
@@ -255,13 +255,13 @@ class UpstreamProbe:
 
     async def _probe(
         self, session: aiohttp.ClientSession, opened: list[aiohttp.ClientWebSocketResponse]
-    ) -> ProbeResult:
+    ) -> HealthCheck:
         if self.kind == "tcp":
             return await self._connect()
         if self.kind == "websocket" or self.no_health_route is not None:
             return await self._handshake(session, opened)
         answer = await self._health(session)
-        if isinstance(answer, ProbeResult):
+        if isinstance(answer, HealthCheck):
             return answer
         log.info(
             "engine %s has no health route (%s): probing it with a WebSocket handshake on %s",
@@ -272,17 +272,17 @@ class UpstreamProbe:
         self.no_health_route = answer
         return await self._handshake(session, opened)
 
-    async def _connect(self) -> ProbeResult:
+    async def _connect(self) -> HealthCheck:
         try:
             _reader, writer = await asyncio.open_connection(self.host, self.port)
         except OSError as exc:
-            return ProbeResult(False, "tcp", f"connect {self.host}:{self.port}: {exc}")
+            return HealthCheck(False, "tcp", f"connect {self.host}:{self.port}: {exc}")
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
-        return ProbeResult(True, "tcp", f"connect {self.host}:{self.port} ok")
+        return HealthCheck(True, "tcp", f"connect {self.host}:{self.port} ok")
 
-    async def _health(self, session: aiohttp.ClientSession) -> ProbeResult | str:
+    async def _health(self, session: aiohttp.ClientSession) -> HealthCheck | str:
         """A decided result, or (``auto`` only) why the endpoint has no health route."""
         status: int | None
         try:
@@ -290,7 +290,7 @@ class UpstreamProbe:
                 status = resp.status
             heard = f"GET /health -> {status}"
         except aiohttp.ClientConnectorError as exc:
-            return ProbeResult(False, "tcp", f"connect {self.health_url}: {exc}")
+            return HealthCheck(False, "tcp", f"connect {self.health_url}: {exc}")
         except (aiohttp.ClientResponseError, aiohttp.ClientOSError) as exc:
             # A status line that does not parse, or a close (or reset) instead of one.
             status, heard = None, f"GET /health: not HTTP ({type(exc).__name__})"
@@ -298,27 +298,27 @@ class UpstreamProbe:
             status, heard = None, "GET /health: not HTTP (closed without an answer)"
         verdict = health_verdict(status)
         if verdict is HealthVerdict.HEALTHY:
-            return ProbeResult(True, "health", heard)
+            return HealthCheck(True, "health", heard)
         if verdict is HealthVerdict.NO_HEALTH_ROUTE and self.kind == "auto":
             return heard
-        return ProbeResult(False, "health", f"{heard} ({self.health_url})")
+        return HealthCheck(False, "health", f"{heard} ({self.health_url})")
 
     async def _handshake(
         self, session: aiohttp.ClientSession, opened: list[aiohttp.ClientWebSocketResponse]
-    ) -> ProbeResult:
+    ) -> HealthCheck:
         """101 is healthy; the caller closes the socket (``opened``) after the deadline."""
         self._stage = "websocket"
         why = f"{self.no_health_route}; " if self.no_health_route else ""
         try:
             ws = await session.ws_connect(self.websocket_url, autoping=False, autoclose=False)
         except aiohttp.WSServerHandshakeError as exc:
-            return ProbeResult(
+            return HealthCheck(
                 False, "websocket", f"{why}handshake on {self.websocket_url} -> {exc.status}"
             )
         except (aiohttp.ClientError, OSError) as exc:
-            return ProbeResult(False, "websocket", f"{why}handshake on {self.websocket_url}: {exc}")
+            return HealthCheck(False, "websocket", f"{why}handshake on {self.websocket_url}: {exc}")
         opened.append(ws)
-        return ProbeResult(True, "websocket", f"{why}handshake ok, closed before any session")
+        return HealthCheck(True, "websocket", f"{why}handshake ok, closed before any session")
 
     async def aclose(self) -> None:
         if self._session is not None:

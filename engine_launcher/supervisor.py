@@ -33,8 +33,8 @@ from engine_launcher.process import (
     MAX_PROBE_TIMEOUT,
     REALTIME_PATH,
     EngineProcess,
+    HealthCheck,
     HealthProbe,
-    ProbeResult,
     UpstreamProbe,
     build_argv,
     free_port,
@@ -108,7 +108,7 @@ class EngineChild(Protocol):
 class Probe(Protocol):
     """One health check per call; ``aclose`` releases its connections."""
 
-    async def __call__(self) -> ProbeResult: ...
+    async def __call__(self) -> HealthCheck: ...
 
     async def aclose(self) -> None: ...
 
@@ -309,7 +309,7 @@ class Supervisor:
         self._move(Observation.STOP)
         self._move(Observation.STOPPED)
 
-    def _observe_health(self, result: ProbeResult, failures: int) -> int:
+    def _observe_health(self, result: HealthCheck, failures: int) -> int:
         """External endpoints cannot be restarted: they only flip readiness."""
         state = self.machine.state
         if result.ok:
@@ -424,7 +424,7 @@ class Supervisor:
 
     async def _wait_ready(
         self, probe: Probe, exited: asyncio.Future[int]
-    ) -> tuple[float, ProbeResult] | None:
+    ) -> tuple[float, HealthCheck] | None:
         """Seconds until ready and the good probe, or None when a stop came first.
 
         Raises:
@@ -458,7 +458,7 @@ class Supervisor:
             if self._stop.is_set():
                 return None
 
-    def _progress(self, elapsed: float, last: ProbeResult) -> None:
+    def _progress(self, elapsed: float, last: HealthCheck) -> None:
         log.info("engine starting: %.0f s elapsed, last probe: %s", elapsed, last.detail)
         usec = int((PROGRESS_INTERVAL * 2 + 5) * 1_000_000)
         self._notifier.notify(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from engine_launcher.simulator.audio import input_bytes_per_sample, pcm16_rms, pcm_f32_rms
+from engine_launcher.simulator.wire import Payload
 
 __all__ = [
     "VAD_RMS_THRESHOLD",
@@ -25,8 +26,6 @@ __all__ = [
 # Server-VAD stand-in for Silero: an appended chunk whose RMS level exceeds
 # this fraction of full scale (about -34 dBFS) counts as speech.
 VAD_RMS_THRESHOLD: Final = 0.02
-
-Payload = dict[str, Any]
 
 
 class InputAudioError(ValueError):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
+
+from engine_launcher.simulator.wire import Payload
 
 __all__ = [
     "DEFAULT_OUTPUT_LIMITS",
@@ -20,8 +22,6 @@ __all__ = [
     "OutputOverflow",
     "OutputQueue",
 ]
-
-Payload = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,11 +32,12 @@ from engine_launcher.simulator.session_resume import (
     Resumed,
     ResyncRequired,
 )
-from engine_launcher.simulator.session_state import Payload, Phase
+from engine_launcher.simulator.session_state import Phase
 from engine_launcher.simulator.wire import (
     CLIENT_ALIASES,
     OPENAI_CLIENT_EVENTS,
     OPENAI_UNHANDLED_EVENTS,
+    Payload,
     error_payload,
 )
 

@@ -9,7 +9,7 @@ Handlers only call the session's state and emitting API; they do no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from engine_launcher.simulator.conversation import Conversation, InputAudioError, InputBuffer
 from engine_launcher.simulator.playback_history import PlaybackCursor
@@ -21,13 +21,13 @@ from engine_launcher.simulator.session_resume import (
     parse_resume_request,
 )
 from engine_launcher.simulator.session_update import SettingsError, apply_update, truthy
+from engine_launcher.simulator.wire import Payload
 
 if TYPE_CHECKING:
     from engine_launcher.simulator.duplex_session import DuplexSession
 
 __all__ = ["HANDLERS", "Handler"]
 
-Payload = dict[str, Any]
 Handler = Callable[["DuplexSession", Payload], None]
 
 

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from engine_launcher.simulator.counters import SimulatorStats
 from engine_launcher.simulator.delivery import OutputEntry, OutputOverflow, OutputQueue
 from engine_launcher.simulator.flags import SimulatorConfig
 from engine_launcher.simulator.replay_journal import EngineJournal, frame_bytes
-from engine_launcher.simulator.wire import IdFactory, dumps
+from engine_launcher.simulator.wire import IdFactory, Payload, dumps
 
 __all__ = ["CloseFrame", "EngineOutbox", "Outgoing"]
 
-Payload = dict[str, Any]
 
 # Events that may use the output reserve (0.31 and later).
 _RESERVE_TYPES: Final = frozenset({"error", "response.done"})

@@ -10,11 +10,11 @@ the identity a proxy keys its cancellation bookkeeping on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from engine_launcher.simulator.audio import AudioBank
 from engine_launcher.simulator.playback_history import AssistantRecord
-from engine_launcher.simulator.wire import AudioEventNames
+from engine_launcher.simulator.wire import AudioEventNames, Payload
 
 __all__ = [
     "CANCEL_REASONS",
@@ -27,8 +27,6 @@ __all__ = [
 CANCEL_REASONS: Final = frozenset(
     {"client_cancelled", "barge_in", "output_audio_buffer_clear", "turn_detected"}
 )
-
-Payload = dict[str, Any]
 
 
 @dataclass(slots=True, kw_only=True)

@@ -13,7 +13,7 @@ nothing else is emitted afterwards). docs/design.md, Simulator.
 from __future__ import annotations
 
 import enum
-from typing import Any, Final
+from typing import Final
 
 from engine_launcher.simulator.audio import AudioBank
 from engine_launcher.simulator.conversation import Conversation, InputBuffer
@@ -25,17 +25,15 @@ from engine_launcher.simulator.replay_journal import EngineJournal
 from engine_launcher.simulator.responses import ResponseEvents, ResponseState
 from engine_launcher.simulator.session_resume import EngineResumeRequest, ResumeCredential
 from engine_launcher.simulator.session_update import SimulatedSettings
-from engine_launcher.simulator.wire import IdFactory, error_payload, names_for
+from engine_launcher.simulator.wire import IdFactory, Payload, error_payload, names_for
 
 __all__ = [
     "MAX_ASSISTANT_RECORDS",
     "OUTPUT_BACKPRESSURE",
-    "Payload",
     "Phase",
     "SimulatedSession",
 ]
 
-Payload = dict[str, Any]
 
 #: ``error.code``, failed ``response.done`` reason and ``session.closed`` reason of
 #: an output overflow (0.31 and later).

@@ -24,6 +24,7 @@ __all__ = [
     "OPENAI_UNHANDLED_EVENTS",
     "AudioEventNames",
     "IdFactory",
+    "Payload",
     "dumps",
     "error_payload",
     "error_type_for",
@@ -31,6 +32,9 @@ __all__ = [
     "is_false_flag",
     "names_for",
 ]
+
+#: One decoded JSON event, as every simulator module handles it.
+Payload = dict[str, Any]
 
 # docs/engine-protocol.md, Framing and limits: client frames above 15 MiB are answered with
 # event_too_large.

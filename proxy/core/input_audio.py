@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from proxy.core.ratelimit import BYTES_PER_SAMPLE
 
-__all__ = ["MAX_INPUT_RATE", "MIN_INPUT_RATE", "InputAudio", "Refused"]
+__all__ = ["MAX_INPUT_RATE", "MIN_INPUT_RATE", "InputAudio", "InputAudioRefused"]
 
 #: Input sample rates the engine accepts (Hz); others are refused.
 MIN_INPUT_RATE: Final = 8_000
@@ -30,7 +30,7 @@ _G711_RATE: Final = 8_000
 _WIDTHS: Final = BYTES_PER_SAMPLE
 
 
-class Refused(Exception):
+class InputAudioRefused(Exception):
     """The engine would refuse this audio: an error ``code`` and a message for the client."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -49,13 +49,13 @@ def _format(value: object) -> tuple[str | None, object]:
 
 
 def _rate(value: object) -> int | None:
-    """A rate the engine accepts; None when absent; raises ``Refused`` when not accepted."""
+    """A rate the engine accepts; None when absent; raises ``InputAudioRefused`` when not accepted."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise Refused("bad_event", "sample_rate_hz must be an integer")
+        raise InputAudioRefused("bad_event", "sample_rate_hz must be an integer")
     if value != int(value) or not MIN_INPUT_RATE <= value <= MAX_INPUT_RATE:
-        raise Refused(
+        raise InputAudioRefused(
             "bad_event", f"sample_rate_hz must be between {MIN_INPUT_RATE} and {MAX_INPUT_RATE}"
         )
     return int(value)
@@ -83,7 +83,7 @@ class InputAudio:
             return
         try:
             checked = _rate(rate)
-        except Refused:
+        except InputAudioRefused:
             checked = None  # the engine refuses it: the current reading stands
         self._pending = (fmt if fmt in _WIDTHS else None, checked)
         self.bytes_per_second = float(_bytes_per_second(self._readings(None, None)))
@@ -96,7 +96,7 @@ class InputAudio:
             self._format = fmt
         try:
             checked = _rate(rate)
-        except Refused:
+        except InputAudioRefused:
             checked = None
         if checked is not None or fmt is not None:
             self._rate = checked
@@ -110,7 +110,7 @@ class InputAudio:
                 ``sample_rate_hz``/``sample_rate`` (an append or an audio part).
 
         Raises:
-            Refused: the engine refuses the audio (format or rate).
+            InputAudioRefused: the engine refuses the audio (format or rate).
         """
         named: object = None
         rate: object = None
@@ -121,7 +121,7 @@ class InputAudio:
             return chars * 0.75 / self.bytes_per_second
         own_fmt, format_rate = _format(named)
         if named is not None and own_fmt not in _WIDTHS:
-            raise Refused("unsupported_audio_format", f"input audio format {named!r}")
+            raise InputAudioRefused("unsupported_audio_format", f"input audio format {named!r}")
         own_rate = _rate(rate or format_rate)
         return chars * 0.75 / _bytes_per_second(self._readings(own_fmt, own_rate))
 
@@ -144,7 +144,7 @@ class InputAudio:
                 continue
             try:
                 total += self.seconds(len(data), part)
-            except Refused as refused:
+            except InputAudioRefused as refused:
                 if refused.code != "unsupported_audio_format":
                     raise
         return total

@@ -1,6 +1,6 @@
 """How a session ends: its states, the transition table and the closing sequences.
 
-Every change of ``state`` goes through :func:`next_state` (``TRANSITIONS``; a
+Every change of ``state`` goes through :func:`next_state` (``SESSION_TRANSITIONS``; a
 missing pair raises :class:`InvalidState`); the table and its events are in
 docs/design.md, Session core. :class:`SessionLifecycle` is the base of
 ``SessionCore``: the proxy's own ends (``end`` with an :class:`EndReason`,
@@ -28,7 +28,7 @@ __all__ = [
     "CLOSE_POLICY_VIOLATION",
     "CLOSE_SERVICE_RESTART",
     "ENDINGS",
-    "TRANSITIONS",
+    "SESSION_TRANSITIONS",
     "EndReason",
     "InvalidState",
     "Outcome",
@@ -73,7 +73,7 @@ class InvalidState(Exception):
         self.event = event
 
 
-TRANSITIONS: Final[dict[SessionState, dict[SessionEvent, SessionState]]] = {
+SESSION_TRANSITIONS: Final[dict[SessionState, dict[SessionEvent, SessionState]]] = {
     SessionState.OPEN: {
         SessionEvent.CLOSURE_QUEUED: SessionState.CLOSING,
         SessionEvent.CLIENT_GONE: SessionState.CLOSED,
@@ -93,10 +93,10 @@ def next_state(state: SessionState, event: SessionEvent) -> SessionState:
     """The state after ``event``.
 
     Raises:
-        InvalidState: the pair is not in ``TRANSITIONS``.
+        InvalidState: the pair is not in ``SESSION_TRANSITIONS``.
     """
     try:
-        return TRANSITIONS[state][event]
+        return SESSION_TRANSITIONS[state][event]
     except KeyError:
         raise InvalidState(state, event) from None
 

@@ -27,7 +27,7 @@ from proxy.core.events import (
     classify_upstream,
     error_code,
 )
-from proxy.core.input_audio import Refused
+from proxy.core.input_audio import InputAudioRefused
 from proxy.core.ledger import CancellationLedger, Verdict
 from proxy.core.lifecycle import (
     CLOSE_ABNORMAL_ENGINE,
@@ -223,7 +223,7 @@ class SessionCore(SessionOutput):
                 seconds = limits.input.seconds(event.audio_chars, event.body)
             else:
                 seconds = limits.input.item_seconds(event.body)
-        except Refused as refused:
+        except InputAudioRefused as refused:
             self._reject(
                 refused.code, refused.message, now, client_event_id=event.event_id, size=event.size
             )

@@ -46,7 +46,7 @@ FD_LIMIT: Final = "fd_limit"
 _NO_DESCRIPTOR: Final = frozenset({errno.EMFILE, errno.ENFILE})
 _NO_MEMORY: Final = frozenset({errno.ENOBUFS, errno.ENOMEM})
 
-Refused = Callable[[str, int], None]
+CountRefused = Callable[[str, int], None]
 """``refused(reason, count)``: count connections refused at the accept (no log line)."""
 
 
@@ -100,7 +100,7 @@ class Listener:
         self,
         sockets: list[socket.socket],
         factory: Callable[[], Any],
-        refused: Refused,
+        refused: CountRefused,
         *,
         accepting: bool = True,
     ) -> None:
@@ -275,7 +275,7 @@ class EdgeSite(web.BaseSite):
         host: str,
         port: int,
         *,
-        refused: Refused,
+        refused: CountRefused,
         passed: tuple[socket.socket, ...] = (),
         accepting: bool = True,
     ) -> None:

@@ -35,7 +35,7 @@ __all__ = ["RECENT_CLOSED_SESSIONS", "CapabilityBook", "SessionRegistry"]
 log = logging.getLogger(__name__)
 
 
-class Relay(Protocol):
+class LiveSession(Protocol):
     """What the registry needs of a live session (``proxy.session.relay.Relay`` has this
     shape; a Protocol here keeps ``proxy.session.relay`` → ``proxy.session.registry`` one-way)."""
 
@@ -123,7 +123,7 @@ class SessionRegistry:
         #: that engine refused the session as full (set by proxy.edge.client_app.ProxyState).
         self.on_engine_full: Callable[[int | None], None] = lambda engine: None
         self.max_total = max_total_pending_output_bytes
-        self.relays: dict[str, Relay] = {}
+        self.relays: dict[str, LiveSession] = {}
         self._key_ids: dict[str, str] = {}
         self._observers: dict[str, SessionObserver] = {}
         self._pending_bytes: dict[str, int] = {}
@@ -163,7 +163,7 @@ class SessionRegistry:
         self._empty.clear()
         await self._empty.wait()
 
-    def add(self, relay: Relay, *, key_id: str = "") -> None:
+    def add(self, relay: LiveSession, *, key_id: str = "") -> None:
         """A live session (``key_id``: its API key's identity, which a resume must present)."""
         self.relays[relay.key] = relay
         self._key_ids[relay.key] = key_id
@@ -172,7 +172,7 @@ class SessionRegistry:
         self._journal_bytes[relay.key] = 0
         self.metrics.sessions_active.set(len(self.relays))
 
-    def remove(self, relay: Relay) -> None:
+    def remove(self, relay: LiveSession) -> None:
         if relay.key in self.relays:
             self.recent.append(self.detail(relay.key) or {"id": relay.key})
             if self.draining:
@@ -225,7 +225,7 @@ class SessionRegistry:
             r.view.session_id == session_id and r.view.resumable for r in self.relays.values()
         )
 
-    def resumable(self, session_id: str, token: str, key_id: str) -> Relay | None:
+    def resumable(self, session_id: str, token: str, key_id: str) -> LiveSession | None:
         """The session a ``session.resume`` may take over: same id, token and key; else None."""
         for key, relay in self.relays.items():
             view = relay.view
@@ -248,7 +248,7 @@ class SessionRegistry:
             if relay.view.resumable and hmac.compare_digest(self._key_ids.get(key, ""), key_id)
         )
 
-    def relays_on(self, engine: int) -> list[Relay]:
+    def relays_on(self, engine: int) -> list[LiveSession]:
         """Live sessions placed on one engine replica (its failure ends only these)."""
         return [
             relay
@@ -393,7 +393,7 @@ class SessionRegistry:
         return f"{key} {relay.view.session_id or ''} {address}"
 
     def _view(
-        self, key: str, relay: Relay, now: float, *, max_ids: int | None = None
+        self, key: str, relay: LiveSession, now: float, *, max_ids: int | None = None
     ) -> dict[str, Any]:
         view = relay.view
         stats = view.statistics()

@@ -1,6 +1,6 @@
 """The engine state machine (engine_launcher/policy.py): every (state, observation) pair.
 
-The expected table below is written out independently of ``TRANSITIONS`` so
+The expected table below is written out independently of ``ENGINE_TRANSITIONS`` so
 that a changed transition fails here and must be changed in both places (the
 table is part of the contract docs/design.md, Engine supervision, describes). Each of the 8 × 11
 pairs is applied to a fresh machine: a legal pair lands in its target state,
@@ -15,7 +15,7 @@ import itertools
 import pytest
 
 from engine_launcher.policy import (
-    TRANSITIONS,
+    ENGINE_TRANSITIONS,
     EngineState,
     EngineStateMachine,
     InvalidTransition,
@@ -84,16 +84,16 @@ def machine_in(state: EngineState) -> EngineStateMachine:
 def test_table_matches_the_documented_transitions() -> None:
     actual = {
         (state, observation): target
-        for state, row in TRANSITIONS.items()
+        for state, row in ENGINE_TRANSITIONS.items()
         for observation, target in row.items()
     }
     assert actual == EXPECTED
 
 
 def test_every_state_has_a_row_and_every_state_can_be_stopped() -> None:
-    assert set(TRANSITIONS) == set(EngineState)
+    assert set(ENGINE_TRANSITIONS) == set(EngineState)
     for state in EngineState:
-        assert O.STOP in TRANSITIONS[state], state
+        assert O.STOP in ENGINE_TRANSITIONS[state], state
 
 
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=_id)
@@ -154,5 +154,5 @@ def test_crash_restart_cycle() -> None:
 
 def test_failed_and_stopped_are_final() -> None:
     for final in (S.FAILED, S.STOPPED):
-        reachable = set(TRANSITIONS[final].values())
+        reachable = set(ENGINE_TRANSITIONS[final].values())
         assert reachable == {final}

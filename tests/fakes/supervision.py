@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from engine_launcher.process import ProbeResult
+from engine_launcher.process import HealthCheck
 from proxy.settings import EngineConfig
 
 __all__ = ["HANG", "FakeChild", "FakeClock", "ScriptedProbe", "Spawner"]
@@ -132,7 +132,7 @@ class ScriptedProbe:
         self.made.append((config, port))
         return self
 
-    async def __call__(self) -> ProbeResult:
+    async def __call__(self) -> HealthCheck:
         answer = self.script[self.calls] if self.calls < len(self.script) else self.default
         self.calls += 1
         if answer == HANG:
@@ -142,8 +142,8 @@ class ScriptedProbe:
                 self.cancelled += 1
                 raise
         if answer is True:
-            return ProbeResult(True, "health", "200")
-        return ProbeResult(False, "health", f"GET /health -> 503 (probe {self.calls})")
+            return HealthCheck(True, "health", "200")
+        return HealthCheck(False, "health", f"GET /health -> 503 (probe {self.calls})")
 
     async def aclose(self) -> None:
         self.closed += 1

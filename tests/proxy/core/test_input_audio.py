@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.input_audio import InputAudio, Refused
+from proxy.core.input_audio import InputAudio, InputAudioRefused
 from proxy.core.session_core import DropReason
 from tests.proxy.core import helpers as h
 from tests.proxy.core.helpers import SessionPair, dumps, make_settings
@@ -55,12 +55,12 @@ class TestReading:
 
     @pytest.mark.parametrize("rate", [2_000_000_000, 7_999, 192_001, 44_100.5, True, "16000"])
     def test_a_rate_the_engine_refuses_is_refused(self, rate: object) -> None:
-        with pytest.raises(Refused) as refused:
+        with pytest.raises(InputAudioRefused) as refused:
             seconds(InputAudio(), sample_rate_hz=rate)
         assert refused.value.code == "bad_event"
 
     def test_a_format_the_engine_does_not_decode_is_refused(self) -> None:
-        with pytest.raises(Refused) as refused:
+        with pytest.raises(InputAudioRefused) as refused:
             seconds(InputAudio(), format="opus")
         assert refused.value.code == "unsupported_audio_format"
 

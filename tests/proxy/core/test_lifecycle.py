@@ -1,6 +1,6 @@
 """The session state machine (proxy/core/lifecycle.py): every (state, event) pair.
 
-The expected table below is written out independently of ``TRANSITIONS`` so
+The expected table below is written out independently of ``SESSION_TRANSITIONS`` so
 that a changed transition fails here and must be changed in both places (the
 module header draws it). Each of the 3 × 3 pairs is applied: a legal pair
 gives its target state, an illegal one raises ``InvalidState`` naming the
@@ -15,7 +15,7 @@ import itertools
 import pytest
 
 from proxy.core.lifecycle import (
-    TRANSITIONS,
+    SESSION_TRANSITIONS,
     InvalidState,
     SessionEvent,
     SessionState,
@@ -48,16 +48,16 @@ def _id(pair: tuple[SessionState, SessionEvent]) -> str:
 def test_table_matches_the_documented_transitions() -> None:
     actual = {
         (state, event): target
-        for state, row in TRANSITIONS.items()
+        for state, row in SESSION_TRANSITIONS.items()
         for event, target in row.items()
     }
     assert actual == EXPECTED
 
 
 def test_every_state_has_a_row_and_every_state_absorbs_the_client_going() -> None:
-    assert set(TRANSITIONS) == set(SessionState)
+    assert set(SESSION_TRANSITIONS) == set(SessionState)
     for state in SessionState:
-        assert TRANSITIONS[state][E.CLIENT_GONE] is S.CLOSED, state
+        assert SESSION_TRANSITIONS[state][E.CLIENT_GONE] is S.CLOSED, state
 
 
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=_id)
