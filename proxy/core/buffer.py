@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -129,8 +128,6 @@ class OutputBuffer:
         "_closed",
         "_closure",
         "_closure_taken",
-        "_held",
-        "_held_valid",
         "_invalidated_bytes",
         "_invalidated_events",
         "_limits",
@@ -157,8 +154,6 @@ class OutputBuffer:
         self._closure: Entry | None = None
         self._closed = False
         self._closure_taken = False
-        self._held: Entry | None = None
-        self._held_valid = False
         self._invalidated_events = 0
         self._invalidated_bytes = 0
         self._rejected_full = 0
@@ -235,14 +230,9 @@ class OutputBuffer:
     def invalidate(self, response_id: str) -> tuple[int, int]:
         """Remove queued audio deltas of one response; everything else keeps its order.
 
-        A held audio delta of that response becomes invalid.
-
         Returns:
             (events, bytes) removed from the queue.
         """
-        held = self._held
-        if held is not None and held.event.is_audio and held.event.response_id == response_id:
-            self._held_valid = False
         removed_events = 0
         removed_bytes = 0
         if not any(e.event.response_id == response_id and e.event.is_audio for e in self._queue):
@@ -263,44 +253,20 @@ class OutputBuffer:
 
     # -- consumer side -------------------------------------------------------------
 
-    def has_output(self) -> bool:
-        """True when ``get_nowait`` would return something."""
-        return bool(self._queue) or (self._closure is not None and not self._closure_taken)
-
     def peek(self) -> Entry | None:
-        """The entry ``get_nowait`` would return next, without taking it."""
+        """The entry ``pop`` would return next, without taking it."""
         if self._queue:
             return self._queue[0]
         if self._closure is not None and not self._closure_taken:
             return self._closure
         return None
 
-    def get_nowait(self) -> Entry | None:
-        """Take the next event and hold it outside the budget.
-
-        Releases the previously held event. The closure notice comes only
-        after the queue is empty, once.
+    def pop(self) -> Entry | None:
+        """Take the next event to write, out of the budget; the closure comes last, once.
 
         Returns:
             the entry, or None when nothing is ready.
         """
-        self._held = None
-        if self._queue:
-            entry = self._queue.popleft()
-            self._release(entry)
-        elif self._closure is not None and not self._closure_taken:
-            entry = self._closure
-            self._closure_taken = True
-            self.closure_pending = False
-        else:
-            self._held_valid = False
-            return None
-        self._held = entry
-        self._held_valid = True
-        return entry
-
-    def pop(self) -> Entry | None:
-        """Take the next event to write at once (``get_nowait`` without holding it)."""
         if self._queue:
             entry = self._queue.popleft()
             self._release(entry)
@@ -310,31 +276,6 @@ class OutputBuffer:
             self.closure_pending = False
             return self._closure
         return None
-
-    @property
-    def holding(self) -> bool:
-        """An event was taken and is not yet released (a write is in progress)."""
-        return self._held is not None
-
-    @property
-    def held_is_valid(self) -> bool:
-        """False when the held event was invalidated after it was taken."""
-        return self._held is not None and self._held_valid
-
-    def release_held(self) -> None:
-        """The held event has been written (or abandoned)."""
-        self._held = None
-        self._held_valid = False
-
-    @property
-    def closure_delivered(self) -> bool:
-        return self._closure_taken
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Entry]:
-        return iter(tuple(self._queue))
 
     def statistics(self) -> BufferStatistics:
         return BufferStatistics(

@@ -50,7 +50,7 @@ def make(
 
 def drain(buf: OutputBuffer) -> list[Entry]:
     out: list[Entry] = []
-    while (entry := buf.get_nowait()) is not None:
+    while (entry := buf.pop()) is not None:
         out.append(entry)
     return out
 
@@ -104,7 +104,7 @@ class TestOrdinaryBudget:
         buf = make(max_events=3, reserve_events=0)
         results = [buf.offer(sized_event(kind, 100, "r1", seq=i), 0.0) for i in range(4)]
         assert results == [Offer.ACCEPTED] * 3 + [Offer.REJECTED_FULL]
-        assert len(buf) == 3
+        assert buf.pending_events == 3
         assert buf.statistics().pending_events == 3
         assert buf.statistics().rejected_full == 1
 
@@ -121,12 +121,12 @@ class TestOrdinaryBudget:
         assert buf.offer(sized_event("audio", 201, "r1"), 0.0) is Offer.REJECTED_FULL
         # a smaller one still fits: a rejection does not close the budget
         assert buf.offer(sized_event("audio", 200, "r1"), 0.0) is Offer.ACCEPTED
-        assert [e.event.size for e in buf] == [100, 200]
+        assert [e.event.size for e in drain(buf)] == [100, 200]
 
     def test_single_event_larger_than_budget(self) -> None:
         buf = make(max_bytes=100, reserve_bytes=0)
         assert buf.offer(sized_event("audio", 101, "r1"), 0.0) is Offer.REJECTED_FULL
-        assert len(buf) == 0
+        assert buf.pending_events == 0
 
     def test_taking_releases_budget(self) -> None:
         buf = make(max_events=2, max_bytes=400)
@@ -134,9 +134,9 @@ class TestOrdinaryBudget:
         buf.offer(first, 0.0)
         buf.offer(sized_event("audio", 200, "r1", seq=2), 0.0)
         assert buf.offer(sized_event("audio", 100, "r1"), 0.0) is Offer.REJECTED_FULL
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None and entry.event is first
-        # the held event is outside the budget
+        # a taken event is outside the budget
         assert buf.statistics().pending_events == 1
         assert buf.pending_bytes == 200
         assert buf.offer(sized_event("audio", 200, "r1", seq=3), 0.0) is Offer.ACCEPTED
@@ -144,7 +144,7 @@ class TestOrdinaryBudget:
     def test_enqueued_at_is_recorded(self) -> None:
         buf = make()
         buf.offer(sized_event("other", 100), 12.5)
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None
         assert entry.enqueued_at == 12.5
         assert not entry.reserved and not entry.closure
@@ -162,7 +162,8 @@ class TestReserve:
         assert buf.offer(sized_event(kind, 100, "r1"), 0.0) is Offer.ACCEPTED
         stats = buf.statistics()
         assert (stats.reserve_events, stats.reserve_bytes) == (0, 0)
-        assert not next(iter(buf)).reserved
+        head = buf.peek()
+        assert head is not None and not head.reserved
 
     @pytest.mark.parametrize("kind", RESERVE_KINDS)
     def test_reserve_kinds_enter_reserve_when_ordinary_full(self, kind: str) -> None:
@@ -172,7 +173,7 @@ class TestReserve:
         stats = buf.statistics()
         assert (stats.reserve_events, stats.reserve_bytes) == (1, 150)
         assert (stats.pending_events, stats.pending_bytes) == (2, 250)
-        assert [e.reserved for e in buf] == [False, True]
+        assert [e.reserved for e in drain(buf)] == [False, True]
 
     def test_reserve_used_when_ordinary_bytes_do_not_fit(self) -> None:
         # "full" means the event does not fit, also by bytes with events to spare
@@ -203,7 +204,7 @@ class TestReserve:
         buf = make(max_events=0, reserve_events=1, reserve_bytes=1000)
         buf.offer(sized_event("error", 100), 0.0)
         assert buf.offer(sized_event("error", 100, seq=1), 0.0) is Offer.REJECTED_FULL
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None and entry.reserved
         assert buf.statistics().reserve_events == 0
         assert buf.offer(sized_event("error", 100, seq=2), 0.0) is Offer.ACCEPTED_RESERVE
@@ -217,7 +218,7 @@ class TestReserve:
         for ev in (a1, a2, err, done):
             assert buf.offer(ev, 0.0).accepted
         # one slot frees up; an ordinary event queued now comes after the reserve
-        first = buf.get_nowait()
+        first = buf.pop()
         assert first is not None and first.event is a1
         late = sized_event("other", 100)
         assert buf.offer(late, 0.0) is Offer.ACCEPTED
@@ -236,21 +237,21 @@ class TestClosure:
         out = drain(buf)
         assert events_of(out) == [*evs, notice]
         assert [e.closure for e in out] == [False, False, False, True]
-        assert buf.closure_delivered
-        assert buf.get_nowait() is None
-        assert not buf.has_output()
+        assert not buf.closure_pending
+        assert buf.pop() is None
+        assert buf.peek() is None
 
     def test_closure_of_empty_buffer(self) -> None:
         buf = make()
-        assert not buf.has_output()
+        assert buf.peek() is None
         notice = closed_notice()
         buf.close(notice, compact=COMPACT, now=0.0)
-        assert buf.has_output()
+        assert buf.peek() is not None
         assert buf.statistics().closure_pending
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None and entry.closure and entry.event is notice
         assert not buf.statistics().closure_pending
-        assert buf.get_nowait() is None
+        assert buf.pop() is None
 
     def test_duplicate_close_is_harmless(self) -> None:
         buf = make()
@@ -265,7 +266,7 @@ class TestClosure:
         buf.close(closed_notice(), compact=COMPACT, now=0.0)
         assert buf.offer(sized_event(kind, 100, "r1"), 0.0) is Offer.REJECTED_CLOSED
         assert not Offer.REJECTED_CLOSED.accepted
-        assert len(buf) == 0
+        assert buf.pending_events == 0
         assert buf.statistics().rejected_full == 0
 
     def test_closure_is_outside_both_budgets(self) -> None:
@@ -284,13 +285,13 @@ class TestClosure:
         buf = make(close_bytes=600)
         notice = closed_notice(600)
         buf.close(notice, compact=COMPACT, now=0.0)
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None and entry.event is notice
 
     def test_oversized_notice_is_replaced_by_compact(self) -> None:
         buf = make(close_bytes=600)
         buf.close(closed_notice(601), compact=COMPACT, now=0.0)
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None and entry.closure
         assert entry.event is COMPACT
         body = entry.event.body
@@ -302,7 +303,7 @@ class TestClosure:
     def test_default_limit_4096(self) -> None:
         buf = OutputBuffer(BufferLimits())
         buf.close(closed_notice(4097), compact=COMPACT, now=0.0)
-        entry = buf.get_nowait()
+        entry = buf.pop()
         assert entry is not None and entry.event is COMPACT
 
     def test_invalidate_after_close_still_removes_audio(self) -> None:
@@ -317,58 +318,27 @@ class TestClosure:
         assert events_of(drain(buf)) == [t, notice]
 
 
-class TestHeldEvent:
-    def test_held_valid_until_released(self) -> None:
+class TestPeek:
+    def test_peek_shows_what_pop_takes_next_without_taking_it(self) -> None:
+        buf = make()
+        first = sized_event("audio", 100, "r1", seq=1)
+        buf.offer(first, 0.0)
+        buf.offer(sized_event("audio", 100, "r1", seq=2), 0.0)
+        head = buf.peek()
+        assert head is not None and head.event is first
+        assert buf.pending_events == 2, "peeking takes nothing out of the budget"
+        assert buf.pop() is head
+
+    def test_peek_shows_the_closure_last_and_pop_takes_it_once(self) -> None:
         buf = make()
         buf.offer(sized_event("audio", 100, "r1"), 0.0)
-        assert not buf.held_is_valid
-        entry = buf.get_nowait()
-        assert entry is not None
-        assert buf.held_is_valid
-        buf.release_held()
-        assert not buf.held_is_valid
-
-    def test_invalidate_marks_held_audio_of_that_response(self) -> None:
-        buf = make()
-        buf.offer(sized_event("audio", 100, "r1"), 0.0)
-        buf.get_nowait()
-        assert buf.invalidate("r1") == (0, 0)
-        assert not buf.held_is_valid
-
-    def test_invalidate_of_other_response_keeps_held_valid(self) -> None:
-        buf = make()
-        buf.offer(sized_event("audio", 100, "r1"), 0.0)
-        buf.get_nowait()
-        buf.invalidate("r2")
-        assert buf.held_is_valid
-
-    @pytest.mark.parametrize("kind", ["transcript", "done", "created"])
-    def test_held_non_audio_of_that_response_stays_valid(self, kind: str) -> None:
-        buf = make()
-        buf.offer(sized_event(kind, 100, "r1"), 0.0)
-        buf.get_nowait()
-        buf.invalidate("r1")
-        assert buf.held_is_valid
-
-    def test_next_get_releases_previous_hold(self) -> None:
-        buf = make()
-        buf.offer(sized_event("audio", 100, "r1", seq=1), 0.0)
-        buf.offer(sized_event("audio", 100, "r2", seq=2), 0.0)
-        buf.get_nowait()
-        buf.invalidate("r1")
-        assert not buf.held_is_valid
-        second = buf.get_nowait()
-        assert second is not None and second.event.response_id == "r2"
-        assert buf.held_is_valid
-        assert buf.get_nowait() is None
-        assert not buf.held_is_valid
-
-    def test_held_closure_is_valid(self) -> None:
-        buf = make()
-        buf.close(closed_notice(), compact=COMPACT, now=0.0)
-        buf.get_nowait()
-        buf.invalidate("r1")
-        assert buf.held_is_valid
+        notice = closed_notice()
+        buf.close(notice, compact=COMPACT, now=0.0)
+        buf.pop()
+        head = buf.peek()
+        assert head is not None and head.closure and head.event is notice
+        assert buf.pop() is head
+        assert buf.peek() is None and buf.pop() is None
 
 
 class TestInvalidate:
@@ -386,16 +356,23 @@ class TestInvalidate:
             assert buf.offer(ev, 0.0).accepted
         before = buf.statistics()
         assert buf.invalidate("r1") == (2, 230)
-        assert events_of(list(buf)) == [t1, b1, o1, b2, err, d1]
         stats = buf.statistics()
         assert stats.pending_events == before.pending_events - 2
         assert stats.pending_bytes == before.pending_bytes - 230
         assert (stats.reserve_events, stats.reserve_bytes) == (2, 330)
         assert (stats.invalidated_events, stats.invalidated_bytes) == (2, 230)
         # freed ordinary room is usable again
-        assert buf.offer(sized_event("audio", 100, "r3"), 0.0) is Offer.ACCEPTED
+        c1 = sized_event("audio", 100, "r3")
+        assert buf.offer(c1, 0.0) is Offer.ACCEPTED
+        assert events_of(drain(buf)) == [t1, b1, o1, b2, err, d1, c1]
+
+    def test_invalidations_are_counted(self) -> None:
+        buf = make()
+        for rid, size in (("r1", 100), ("r2", 120), ("r2", 150)):
+            buf.offer(sized_event("audio", size, rid), 0.0)
+        buf.invalidate("r1")
         assert buf.invalidate("r2") == (2, 270)
-        assert (buf.statistics().invalidated_events, buf.statistics().invalidated_bytes) == (4, 500)
+        assert (buf.statistics().invalidated_events, buf.statistics().invalidated_bytes) == (3, 370)
 
     def test_nothing_to_remove(self) -> None:
         buf = make()
@@ -403,7 +380,7 @@ class TestInvalidate:
         buf.offer(t, 0.0)
         assert buf.invalidate("r1") == (0, 0)
         assert buf.invalidate("nope") == (0, 0)
-        assert events_of(list(buf)) == [t]
+        assert events_of(drain(buf)) == [t]
         assert buf.statistics().invalidated_events == 0
 
     def test_beta_audio_is_removed_too(self) -> None:
@@ -413,14 +390,7 @@ class TestInvalidate:
         buf.offer(event(audio("r1", beta=True)), 0.0)
         buf.offer(event(audio("r1", beta=False)), 0.0)
         assert buf.invalidate("r1")[0] == 2
-        assert len(buf) == 0
-
-    def test_iteration_is_a_snapshot(self) -> None:
-        buf = make()
-        buf.offer(sized_event("audio", 100, "r1"), 0.0)
-        snapshot = iter(buf)
-        buf.offer(sized_event("audio", 100, "r1", seq=2), 0.0)
-        assert len(list(snapshot)) == 1
+        assert buf.pending_events == 0
 
 
 class TestStatistics:
@@ -443,7 +413,7 @@ class TestStatistics:
         buf.offer(sized_event("audio", 200, "r1"), 0.0)
         buf.offer(sized_event("error", 150), 0.0)
         buf.offer(sized_event("audio", 100, "r2"), 0.0)  # rejected
-        buf.get_nowait()
+        buf.pop()
         buf.invalidate("r1")
         buf.close(closed_notice(), compact=COMPACT, now=0.0)
         s1 = buf.statistics()

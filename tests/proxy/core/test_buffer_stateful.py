@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from proxy.core.buffer import BufferLimits, Entry, Offer, OutputBuffer
 from proxy.core.events import EventKind, UpstreamEvent
@@ -50,8 +50,6 @@ class OutputBufferMachine(RuleBasedStateMachine):
         self.closure: UpstreamEvent | None = None
         self.closure_delivered = False
         self.delivered: list[Entry] = []
-        self.held: Entry | None = None
-        self.held_valid = False
         # response → offer seq at its latest invalidate: older audio never comes out
         self.invalidated_through: dict[str, int] = {}
         self.seq_of: dict[int, int] = {}  # id(event) → offer seq
@@ -122,31 +120,26 @@ class OutputBufferMachine(RuleBasedStateMachine):
 
     @rule()
     def get(self) -> None:
-        entry = self.buf.get_nowait()
+        entry = self.buf.pop()
         if self.model:
             head = self.model.pop(0)
             assert entry is not None and entry.event is head.event
             assert entry.reserved is head.reserved
             assert not entry.closure
+            if entry.reserved:
+                assert entry.event.kind in RESERVE_KINDS, "the reserve holds only error and done"
         elif self.closed and not self.closure_delivered:
             assert entry is not None and entry.closure
             assert entry.event is self.closure
             self.closure_delivered = True
         else:
             assert entry is None
-            self.held, self.held_valid = None, False
             return
         ev = entry.event
         if ev.is_audio and ev.response_id in self.invalidated_through:
             assert self.seq_of[id(ev)] > self.invalidated_through[ev.response_id]
         assert not any(d.closure for d in self.delivered), "nothing after the closure"
         self.delivered.append(entry)
-        self.held, self.held_valid = entry, True
-
-    @rule()
-    def release(self) -> None:
-        self.buf.release_held()
-        self.held, self.held_valid = None, False
 
     @rule(rid=st.sampled_from([*RESPONSES, "r-none"]))
     def invalidate(self, rid: str) -> None:
@@ -156,9 +149,6 @@ class OutputBufferMachine(RuleBasedStateMachine):
         assert got == (len(removed), sum(i.event.size for i in removed))
         self.model = kept
         self.invalidated_through[rid] = self.seq
-        held = self.held
-        if held is not None and held.event.is_audio and held.event.response_id == rid:
-            self.held_valid = False
 
     @rule(oversized=st.booleans())
     def close(self, oversized: bool) -> None:
@@ -188,22 +178,15 @@ class OutputBufferMachine(RuleBasedStateMachine):
         assert stats.closure_pending is (self.closed and not self.closure_delivered)
 
     @invariant()
-    def reserve_holds_only_error_and_done(self) -> None:
-        for entry in self.buf:
-            if entry.reserved:
-                assert entry.event.kind in RESERVE_KINDS
-
-    @invariant()
-    def queue_equals_model(self) -> None:
-        assert [e.event for e in self.buf] == [i.event for i in self.model]
-        assert len(self.buf) == len(self.model)
-        assert self.buf.has_output() is bool(
-            self.model or (self.closed and not self.closure_delivered)
-        )
-
-    @invariant()
-    def held_validity(self) -> None:
-        assert self.buf.held_is_valid is self.held_valid
+    def the_head_is_the_models(self) -> None:
+        head = self.buf.peek()
+        if self.model:
+            assert head is not None and head.event is self.model[0].event
+        elif self.closed and not self.closure_delivered:
+            assert head is not None and head.closure and head.event is self.closure
+        else:
+            assert head is None
+        assert self.buf.pending_events == len(self.model)
 
     def teardown(self) -> None:
         # drain: whatever is left comes out in model order, closure last and once;
@@ -214,7 +197,7 @@ class OutputBufferMachine(RuleBasedStateMachine):
             self.get()
         else:
             raise AssertionError("the buffer kept producing events past what was put in")
-        assert self.buf.get_nowait() is None
+        assert self.buf.pop() is None
         closures = [d for d in self.delivered if d.closure]
         assert len(closures) == (1 if self.closed else 0)
         if closures:
@@ -228,25 +211,3 @@ OutputBufferMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestOutputBufferMachine = OutputBufferMachine.TestCase
-
-
-# Invalidating exactly the held audio's response is rare by chance; this
-# variant adds a rule that does it whenever audio is held.
-class HeldInvalidationMachine(OutputBufferMachine):
-    @precondition(lambda self: self.held is not None and self.held.event.is_audio)
-    @rule()
-    def invalidate_held(self) -> None:
-        assert self.held is not None
-        rid = self.held.event.response_id
-        assert rid is not None
-        self.invalidate(rid)
-        assert not self.buf.held_is_valid
-
-
-HeldInvalidationMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestHeldInvalidationMachine = HeldInvalidationMachine.TestCase
