@@ -569,6 +569,105 @@ def test_the_file_name_rule_sees_a_duplicate() -> None:
     assert duplicates == {"relay.py": ["proxy/session/relay.py", "engine_launcher/relay.py"]}
 
 
+# -- a test file where a maintainer looks (docs/development.md, Layout) ------------------
+
+#: The layers whose every module has a test file of its own: the sans-I/O core and
+#: the session's I/O shell, the parts the next engine release changes.
+OWN_TEST_FILE_PACKAGES = ("proxy/core", "proxy/session")
+
+#: The modules whose rules are tested in another module's file, and why. Short on
+#: purpose: a module gets here only when testing it alone would test nothing of its own.
+TESTED_ELSEWHERE: dict[str, str] = {
+    "proxy/session/upstream_link/interface.py": (
+        "the contract between relay and link: tests/proxy/session/test_upstream_link.py"
+        " runs every case against both links"
+    ),
+    "proxy/session/upstream_link/picows_link.py": (
+        "one of the two links, run through every contract case in test_upstream_link.py"
+    ),
+    "proxy/session/upstream_link/aiohttp_link.py": (
+        "one of the two links, run through every contract case in test_upstream_link.py"
+    ),
+}
+
+
+def own_test_file(module: Path, root: Path = ROOT) -> Path:
+    """Where a module's tests live: the package tree mirrored under tests/.
+
+    ``proxy/core/buffer.py`` → ``tests/proxy/core/test_buffer.py``;
+    ``proxy/session/upstream_link/frame_outbox.py`` →
+    ``tests/proxy/session/upstream_link/test_frame_outbox.py``; a package's
+    ``__init__.py`` → ``test_<package>.py`` beside the package's own test folder.
+    """
+    relative = module.relative_to(root)
+    if relative.name == "__init__.py":
+        package = relative.parent
+        return root / "tests" / package.parent / f"test_{package.name}.py"
+    return root / "tests" / relative.parent / f"test_{relative.name}"
+
+
+def modules_needing_own_tests(root: Path = ROOT) -> list[Path]:
+    """Every module of the core and the session layer, ``__init__.py`` files that define
+    no function or class aside (a package's list of names has no rules of its own)."""
+    found = []
+    for package in OWN_TEST_FILE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            if path.name == "__init__.py":
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+                if not any(
+                    isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    for n in tree.body
+                ):
+                    continue
+            found.append(path)
+    return found
+
+
+def missing_test_files(modules: list[Path], root: Path = ROOT) -> list[str]:
+    return [
+        f"{module.relative_to(root)} has no test file: add "
+        f"{own_test_file(module, root).relative_to(root)} with its rules"
+        for module in modules
+        if str(module.relative_to(root)) not in TESTED_ELSEWHERE
+        and not own_test_file(module, root).is_file()
+    ]
+
+
+def test_every_core_and_session_module_has_its_own_test_file() -> None:
+    missing = missing_test_files(modules_needing_own_tests())
+    assert not missing, "\n".join(missing)
+
+
+def test_every_module_tested_elsewhere_still_exists_and_has_no_file_of_its_own() -> None:
+    stale = [
+        path
+        for path in TESTED_ELSEWHERE
+        if not (ROOT / path).is_file() or own_test_file(ROOT / path).is_file()
+    ]
+    assert not stale, f"drop these from TESTED_ELSEWHERE: {stale}"
+
+
+def test_the_test_file_rule_sees_a_module_without_one(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: a core module with no test file.
+    (tmp_path / "proxy" / "core").mkdir(parents=True)
+    (tmp_path / "proxy" / "session" / "link").mkdir(parents=True)
+    (tmp_path / "proxy" / "core" / "__init__.py").write_text('"""Names."""\n')
+    (tmp_path / "proxy" / "core" / "gate.py").write_text("X = 1\n")
+    (tmp_path / "proxy" / "session" / "link" / "__init__.py").write_text("def f() -> None: ...\n")
+    (tmp_path / "tests" / "proxy" / "session").mkdir(parents=True)
+    (tmp_path / "tests" / "proxy" / "session" / "test_link.py").write_text("")
+    modules = modules_needing_own_tests(tmp_path)
+    assert [str(m.relative_to(tmp_path)) for m in modules] == [
+        "proxy/core/gate.py",
+        "proxy/session/link/__init__.py",
+    ]
+    assert missing_test_files(modules, tmp_path) == [
+        "proxy/core/gate.py has no test file: add tests/proxy/core/test_gate.py with its rules"
+    ]
+
+
 # -- short module headers (docs/design.md, Code rules (16)) ------------------------------
 
 #: A module docstring says what the module is for and points into docs/design.md

@@ -47,7 +47,7 @@ from tests.integration.helpers import (
     rid_of,
     run_cli,
 )
-from tests.proxy.session.test_frames_masked import parse_masked
+from tests.proxy.session.test_frames import parse_masked
 
 MIB = 1024 * 1024
 #: The links' bound on one engine message in these tests.
