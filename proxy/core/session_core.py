@@ -267,7 +267,10 @@ class SessionCore(SessionOutput):
             True when this ping overflowed the session.
         """
         budget = self.settings.buffer.max_pending_output_events
-        if unanswered_pings + len(self.buffer) > budget and self.state is SessionState.OPEN:
+        if (
+            unanswered_pings + self.buffer.pending_events > budget
+            and self.state is SessionState.OPEN
+        ):
             self.control_overflow(now)
             return True
         return False

@@ -431,7 +431,7 @@ class SessionPair:
         Bounded by what the buffer holds (plus the closure notice): a buffer
         that keeps producing fails the test at once instead of growing memory.
         """
-        limit = len(self.core.buffer) + 2 if n is None else n
+        limit = self.core.buffer.pending_events + 2 if n is None else n
         out: list[Delivered] = []
         while len(out) < limit:
             entry = self.take()

@@ -127,7 +127,7 @@ class TestRelay:
     def test_nothing_ready(self) -> None:
         p = pair()
         assert p.take() is None
-        assert not p.core.buffer.has_output()
+        assert p.core.buffer.peek() is None
 
     def test_malformed_upstream_frame_dropped_and_counted(self) -> None:
         p = pair()
@@ -1079,8 +1079,11 @@ class _Run:
         ]
 
     def _feed(self, text: str, *, rid: str | None = None, is_audio: bool = False) -> bool:
-        ev = self.p.upstream(text)[0]
-        accepted = any(e.event is ev for e in self.p.core.buffer)
+        buffer = self.p.core.buffer
+        events, refused = buffer.pending_events, buffer.statistics().rejected_full
+        self.p.upstream(text)
+        # queued: one more event, and no offer refused (a refusal may queue a notice)
+        accepted = buffer.statistics().rejected_full == refused and buffer.pending_events > events
         if not (is_audio and rid in self.cancelled):
             self.model.append(text)
         return accepted

@@ -200,7 +200,7 @@ async def test_a_cancel_before_the_end_of_tick_write_writes_no_audio_of_that_res
     # The three events wait for the one end-of-tick write.
     await wait_until(lambda: s.upstream.inbox.empty(), what="engine frames read")
     await s.settle()
-    assert len(s.core.buffer) == 3 and s.transport.calls == []
+    assert s.core.buffer.pending_events == 3 and s.transport.calls == []
     s.client.send(aiohttp.WSMsgType.TEXT, b_response_cancel("r1"))
     await wait_until(lambda: bool(s.upstream.sent), what="the cancel forwarded")
     for flush in s.soon:  # the end of the tick comes after the cancel
@@ -219,7 +219,7 @@ async def test_events_wait_in_the_core_while_the_client_does_not_read(
     s.upstream.feed(audio("r1", seq=1))
     await s.settle()
     assert s.transport.calls == []
-    assert len(s.core.buffer) == 2
+    assert s.core.buffer.pending_events == 2
     s.protocol.resume()
     await wait_until(lambda: len(s.texts()) == 2, what="delivery after the drain")
 
@@ -234,7 +234,7 @@ async def test_more_than_one_room_queued_is_all_delivered_once_the_client_drains
     s.upstream.feed(response_created("r1"))
     for seq in range(1, 11):
         s.upstream.feed(audio("r1", 400, seq=seq))
-    await wait_until(lambda: len(s.core.buffer) == 11, what="events queued")
+    await wait_until(lambda: s.core.buffer.pending_events == 11, what="events queued")
     s.protocol.resume()
     await wait_until(lambda: len(s.texts()) == 11, what="all eleven events delivered")
     assert len(s.transport.calls) >= 3, "several rooms, each one transport write"
@@ -574,7 +574,7 @@ async def test_a_client_close_while_output_is_queued_ends_delivery_without_spinn
     s = await session_factory()
     s.protocol.pause()
     s.upstream.feed(response_created("r1"))
-    await wait_until(lambda: len(s.core.buffer) == 1, what="output queued")
+    await wait_until(lambda: s.core.buffer.pending_events == 1, what="output queued")
     s.relay.side.writer.close(1000)  # aiohttp answering the client's own close frame
     s.protocol.resume()
     await s.finished()  # the delivery task stops: nothing can follow a close frame

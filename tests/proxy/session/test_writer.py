@@ -114,7 +114,7 @@ def test_nothing_is_taken_while_the_transport_is_paused() -> None:
     h.engine(response_created("r1"), audio("r1"))
     h.pump()
     assert h.transport.data == b""
-    assert len(h.core.buffer) == 2, "events stay queued in the core, inside its budget"
+    assert h.core.buffer.pending_events == 2, "events stay queued in the core, inside its budget"
     h.protocol.resume()
     h.pump()
     assert [t["type"] for t in h.texts()] == ["response.created", "response.output_audio.delta"]
@@ -124,7 +124,7 @@ def test_a_drain_never_takes_more_than_the_room() -> None:
     h = Harness(bound=1000)
     h.engine(*[sized({"type": "x.e", "i": i}, 300) for i in range(10)])
     writes = 0
-    while len(h.core.buffer):
+    while h.core.buffer.pending_events:
         h.pump()
         writes += 1
     assert [len(c) for c in h.transport.calls] and max(map(len, h.transport.calls)) <= 1000
@@ -138,9 +138,9 @@ def test_what_the_transport_holds_counts_against_the_bound() -> None:
     h.engine(*[sized({"type": "x.e", "i": i}, 300) for i in range(5)])
     h.pump()
     assert [t["i"] for t in h.texts()] == [0], "one event past the room, then nothing"
-    assert len(h.core.buffer) == 4, "the rest stays queued in the core, inside its budget"
+    assert h.core.buffer.pending_events == 4, "the rest stays queued in the core, inside its budget"
     h.transport.buffered = 0  # drained
-    while len(h.core.buffer):
+    while h.core.buffer.pending_events:
         h.pump()
     assert [t["i"] for t in h.texts()] == [0, 1, 2, 3, 4]
 
