@@ -1,12 +1,31 @@
-"""The session's output drain (proxy/core/session_output.py): what a resume's replay
-takes of each room, and in what order (docs/design.md, Resume)."""
+"""``SessionOutput`` (proxy/core/session_output.py): the core's output half.
+
+What the shell wrote is reported back (``written``), what it could not write is
+counted as dropped (``not_written``); timings start when a response is asked for
+and end when its first audio is written; one deadline covers acks, pacing and
+the resume grace; a resume's replay takes each room before what queued meanwhile
+(docs/design.md, Resume).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from tests.proxy.core.helpers import SessionPair, audio_payload, dumps, make_settings
+from proxy.core.lifecycle import EndReason, SessionState
+from proxy.core.playback_state import AckMode, PlaybackSettings
+from proxy.core.session_core import SessionCore
+from proxy.core.telemetry import DropReason
+from tests.proxy.core.helpers import (
+    SessionPair,
+    audio,
+    audio_payload,
+    b_response_create,
+    dumps,
+    make_settings,
+    response_created,
+    transcript_delta,
+)
 
 
 def _numbered(seq: int, body: dict[str, object]) -> str:
@@ -64,3 +83,72 @@ def test_a_reattached_idle_session_has_output_waiting_with_nothing_queued() -> N
     assert pair.core.pending_events == 0 and pair.core.output_waiting
     assert [d.type for d in pair.deliver()] == ["session.resumed"]
     assert not pair.core.output_waiting
+
+
+ROOM = 1 << 20
+
+
+def _core(**settings: object) -> SessionCore:
+    return SessionCore(
+        dataclasses.replace(make_settings(), **settings), new_event_id=lambda: "event_proxy"
+    )
+
+
+def test_what_the_shell_could_not_write_is_dropped_as_session_closed() -> None:
+    core = _core()
+    frames = [response_created("r1"), transcript_delta("r1")]
+    for text in frames:
+        core.receive_upstream(text, 0.0)
+    drain = core.drain(0.0, ROOM)
+    core.not_written(drain.to_client)
+    size = sum(len(text.encode()) for text in frames)
+    assert core.drop_totals()[DropReason.SESSION_CLOSED] == (2, size)
+
+
+def test_writing_the_closure_notice_closes_the_session() -> None:
+    core = _core()
+    core.end(0.0, EndReason.SHUTDOWN)
+    assert core.state is SessionState.CLOSING
+    drain = core.drain(0.0, ROOM)
+    assert drain.to_client[-1].closure
+    core.written(drain.to_client, 0.0)
+    assert core.state is SessionState.CLOSED
+    assert core.drain(0.0, ROOM).to_client == (), "the closure notice is written once"
+
+
+def test_first_audio_is_timed_from_the_request_to_the_first_audio_written() -> None:
+    core = _core()
+    core.receive_client(b_response_create(), 1.0)
+    core.receive_upstream(response_created("r1"), 1.2)
+    core.receive_upstream(audio("r1", 400, seq=1), 1.3)
+    drain = core.drain(1.4, ROOM)
+    core.written(drain.to_client, 1.5)
+    report = core.drain(1.5, 0).report
+    assert report is not None
+    assert list(report.first_audio) == [0.5], "asked at 1.0, first audio written at 1.5"
+    core.receive_upstream(audio("r1", 400, seq=2), 1.6)
+    core.written(core.drain(1.6, ROOM).to_client, 1.7)
+    later = core.drain(1.8, 0).report
+    assert later is None or not later.first_audio, "once per response"
+
+
+def test_paced_audio_sets_the_one_deadline_and_the_timer_releases_it() -> None:
+    core = _core(playback=PlaybackSettings(pacing=True, max_audio_lead=0.2, ack=AckMode.OFF))
+    core.receive_upstream(response_created("r1"), 0.0)
+    for seq in range(5):  # 0.1 s each
+        core.receive_upstream(audio("r1", 6400, seq=seq), 0.0)
+    drain = core.drain(0.0, ROOM)
+    first = len(drain.to_client)
+    core.written(drain.to_client, 0.0)
+    deadline = core.next_deadline()
+    assert deadline is not None and deadline > 0.0
+    assert core.pending_events == 6 - first, "the rest waits for the client to play"
+    core.on_timer(deadline)
+    assert core.drain(deadline, ROOM).to_client, "released at the deadline"
+
+
+def test_without_pacing_acks_or_a_grace_there_is_no_deadline() -> None:
+    core = _core()
+    core.receive_upstream(response_created("r1"), 0.0)
+    core.written(core.drain(0.0, ROOM).to_client, 0.0)
+    assert core.next_deadline() is None
