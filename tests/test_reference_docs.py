@@ -19,10 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from metrics import SidecarMetrics, definitions
-from metrics.reference import MARKDOWN_COMMAND as METRICS_COMMAND
+from metrics.reference import METRICS_MARKDOWN_COMMAND as METRICS_COMMAND
 from metrics.reference import metrics_markdown
 from proxy.settings import SETTINGS, configuration_markdown
-from proxy.settings.render import MARKDOWN_COMMAND as SETTINGS_COMMAND
+from proxy.settings.render import SETTINGS_MARKDOWN_COMMAND as SETTINGS_COMMAND
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs/configuration.md"

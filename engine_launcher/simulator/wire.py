@@ -17,7 +17,7 @@ import orjson
 __all__ = [
     "BETA_NAMES",
     "CLIENT_ALIASES",
-    "ERROR_TYPES",
+    "ENGINE_ERROR_TYPES",
     "GA_NAMES",
     "MAX_CLIENT_MESSAGE_BYTES",
     "OPENAI_CLIENT_EVENTS",
@@ -108,7 +108,7 @@ _SERVER: Final = "server_error"
 # docs/engine-protocol.md, Terminal events and errors: error.type is derived from the code; unknown
 # codes default to
 # invalid_request_error, so only the non-default ones are listed.
-ERROR_TYPES: Final[dict[str, str]] = {
+ENGINE_ERROR_TYPES: Final[dict[str, str]] = {
     "resource_exhausted": _RATE_LIMIT,
     "input_backpressure": _RATE_LIMIT,
     "output_backpressure": _RATE_LIMIT,
@@ -123,7 +123,7 @@ ERROR_TYPES: Final[dict[str, str]] = {
 
 def error_type_for(code: str) -> str:
     """Return the ``error.type`` the engine derives from ``code``."""
-    return ERROR_TYPES.get(code, "invalid_request_error")
+    return ENGINE_ERROR_TYPES.get(code, "invalid_request_error")
 
 
 def error_payload(code: str, message: str, client_event_id: str | None = None) -> dict[str, Any]:

@@ -9,23 +9,15 @@ a clock: the shell in :mod:`proxy.probe.measured_session` passes time in.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
 from proxy.core.events import AUDIO_DELTA_TYPES
+from proxy.core.playback_state import DEFAULT_OUTPUT_FORMAT, DEFAULT_OUTPUT_RATE
 from proxy.core.ratelimit import BYTES_PER_SAMPLE
 from proxy.probe.options import ProbeOptions, ProbeResult
 from proxy.probe.playout import PlayoutBuffer, base64_decoded_length
 
-__all__ = [
-    "DEFAULT_OUTPUT_FORMAT",
-    "DEFAULT_OUTPUT_SAMPLE_RATE_HZ",
-    "Recorder",
-]
-
-#: Output audio is PCM16 at 24 kHz unless the delta or the session says otherwise
-#: (docs/engine-protocol.md, Conventions).
-DEFAULT_OUTPUT_FORMAT: Final = "pcm16"
-DEFAULT_OUTPUT_SAMPLE_RATE_HZ: Final = 24_000
+__all__ = ["Recorder"]
 
 
 def _positive_int_or_none(value: object) -> int | None:
@@ -74,7 +66,9 @@ class Recorder:
         self._cancelled_at: dict[str, float] = {}
         self._finished: set[str] = set()
         self._output_format = DEFAULT_OUTPUT_FORMAT
-        self._output_rate = DEFAULT_OUTPUT_SAMPLE_RATE_HZ
+        # PCM16 at 24 kHz unless the delta or the session says otherwise
+        # (docs/engine-protocol.md, Conventions): the core's defaults.
+        self._output_rate = DEFAULT_OUTPUT_RATE
         self._playout = PlayoutBuffer()
 
     def begin_response(self, create_event_id: str, now: float) -> None:
