@@ -92,13 +92,12 @@ def test_an_ended_session_shows_its_outcome_and_close_code() -> None:
     assert core.outcome is Outcome.SHUTDOWN and core.close_code == 1001
 
 
-def test_playback_totals_name_their_fields() -> None:
-    totals = _core().playback_totals()
-    assert isinstance(totals, PlaybackTotals)
-    assert totals._fields == (
-        "audio_sent",
-        "acks_sent",
-        "truncations_client",
-        "truncations_sidecar",
-        "paced_bound_releases",
+def test_a_new_sessions_playback_totals_are_zero_by_name() -> None:
+    core = SessionCore(make_settings(), new_event_id=lambda: "event_proxy")
+    assert core.playback_totals() == PlaybackTotals(
+        audio_sent=0.0,
+        acks_sent=0,
+        truncations_client=0,
+        truncations_sidecar=0,
+        paced_bound_releases=0,
     )
