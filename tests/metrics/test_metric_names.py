@@ -496,17 +496,3 @@ def test_usage_key_label_is_the_files() -> None:
             )
             == 0.0
         )
-
-
-def test_every_list_of_engine_releases_names_the_same_releases() -> None:
-    """A new engine release is added to the core's ``EngineVersion`` and every list
-    that must know it moves with it: the ``[engine] version`` setting, the
-    simulator's ``--engine-version`` and the metric's label values."""
-    from engine_launcher import engine_config
-    from engine_launcher.simulator import flags
-    from proxy.core.capabilities import EngineVersion
-
-    releases = tuple(v.value for v in EngineVersion if v is not EngineVersion.UNKNOWN)
-    assert engine_config.ENGINE_VERSIONS == ("auto", *releases)
-    assert flags.ENGINE_VERSIONS == releases
-    assert d.ENGINE_VERSIONS == ("unknown", *releases)
