@@ -668,6 +668,75 @@ def test_the_test_file_rule_sees_a_module_without_one(tmp_path: Path) -> None:
     ]
 
 
+# -- one name per thing -----------------------------------------------------------------
+
+#: Public top-level names that more than one product module defines, and why each
+#: copy must stay. Anything else defined twice is two things with one name (rename
+#: one) or one fact with two homes (import it from the one home).
+SHARED_NAMES: dict[str, str] = {
+    "BYTES": "unit multipliers: the core imports nothing of the package (buffer.py)",
+    "KIB": "unit multipliers: the core imports nothing of the package (buffer.py)",
+    "MIB": "unit multipliers: the core imports nothing of the package (buffer.py)",
+    "SECONDS": "unit multiplier: the probe does not import engine_launcher",
+    "DEFAULT_HOST": "the simulator is another process and imports nothing of the product",
+    "ENGINE_VERSIONS": "the setting's, the simulator's and the metric's lists of releases, "
+    "checked against the core's table by tests/proxy/core/test_engine_releases.py",
+    "EngineRelease": "the simulator's own rows, checked by tests/proxy/core/test_engine_releases.py",
+    "RELEASES": "the simulator's own rows, checked by tests/proxy/core/test_engine_releases.py",
+    "release_of": "the simulator's own rows, checked by tests/proxy/core/test_engine_releases.py",
+    "UNNAMED_KEY": "metrics imports nothing of the proxy; tests/metrics/test_metric_names.py "
+    "checks the two agree",
+    "access_log": "logging.getLogger of one logger name: the same object",
+    "main": "each `python -m` entry point's function",
+    "serve": "the sidecar's and the simulator's servers (another process)",
+}
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The public names a module defines at its top level (imports are not definitions)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    # A module's own logger and name list are every module's, by convention.
+    return {n for n in names if not n.startswith("_") and n not in {"__all__", "log", "logger"}}
+
+
+def names_defined_twice(files: list[Path], root: Path = ROOT) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for path in files:
+        for name in top_level_names(path):
+            where.setdefault(name, []).append(str(path.relative_to(root)))
+    return {name: paths for name, paths in sorted(where.items()) if len(paths) > 1}
+
+
+def test_one_name_per_thing() -> None:
+    twice = {n: p for n, p in names_defined_twice(PRODUCT_FILES).items() if n not in SHARED_NAMES}
+    assert not twice, (
+        "top-level names defined in more than one module: rename one (two things) or "
+        "import it from one home (one fact); a copy that must stay goes in SHARED_NAMES "
+        f"with why: {twice}"
+    )
+
+
+def test_every_shared_name_is_still_shared() -> None:
+    twice = names_defined_twice(PRODUCT_FILES)
+    stale = sorted(set(SHARED_NAMES) - set(twice))
+    assert not stale, f"drop these from SHARED_NAMES (defined once now): {stale}"
+
+
+def test_the_name_rule_sees_a_second_definition(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: a second Relay, and an import that is not one.
+    (tmp_path / "a.py").write_text("class Relay: ...\nX: int = 1\n_private = 2\n")
+    (tmp_path / "b.py").write_text("from a import X\nRelay = object\n_private = 3\n")
+    files = [tmp_path / "a.py", tmp_path / "b.py"]
+    assert names_defined_twice(files, tmp_path) == {"Relay": ["a.py", "b.py"]}
+
+
 # -- short module headers (docs/design.md, Code rules (16)) ------------------------------
 
 #: A module docstring says what the module is for and points into docs/design.md
