@@ -126,14 +126,33 @@ class PlaybackLedger:
         if isinstance(rate, int) and rate > 0:
             self.output_rate = rate
 
-    def on_client_ack(self, event_id: str | None = None, now: float = 0.0) -> bool:
-        """The client sent ``playback.ack``. Returns whether to forward it."""
+    def on_client_ack(
+        self,
+        event_id: str | None = None,
+        now: float = 0.0,
+        body: dict[str, Any] | None = None,
+    ) -> bool:
+        """The client sent ``playback.ack``. Returns whether to forward it.
+
+        Its ``played_ms`` of a response is what the client heard of it from now on
+        (heard estimate, acks and truncation), in every mode.
+        """
+        if body is not None:
+            self._client_heard(body)
         if self.settings.ack is AckMode.ALWAYS:
             return False
         self.client_acks = True
         self.acking = False
         self._await(own=False, item_truncate=False, truncates=False, event_id=event_id, now=now)
         return True
+
+    def _client_heard(self, body: dict[str, Any]) -> None:
+        rid, played = body.get("response_id"), body.get("played_ms")
+        if not isinstance(rid, str) or isinstance(played, bool) or not isinstance(played, int):
+            return
+        item = self.items.get(rid)
+        if item is not None and played > item.heard_ms:
+            item.heard_ms = played
 
     def on_client_truncate(
         self, item_id: str | None, event_id: str | None = None, now: float = 0.0
@@ -297,6 +316,8 @@ class PlaybackLedger:
             meta = event.audio_meta or {}
             item_id = meta.get("item_id")
             item = ItemPlayback(rid, item_id if isinstance(item_id, str) else None)
+            if self.settings.client_reports:
+                item.heard_ms = 0
             self.items[rid] = item
             if len(self.items) > MAX_ITEMS:
                 for key, old in self.items.items():

@@ -119,6 +119,9 @@ class PlaybackSettings:
     max_paced_audio_bytes: int = DEFAULT_MAX_PACED_AUDIO_BYTES
     ack: AckMode = AckMode.AUTO
     ack_interval: float = DEFAULT_ACK_INTERVAL
+    #: The client reports what it played (``playback.ack`` of its own: the phone front
+    #: door's marks); until it does, nothing of an item was heard (no wall-clock estimate).
+    client_reports: bool = False
 
 
 def audio_seconds(chars: int, audio_format: str | None, sample_rate_hz: int | None) -> float:
@@ -141,6 +144,7 @@ class ItemPlayback:
     started_at: float | None = None
     sent: float = 0.0  # audio seconds released to the client
     acked_ms: int = -1  # played_ms of the last ack the sidecar wrote
+    heard_ms: int = -1  # played_ms the client reported (its own playback.ack; Twilio's marks)
     last_ack_at: float = -math.inf
     seconds_per_char: float = 0.0  # base64 character -> audio seconds, from the first delta
     done: bool = False  # its response.done was delivered: no more audio
@@ -150,6 +154,9 @@ class ItemPlayback:
         """Audio seconds the client has played by ``now`` (estimate)."""
         if self.started_at is None:
             return 0.0
+        if self.heard_ms >= 0:
+            # The client said what it played: that, not the wall clock, is the truth.
+            return min(self.sent, self.heard_ms / 1000)
         return min(self.sent, max(0.0, now - self.started_at))
 
     def lead(self, now: float) -> float:

@@ -192,7 +192,7 @@ class SessionCore(SessionOutput):
             self.client_close_requested = True
             self.upstream_close_sent = True
         elif event.type in _PLAYBACK_ACKS:
-            if not self.playback.on_client_ack(event.event_id, now):
+            if not self.playback.on_client_ack(event.event_id, now, event.body):
                 return ClientDecision(event, forward=False)  # playback_ack = always
         elif event.type == "conversation.item.truncate":
             item_id = (event.body or {}).get("item_id")
