@@ -23,7 +23,7 @@ from proxy.session.frames import ControlPayload
 if TYPE_CHECKING:
     from proxy.session.upstream_link import UpstreamLink
 
-__all__ = ["ClientFrames", "ClientReader", "ClientSocket", "TextPush"]
+__all__ = ["ClientFrames", "ClientReader", "ClientSocket", "InputTranslator", "TextPush"]
 
 #: The reader yields to the event loop every 16 frames.
 _YIELD_EVERY_MASK: Final = 15
@@ -43,6 +43,13 @@ class ClientSocket(Protocol):
     async def receive(self) -> aiohttp.WSMessage: ...
 
     async def close(self, *, code: int = 1000, message: bytes = b"") -> bool: ...
+
+
+class InputTranslator(Protocol):
+    """A front door speaking another protocol (docs/design.md, Phone front door):
+    each client text frame becomes the session's client events (zero or more)."""
+
+    def from_client(self, text: str) -> list[str]: ...
 
 
 class ClientFrames(Protocol):
@@ -77,6 +84,9 @@ class ClientReader:
         upstream: the engine link (its flow control pauses client reads).
         push: turns the parser's hand-over of text frames on and off; None
             reads every frame from aiohttp's queue.
+        translator: what a client of another protocol's frames become (None:
+            each text frame is a client event; with one, frames are read from
+            the queue, never pushed).
     """
 
     def __init__(
@@ -85,11 +95,13 @@ class ClientReader:
         protocol: Any,
         upstream: UpstreamLink,
         push: TextPush | None,
+        translator: InputTranslator | None = None,
     ) -> None:
         self._client = client
         self._protocol = protocol
         self._upstream = upstream
-        self._push = push
+        self._push = push if translator is None else None
+        self._translator = translator
         #: Text frames are being handed over by the parser right now.
         self.pushing = False
         #: Text frames read from aiohttp's queue (the rest were handed over as parsed).
@@ -114,6 +126,7 @@ class ClientReader:
         """
         client = self._client
         upstream = self._upstream
+        translator = self._translator
         handler = frames.client_text if self._push is not None else None
         count = 0
         try:
@@ -136,7 +149,11 @@ class ClientReader:
                 kind = msg.type
                 if kind is aiohttp.WSMsgType.TEXT:
                     self.frames_read += 1
-                    frames.client_text(msg.data)
+                    if translator is None:
+                        frames.client_text(msg.data)
+                    else:
+                        for text in translator.from_client(msg.data):
+                            frames.client_text(text)
                     if self.cut_off:
                         await asyncio.Event().wait()  # until wind-down cancels us
                     # A frame read from the queue waits for the engine link, as

@@ -11,15 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from proxy.session.client_reader import ClientFrames, ClientReader, ClientSocket, TextPush
+from proxy.session.client_reader import (
+    ClientFrames,
+    ClientReader,
+    ClientSocket,
+    InputTranslator,
+    TextPush,
+)
 from proxy.session.tasks import cancel_and_wait, first_set
 from proxy.session.timers import Scheduler
 from proxy.session.upstream_link import UpstreamLink
-from proxy.session.writer import ClientFrameWriter
+from proxy.session.writer import ClientFrameWriter, OutputTranslator
 
-__all__ = ["ClientSide"]
+__all__ = ["ClientSide", "FrontDoorTranslator"]
+
+
+class FrontDoorTranslator(InputTranslator, OutputTranslator, Protocol):
+    """Both directions of a front door that speaks another protocol to its client."""
 
 
 class ClientSide:
@@ -34,6 +44,8 @@ class ClientSide:
         write_buffer_bytes: the write bound (``client_write_buffer_bytes``).
         address: the client's address, for logs and the access line.
         resumes: its URL says its client resumes (a drain may hand the session over).
+        translator: a front door of another protocol (the phone front door:
+            proxy/session/twilio_side.py), both ways; None: the engine's protocol.
     """
 
     def __init__(
@@ -46,11 +58,14 @@ class ClientSide:
         write_buffer_bytes: int,
         address: str = "",
         resumes: bool = False,
+        translator: FrontDoorTranslator | None = None,
     ) -> None:
         self.client = client
         self.address = address
-        self.writer = ClientFrameWriter(protocol, write_buffer_bytes=write_buffer_bytes)
-        self.reader = ClientReader(client, protocol, upstream, push)
+        self.writer = ClientFrameWriter(
+            protocol, write_buffer_bytes=write_buffer_bytes, translator=translator
+        )
+        self.reader = ClientReader(client, protocol, upstream, push, translator)
         #: The client's reads ended (closed, lost, or stopped).
         self.ended = asyncio.Event()
         #: The session is done with this connection (its handler may return).

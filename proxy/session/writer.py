@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from proxy import compat
 from proxy.core.buffer import Entry
@@ -27,9 +27,16 @@ from proxy.session.frames import (
     frame_header,
 )
 
-__all__ = ["AiohttpWriterAdapter", "ClientFrameWriter"]
+__all__ = ["AiohttpWriterAdapter", "ClientFrameWriter", "OutputTranslator"]
 
 log = logging.getLogger(__name__)
+
+
+class OutputTranslator(Protocol):
+    """A front door speaking another protocol to its client (docs/design.md, Phone
+    front door): each delivered event becomes the frames its client gets."""
+
+    def to_client(self, text: str) -> list[str]: ...
 
 
 class ClientFrameWriter:
@@ -39,11 +46,20 @@ class ClientFrameWriter:
         protocol: aiohttp's protocol of the client connection (flow control).
         write_buffer_bytes: the write bound (``client_write_buffer_bytes``,
             also the transport's high-water mark).
+        translator: what events become for a client of another protocol (None:
+            each event is written as its own text).
     """
 
-    def __init__(self, protocol: Any, *, write_buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        protocol: Any,
+        *,
+        write_buffer_bytes: int,
+        translator: OutputTranslator | None = None,
+    ) -> None:
         self._protocol = protocol
         self._bound = write_buffer_bytes
+        self._translator = translator
         #: Payload of the latest unanswered ping, while the transport was paused.
         self._pending_pong: ControlPayload | None = None
         self.close_sent = False
@@ -121,7 +137,9 @@ class ClientFrameWriter:
         transport = compat.client_transport(self._protocol)
         if transport is None or transport.is_closing():
             return False
-        if len(entries) == 1:
+        if self._translator is not None:
+            self._write_translated(transport, entries)
+        elif len(entries) == 1:
             # One event (real-time pace): no list to build.
             payload = entries[0].event.text.encode("utf-8", "surrogatepass")
             transport.writelines((frame_header(OP_TEXT, len(payload)), payload))
@@ -136,6 +154,19 @@ class ClientFrameWriter:
             transport.writelines(parts)
         self.frames_written += len(entries)
         return True
+
+    def _write_translated(self, transport: Any, entries: Sequence[Entry]) -> None:
+        """Each event as the frames its translator makes of it (zero or more)."""
+        assert self._translator is not None
+        parts: list[bytes] = []
+        for entry in entries:
+            for text in self._translator.to_client(entry.event.text):
+                payload = text.encode("utf-8")
+                parts.append(frame_header(OP_TEXT, len(payload)))
+                parts.append(payload)
+                self.bytes_written += len(payload)
+        if parts:
+            transport.writelines(parts)
 
     # -- control frames ----------------------------------------------------------------------------
 
