@@ -29,6 +29,7 @@ from proxy import compat
 from proxy.core.capabilities import opens_at_connect, opens_with_first_message, session_is_duplex
 from proxy.core.events import classify_upstream, is_engine_full
 from proxy.core.resume_token import ResumeTokens
+from proxy.edge.access import log_session_end
 from proxy.edge.guard import client_address
 from proxy.edge.refusals import json_error as _json_error
 from proxy.edge.refusals import log_refused as _log_refused
@@ -44,18 +45,23 @@ from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
 from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
-from proxy.session.observer import SessionObserver, SessionTracer
+from proxy.session.observer import SessionTracer
 from proxy.session.relay import Relay
 from proxy.session.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
-from proxy.session.usage_log import UsageBook
 from proxy.session.writer import AiohttpWriterAdapter
 
-__all__ = ["MAX_UPSTREAM_MESSAGE_BYTES", "Refused", "admitted", "open_session"]
+__all__ = [
+    "MAX_UPSTREAM_MESSAGE_BYTES",
+    "Placement",
+    "Refused",
+    "admitted",
+    "open_session",
+    "replica_target",
+    "tune_client_socket",
+]
 
 #: The name these lines have always been logged under (before the edge was split).
 log = logging.getLogger("omni_sidecar.edge.app")
-#: One line per ended session (and, from the edge, per refused handshake).
-access_log = logging.getLogger("omni_sidecar.access")
 
 #: Largest frame accepted from the engine (DuplexClient allows 64 MiB too).
 MAX_UPSTREAM_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -296,7 +302,9 @@ async def _open_resume_first(
 async def _connect(request: web.Request, state: ProxyState, placement: Placement) -> UpstreamLink:
     """The engine WebSocket for this session (its replica's); raises ``Refused``."""
     engine, tracer = placement.engine, placement.tracer
-    target = state.target() if engine is None or state.router is None else _replica(state, engine)
+    target = (
+        state.target() if engine is None or state.router is None else replica_target(state, engine)
+    )
     if target is None:
         if tracer is not None:
             tracer.refused("not_ready")
@@ -391,7 +399,7 @@ async def _upgrade(
         if upstream is not None:
             await upstream.close()
         raise
-    return client, _tune_client_socket(request, settings.client_write_buffer_bytes)
+    return client, tune_client_socket(request, settings.client_write_buffer_bytes)
 
 
 def _side_factory(
@@ -436,7 +444,7 @@ async def _pass_resume(
     serving = [engine for engine in pool if router is not None and router.serving(engine)]
 
     async def connect(engine: int) -> Asked | None:
-        target = _replica(state, engine)
+        target = replica_target(state, engine)
         with contextlib.suppress(UpstreamConnectError, TimeoutError):
             if target is not None:
                 return (engine, *await _connect_to(request, state, target, placement.tracer))
@@ -490,6 +498,8 @@ async def _run_relay(
     )
     state.quota.attach(key, relay.view, relay.end_for_quota)
     state.metrics.sessions_started.inc()
+    door = "duplex" if request.path.endswith("/v1/duplex") else "realtime"
+    state.metrics.front_door_sessions.labels(door).inc()
     state.registry.add(relay, key_id=key_id)
     if state.registry.closing_all:
         relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
@@ -500,7 +510,7 @@ async def _run_relay(
         await relay.run()
     finally:
         state.registry.remove(relay)
-        _log_session_end(relay, observer, state.usage)
+        log_session_end(relay, observer, state.usage)
 
 
 def _tokens(state: ProxyState) -> tuple[ResumeTokens, SpentTokens]:
@@ -519,75 +529,14 @@ async def _verified(state: ProxyState, resume: ResumeRequest, key_id: str) -> st
     return verified.text
 
 
-def _replica(state: ProxyState, engine: int) -> UpstreamTarget | None:
+def replica_target(state: ProxyState, engine: int) -> UpstreamTarget | None:
+    """Where replica ``engine`` of the pool is (None: not serving)."""
     assert state.router is not None
     url = state.router.targets[engine]
     return None if url is None else UpstreamTarget.from_url(url)
 
 
-def _log_session_end(relay: Relay, observer: SessionObserver, usage: UsageBook) -> None:
-    """One access line per session (logger ``omni_sidecar.access``), with its usage.
-
-    The usage record (docs/design.md, Usage) is counted per key name and, with
-    ``usage_file``, written as one JSON line.
-    """
-    view = relay.view
-    now = relay.timers.now()
-    duration = now - relay.started_at
-    record = usage.add(
-        view.usage_record(observer.key_name, duration, now),
-        {
-            "ts": round(observer.started_at + duration, 3),
-            "session": relay.key,
-            "engine_session": view.session_id or "-",
-            "started_at": round(observer.started_at, 3),
-        },
-    )
-    outcome = view.outcome.value if view.outcome is not None else "error"
-    sent = relay.side.writer.close_code_sent
-    drops = {r.value: e for r, (e, _b) in view.drop_totals().items() if e}
-    fields = {
-        "session": relay.key,
-        "engine_session": view.session_id or "-",
-        "client": observer.client_address or "-",
-        "duration_s": round(duration, 3),
-        "events_in": observer.events_client_to_upstream,
-        "bytes_in": observer.c2u_bytes,
-        "events_out": relay.side.frames_written,
-        "bytes_out": relay.side.bytes_written,
-        "attachments": relay.side.attachment,
-        "drops": ",".join(f"{k}:{v}" for k, v in sorted(drops.items())) or "none",
-        "outcome": outcome,
-        # The code the client actually got; "not_sent" when no close frame reached it.
-        "close_code": sent if sent is not None else "not_sent",
-    }
-    for name in _USAGE_FIELDS:
-        fields[name] = record[name]
-    # The fields ride as extras: text logs append them as key=value, JSON logs
-    # give each a key of its own.
-    access_log.info("session end", extra=fields)
-
-
-#: The usage record's fields the access line carries (the record's identity fields it has already).
-_USAGE_FIELDS: Final = (
-    "key",
-    "audio_in_seconds",
-    "audio_out_seconds",
-    "audio_delivered_seconds",
-    "audio_heard_seconds",
-    "responses_started",
-    "responses_completed",
-    "responses_cancelled",
-    "responses_failed",
-    "responses_incomplete",
-    "responses_unfinished",
-    "input_tokens",
-    "output_tokens",
-    "total_tokens",
-)
-
-
-def _tune_client_socket(request: web.Request, write_buffer_bytes: int) -> Any:
+def tune_client_socket(request: web.Request, write_buffer_bytes: int) -> Any:
     """Bound what the transport and kernel hold for this client; return its protocol."""
     transport = request.transport
     if transport is not None:
