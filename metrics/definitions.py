@@ -21,6 +21,7 @@ from metrics.vocabulary import (
     AUDIO_LEAD_BUCKETS,
     CANCEL_TO_SILENCE_BUCKETS,
     CAPABILITY_SOURCES,
+    CLEAR_SOURCES,
     CLIENT_PROTOCOL_VIOLATIONS,
     CONFIG_RELOAD_RESULTS,
     CONNECT_BUCKETS,
@@ -36,6 +37,7 @@ from metrics.vocabulary import (
     ENGINE_VERSIONS,
     EVENT_KINDS,
     FIRST_AUDIO_BUCKETS,
+    FRONT_DOORS,
     LINGER_OUTCOMES,
     OVERFLOW_POLICIES,
     PREFIX,
@@ -55,6 +57,7 @@ from metrics.vocabulary import (
 __all__ = [
     "ACK_ERROR_CODES",
     "CAPABILITY_SOURCES",
+    "CLEAR_SOURCES",
     "CLIENT_PROTOCOL_VIOLATIONS",
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
@@ -67,6 +70,7 @@ __all__ = [
     "ENGINE_STATES",
     "ENGINE_VERSIONS",
     "EVENT_KINDS",
+    "FRONT_DOORS",
     "LINGER_OUTCOMES",
     "OVERFLOW_POLICIES",
     "QUOTA_KINDS",
@@ -232,6 +236,19 @@ class SidecarMetrics:
         self.playback_acks = Counter(
             f"{p}_playback_acks",
             "playback.ack frames the sidecar sent to the engine on behalf of clients.",
+            registry=registry,
+        )
+        self.front_door_sessions = Counter(
+            f"{p}_front_door_sessions",
+            "Client sessions admitted, by the front door they came in through.",
+            ["front_door"],
+            registry=registry,
+        )
+        self.twilio_clears = Counter(
+            f"{p}_twilio_clears",
+            "Phone calls' clear messages (Twilio's queued audio dropped at a barge-in), by "
+            "who heard the caller.",
+            ["source"],
             registry=registry,
         )
         self.truncations = Counter(
@@ -498,6 +515,10 @@ class SidecarMetrics:
                 family.labels(engine)
         for source in TRUNCATION_SOURCES:
             self.truncations.labels(source)
+        for door in FRONT_DOORS:
+            self.front_door_sessions.labels(door)
+        for source in CLEAR_SOURCES:
+            self.twilio_clears.labels(source)
         for code in ACK_ERROR_CODES:
             self.engine_ack_errors.labels(code)
         for kind in ENGINE_FULL_KINDS:

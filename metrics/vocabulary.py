@@ -14,6 +14,7 @@ __all__ = [
     "AUDIO_LEAD_BUCKETS",
     "CANCEL_TO_SILENCE_BUCKETS",
     "CAPABILITY_SOURCES",
+    "CLEAR_SOURCES",
     "CLIENT_PROTOCOL_VIOLATIONS",
     "CONFIG_RELOAD_RESULTS",
     "CONNECTION_REJECT_REASONS",
@@ -29,6 +30,7 @@ __all__ = [
     "ENGINE_VERSIONS",
     "EVENT_KINDS",
     "FIRST_AUDIO_BUCKETS",
+    "FRONT_DOORS",
     "LINGER_OUTCOMES",
     "OVERFLOW_POLICIES",
     "PREFIX",
@@ -103,6 +105,8 @@ REJECT_REASONS: Final = (
     "engine_capacity",
     # the key's quota (docs/design.md, Quotas); quota_rejections_total says which.
     "quota_exceeded",
+    # a phone call whose X-Twilio-Signature does not verify (docs/design.md, Phone front door).
+    "bad_signature",
 )
 #: Connections or HTTP requests refused at the client listener's edge, before
 #: any session exists (docs/security.md): proxy/edge/guard.py, proxy/edge/handshake.py,
@@ -251,6 +255,11 @@ FIRST_AUDIO_BUCKETS: Final = (*_FINE_SECONDS, 30.0)
 #: Audio held by a client at a cancel: around max_audio_lead (0.5 s) and whole replies.
 AUDIO_LEAD_BUCKETS: Final = (0.0, 0.1, 0.25, 0.5, 0.6, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TRUNCATION_SOURCES: Final = ("client", "sidecar")
+#: The routes a session came in through: the engine's protocol on /v1/realtime and
+#: /v1/duplex, Twilio Media Streams on /v1/twilio (docs/design.md, Phone front door).
+FRONT_DOORS: Final = ("realtime", "duplex", "twilio")
+#: Who heard the caller barge in on a phone call: the engine's voice detection or the sidecar's.
+CLEAR_SOURCES: Final = ("engine", "sidecar")
 #: Upstream WebSocket connect on loopback: ~ms; seconds mean trouble.
 CONNECT_BUCKETS: Final = (
     0.0005,

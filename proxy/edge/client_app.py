@@ -1,6 +1,7 @@
 """The client listener's aiohttp application and its routes.
 
-WS ``/v1/realtime`` and ``/v1/duplex``, ``GET /healthz``, ``GET /readyz``; every
+WS ``/v1/realtime`` and ``/v1/duplex``, the phone front door WS ``/v1/twilio``
+(proxy/edge/twilio_door.py), ``GET /healthz``, ``GET /readyz``; every
 other path is reverse-proxied to the engine (docs/design.md, Routes and
 listeners). The handshake's checks run in the order of docs/design.md,
 Admission and lifecycle, before a session is opened (proxy/edge/session_open.py).
@@ -22,6 +23,7 @@ from proxy.edge.refusals import check_auth, json_error, log_refused, retry_after
 from proxy.edge.reverse_proxy import ProxyRequest, reverse_proxy
 from proxy.edge.session_open import open_session
 from proxy.edge.state import STATE, WS_PATHS, ProxyState, upstream_headers
+from proxy.edge.twilio_door import TWILIO_PATH, twilio_stream
 from proxy.session.frames import FrameHeaders
 
 __all__ = ["build_client_app"]
@@ -141,6 +143,7 @@ def build_client_app(state: ProxyState) -> web.Application:
     app.router.add_get("/readyz", _readyz)
     for path in WS_PATHS:
         app.router.add_route("*", path, _realtime)
+    app.router.add_route("*", TWILIO_PATH, twilio_stream)
     app.router.add_route("*", "/{tail:.*}", _reverse_proxy)
 
     async def _close_http(_app: web.Application) -> None:

@@ -126,6 +126,8 @@ class SessionRegistry:
         self.relays: dict[str, LiveSession] = {}
         self._key_ids: dict[str, str] = {}
         self._observers: dict[str, SessionObserver] = {}
+        #: The front door of each session not opened by /v1/realtime or /v1/duplex.
+        self._front_doors: dict[str, str] = {}
         self._pending_bytes: dict[str, int] = {}
         self._pending_events: dict[str, int] = {}
         self._journal_bytes: dict[str, int] = {}
@@ -181,6 +183,7 @@ class SessionRegistry:
         self._key_ids.pop(relay.key, None)
         self._observers.pop(relay.key, None)
         self._shedding.discard(relay.key)
+        self._front_doors.pop(relay.key, None)
         self.total_pending_bytes -= self._pending_bytes.pop(relay.key, 0)
         self.total_pending_events -= self._pending_events.pop(relay.key, 0)
         self.total_journal_bytes -= self._journal_bytes.pop(relay.key, 0)
@@ -207,6 +210,7 @@ class SessionRegistry:
         engine: int | None = None,
         key_name: str = UNNAMED_KEY,
         tracer: SessionTracer | None = None,
+        front_door: str = "",
     ) -> SessionObserver:
         observer = SessionObserver(
             self,
@@ -217,6 +221,8 @@ class SessionRegistry:
             tracer=tracer,
         )
         self._observers[key] = observer
+        if front_door:
+            self._front_doors[key] = front_door
         return observer
 
     def holds(self, session_id: str) -> bool:
@@ -413,6 +419,7 @@ class SessionRegistry:
             "upstream_session_id": stats.session_id,
             "client_address": observer.client_address if observer is not None else "",
             "key": observer.key_name if observer is not None else UNNAMED_KEY,
+            "front_door": self._front_doors.get(key, "realtime"),
             "engine": observer.engine if observer is not None else None,
             "started_at": observer.started_at if observer is not None else None,
             "age_seconds": round(now - relay.started_at, 3),

@@ -32,6 +32,7 @@ from proxy.settings.value_checks import (
     check_upstream_authorization,
     mask_all,
     mask_authorization,
+    mask_secret,
     mask_url,
 )
 from proxy.settings.values import check, coerce
@@ -67,6 +68,8 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final[tuple[str, ...]] = typing.get_args(LogFormat)
 UpstreamClient = Literal["picows", "aiohttp"]
 TracingMode = Literal["off", "otlp"]
+TwilioInputFormat = Literal["pcm16", "pcm_f32le"]
+TwilioTurnDetection = Literal["engine", "sidecar"]
 TRACING_MODES: Final[tuple[str, ...]] = typing.get_args(TracingMode)
 
 #: The source named by errors of a directly built ``Settings``.
@@ -75,6 +78,7 @@ CONSTRUCTOR_SOURCE: Final = "Settings()"
 # Section headings after ServingSettings's, in order.
 _AUTH: Final = "Auth and upstream request"
 _LOGGING: Final = "Logging"
+_PHONE: Final = "Phone calls (Twilio Media Streams)"
 
 
 # --------------------------------------------------------------------------
@@ -282,6 +286,79 @@ class Settings(ServingSettings):
         "spans); when full, new spans are dropped.",
         section=_LOGGING,
         metavar="off|otlp",
+    )
+    twilio_auth_token: str = setting(
+        "",
+        help="The Twilio account's auth token: /v1/twilio then accepts only upgrades whose "
+        "X-Twilio-Signature it validates (403 before anything else is spent); empty = an API "
+        "key in the stream's customParameters (api_key), as api_keys say. Needs the twilio "
+        "package (pip install 'omni-sidecar[twilio]').",
+        live=True,
+        section=_PHONE,
+        metavar="TOKEN",
+        mask=mask_secret,
+    )
+    twilio_stream_url: str = setting(
+        "",
+        help="The wss:// URL Twilio was given in <Stream url=...>, which its signature "
+        "covers (behind a TLS proxy the sidecar sees another); empty = wss:// and the "
+        "request's Host and path.",
+        live=True,
+        section=_PHONE,
+        example='"wss://voice.example.com/v1/twilio"',
+        metavar="URL",
+    )
+    twilio_engine_input_format: TwilioInputFormat = setting(  # noqa: RUF009 - a dataclasses.field
+        "pcm16",
+        help='The engine input a call\'s mu-law 8 kHz is converted to: "pcm16" (MiniCPM-o) '
+        'or "pcm_f32le" (Nemotron), at twilio_engine_input_rate.',
+        live=True,
+        section=_PHONE,
+        metavar="FORMAT",
+    )
+    twilio_engine_input_rate: int = setting(
+        16000,
+        help="Sample rate of the engine input a call's audio is converted to (Hz).",
+        unit="hz",
+        minimum=8000,
+        maximum=192000,
+        live=True,
+        section=_PHONE,
+        metavar="HZ",
+    )
+    twilio_turn_detection: TwilioTurnDetection = setting(  # noqa: RUF009 - a dataclasses.field
+        "engine",
+        help='Who hears a caller speak over an answer: "engine" (the session asks for '
+        'server_vad and the sidecar clears Twilio on its speech_started) or "sidecar" (the '
+        "sidecar's own detector, for engines without voice detection). A turn's end is "
+        "committed by the sidecar either way.",
+        live=True,
+        section=_PHONE,
+        metavar="engine|sidecar",
+    )
+    twilio_model: str = setting(
+        "",
+        help="Model of a call's engine session (customParameters model overrides); empty = "
+        "the engine's default.",
+        live=True,
+        section=_PHONE,
+        metavar="MODEL",
+    )
+    twilio_voice: str = setting(
+        "",
+        help="Voice of a call's engine session (customParameters voice overrides); empty = "
+        "the engine's default.",
+        live=True,
+        section=_PHONE,
+        metavar="VOICE",
+    )
+    twilio_instructions: str = setting(
+        "",
+        help="Instructions of a call's engine session (customParameters instructions "
+        "overrides); empty = none.",
+        live=True,
+        section=_PHONE,
+        metavar="TEXT",
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
 

@@ -21,6 +21,7 @@ __all__ = [
     "check_ws_url",
     "mask_all",
     "mask_authorization",
+    "mask_secret",
     "mask_url",
 ]
 
@@ -86,6 +87,10 @@ def mask_url(value: str | None) -> str | None:
 
 def mask_all(value: tuple[str, ...]) -> tuple[str, ...]:
     return tuple("***" for _ in value)
+
+
+def mask_secret(value: str) -> str:
+    return "***" if value else value
 
 
 def mask_authorization(value: str) -> str:

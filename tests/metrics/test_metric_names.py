@@ -40,6 +40,7 @@ ALLOWED_LABELS = frozenset(
         "code",
         "key",
         "quota",
+        "front_door",
     }
 )
 
@@ -83,6 +84,8 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_audio_lead_at_cancel_seconds": ("histogram", {}),
     "omni_sidecar_playback_acks": ("counter", {}),
     "omni_sidecar_truncations": ("counter", {"source": d.TRUNCATION_SOURCES}),
+    "omni_sidecar_front_door_sessions": ("counter", {"front_door": d.FRONT_DOORS}),
+    "omni_sidecar_twilio_clears": ("counter", {"source": d.CLEAR_SOURCES}),
     "omni_sidecar_paced_bound_releases": ("counter", {}),
     "omni_sidecar_build": ("info", {"version": (), "core": d.CORE_BUILDS}),
     # docs/design.md, Engine capabilities.
@@ -274,7 +277,7 @@ NOT_YET_IN_DESIGN: dict[str, tuple[str, ...]] = {
         "playback_answer",
     ),
     "SESSION_OUTCOMES": ("rate_limited", "handed_over"),
-    "REJECT_REASONS": ("engine_capacity", "quota_exceeded"),
+    "REJECT_REASONS": ("engine_capacity", "quota_exceeded", "bad_signature"),
 }
 
 

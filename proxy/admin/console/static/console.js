@@ -261,7 +261,9 @@
       tr.dataset.id = s.id;
       tr.appendChild(el("td", s.id, "mono"));
       tr.appendChild(el("td", s.upstream_session_id || "–", "mono"));
-      tr.appendChild(el("td", s.client_address || "–", "mono"));
+      // A phone call (the /v1/twilio front door) says so next to its address.
+      const phone = s.front_door === "twilio" ? " (phone)" : "";
+      tr.appendChild(el("td", (s.client_address || "–") + phone, "mono"));
       tr.appendChild(el("td", duration(s.age_seconds)));
       tr.appendChild(el("td", s.state + held(s), "state-" + (s.detached ? "held" : s.state)));
       tr.appendChild(el("td", s.active_response || "–", "mono"));
@@ -309,6 +311,7 @@
     const fields = [
       ["engine session", s.upstream_session_id || "–"],
       ["client", s.client_address || "–"],
+      ["front door", s.front_door || "realtime"],
       ["started", clock(s.started_at)],
       ["age", duration(s.age_seconds)],
       ["state", s.state + held(s)],
