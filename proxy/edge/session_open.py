@@ -477,6 +477,7 @@ async def _run_relay(
     key_name, key_id = identity
     key, settings = placement.key, state.settings
     duplex = session_is_duplex(request.path, dict(request.query))
+    door = "duplex" if request.path.endswith("/v1/duplex") else "realtime"
     capabilities = state.registry.capabilities.current.for_session(duplex=duplex)
     observer = state.registry.observer(
         key,
@@ -484,6 +485,7 @@ async def _run_relay(
         engine=placement.engine,
         key_name=key_name,
         tracer=placement.tracer,
+        front_door=door,
     )
     relay = Relay(
         session_key=key,
@@ -498,7 +500,6 @@ async def _run_relay(
     )
     state.quota.attach(key, relay.view, relay.end_for_quota)
     state.metrics.sessions_started.inc()
-    door = "duplex" if request.path.endswith("/v1/duplex") else "realtime"
     state.metrics.front_door_sessions.labels(door).inc()
     state.registry.add(relay, key_id=key_id)
     if state.registry.closing_all:

@@ -154,6 +154,8 @@ class ClientReader:
                     else:
                         for text in translator.from_client(msg.data):
                             frames.client_text(text)
+                            if self.cut_off:
+                                break
                     if self.cut_off:
                         await asyncio.Event().wait()  # until wind-down cancels us
                     # A frame read from the queue waits for the engine link, as

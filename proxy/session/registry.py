@@ -126,7 +126,7 @@ class SessionRegistry:
         self.relays: dict[str, LiveSession] = {}
         self._key_ids: dict[str, str] = {}
         self._observers: dict[str, SessionObserver] = {}
-        #: The front door of each session not opened by /v1/realtime or /v1/duplex.
+        #: The route each session came in through (metrics/vocabulary.py FRONT_DOORS).
         self._front_doors: dict[str, str] = {}
         self._pending_bytes: dict[str, int] = {}
         self._pending_events: dict[str, int] = {}

@@ -273,6 +273,39 @@ class TestTruncation:
         p.upstream(dumps({"type": "overlap.decision", "action": "barge_in"}))
         assert sent(p)[-1]["played_ms"] == 400 and sent(p)[-1]["truncate"] is True
 
+    def test_what_the_client_said_it_played_is_where_the_truncation_goes(self) -> None:
+        # ``always``: the client's acks stay here; its played_ms is the truth, not the clock.
+        p = pair(ack=AckMode.ALWAYS)
+        p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(20)])
+        p.deliver()
+        p.tick(0.9)
+        ack = {"type": "playback.ack", "response_id": "r1", "played_ms": 300}
+        assert not p.client(dumps(ack)).forward
+        p.client(b_response_cancel("r1"))
+        truncating = [f for f in sent(p) if f.get("truncate")]
+        assert [f["played_ms"] for f in truncating] == [300]
+
+    def test_an_older_report_never_moves_the_position_back(self) -> None:
+        p = pair(ack=AckMode.ALWAYS)
+        p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(20)])
+        p.deliver()
+        p.tick(0.9)
+        for played in (500, 200, True, "600"):
+            ack = {"type": "playback.ack", "response_id": "r1", "played_ms": played}
+            p.client(dumps(ack))
+        p.client(b_response_cancel("r1"))
+        assert [f["played_ms"] for f in sent(p) if f.get("truncate")] == [500]
+
+    def test_a_reporting_client_heard_nothing_until_it_says_so(self) -> None:
+        # The phone front door: the wall clock says 0.9 s, Twilio's marks said nothing yet.
+        p = pair(ack=AckMode.ALWAYS, client_reports=True)
+        p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(20)])
+        p.deliver()
+        p.tick(0.9)
+        assert p.core.playback.heard(p.now) == 0.0
+        p.client(b_response_cancel("r1"))
+        assert [f["played_ms"] for f in sent(p) if f.get("truncate")] == [0]
+
     def test_nothing_heard_nothing_truncated_after_done_playing(self) -> None:
         p = pair(ack=AckMode.AUTO)
         p.upstream(response_created("r1"), chunk("r1", 0), response_done("r1"))

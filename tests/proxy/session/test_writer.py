@@ -250,3 +250,24 @@ def test_closure_notice_is_the_last_event_taken() -> None:
     types = [t["type"] for t in h.texts()]
     assert types[-1] == "session.closed"
     assert h.core.state is SessionState.CLOSED
+
+
+class _Doubling:
+    """A front door whose client gets each event twice, tagged, and nothing of some."""
+
+    def to_client(self, text: str) -> list[str]:
+        body = json.loads(text)
+        if body["type"] == "response.done":
+            return []
+        return [json.dumps({"event": body["type"], "n": n}) for n in (1, 2)]
+
+
+def test_a_translator_decides_the_frames_each_event_becomes() -> None:
+    h = Harness()
+    h.writer = ClientFrameWriter(h.protocol, write_buffer_bytes=BOUND, translator=_Doubling())
+    h.engine(response_created("r1"), response_done("r1"))
+    h.pump()
+    got = h.texts()
+    assert got == [{"event": "response.created", "n": 1}, {"event": "response.created", "n": 2}]
+    assert h.writer.frames_written == 2  # events written (the core's count), not frames
+    assert h.writer.bytes_written == sum(len(json.dumps(g).encode()) for g in got)
