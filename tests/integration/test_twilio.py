@@ -474,9 +474,9 @@ async def test_api_key_in_custom_parameters(sidecar: Start, calls: Any, simulato
     await caller.silence(1.0)
     assert sc.metric("omni_sidecar_sessions_active") == 1
     # The console's sessions list says it is a phone call.
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{sc.admin_url}/debug/sessions") as resp:
-            (listed,) = (await resp.json())["sessions"]
+    url = f"{sc.admin_url}/debug/sessions"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        (listed,) = (await resp.json())["sessions"]
     assert listed["front_door"] == "twilio"
     await caller.stop()
     await wait_until(lambda: caller.closed.is_set(), what="call over")
