@@ -6,9 +6,9 @@ format, a turn's end as a commit, ``stop`` as ``session.close``, echoed marks
 as ``playback.ack``) and frames Twilio gets at once (``clear`` on a barge-in
 the sidecar heard); the engine's events into Twilio frames (160-byte mu-law
 ``media`` with a ``mark`` per engine chunk, ``clear`` on the engine's
-barge-in). :class:`TurnDetector` is the hook for the sidecar's own turn
-detection (:class:`EnergyTurnDetector` until then). Interpreted in both
-builds, like the audio modules it uses; no I/O, no clock.
+barge-in). The caller's turns are found by the sidecar's turn detector
+(proxy/core/turns.py) on the mu-law at 8 kHz. Interpreted in both builds,
+like the audio modules it uses; no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -17,36 +17,43 @@ import enum
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
-import numpy as np
 import orjson
 
-from proxy.core.audio_convert import TWILIO_FRAME_BYTES, AudioConverter, FrameCutter
+from proxy.core.audio_convert import (
+    TWILIO_FRAME_BYTES,
+    TWILIO_FRAME_MS,
+    AudioConverter,
+    FrameCutter,
+)
 from proxy.core.audio_formats import (
     G711_ULAW,
     AudioError,
     AudioFormat,
     Encoding,
-    Samples,
     decode_base64,
     decode_samples,
     encode_base64,
     parse_engine_audio,
     parse_engine_format,
 )
+from proxy.core.turns import (
+    CommitInput,
+    CreateResponse,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetector,
+)
 
 __all__ = [
     "AUDIO_DELTAS",
     "ENGINE_GRACE_FRAMES",
     "MAX_MARKS",
+    "BargeIn",
     "CallOptions",
     "CallStart",
-    "EnergyTurnDetector",
     "Inbound",
-    "TurnDetection",
-    "TurnDetector",
-    "TurnSignal",
     "TwilioCall",
     "parse_start",
     "parse_twilio",
@@ -127,75 +134,14 @@ def parse_start(body: Mapping[str, Any]) -> CallStart | str:
     )
 
 
-# -- turn detection ---------------------------------------------------------------------
-
-
-class TurnSignal(enum.Enum):
-    """What a turn detector heard in a frame."""
-
-    SPEECH_STARTED = "speech_started"
-    SPEECH_STOPPED = "speech_stopped"
-
-
-class TurnDetection(enum.Enum):
-    """Who notices the caller speaking over an answer (``twilio_turn_detection``)."""
+class BargeIn(enum.Enum):
+    """Who hears the caller speak over an answer (``twilio_turn_detection``)."""
 
     #: The engine's voice detection (``turn_detection`` server_vad); the sidecar
-    #: clears only audio the engine no longer answers for.
+    #: clears only what the engine does not (after ``ENGINE_GRACE_FRAMES``).
     ENGINE = "engine"
-    #: The sidecar's detector; the engine is asked for none.
+    #: The sidecar's turn detector at once; the engine is asked for none.
     SIDECAR = "sidecar"
-
-
-class TurnDetector(Protocol):
-    """The sidecar's turn detector, fed the caller's audio (float32, 8 kHz) frame by frame."""
-
-    def feed(self, samples: Samples) -> TurnSignal | None:
-        """One frame; a signal when the caller started or stopped speaking with it."""
-
-    def reset(self) -> None:
-        """Forget the current turn (after a commit)."""
-
-
-class EnergyTurnDetector:
-    """A level detector: speech is ``start_frames`` frames above ``threshold_dbfs``,
-    the turn's end ``stop_frames`` frames below it after speech.
-
-    The stand-in until the sidecar's voice-activity library is wired in
-    (docs/design.md, Phone front door): a phone line's silence is digital
-    zero or line noise well under -45 dBFS, speech peaks above -20.
-    """
-
-    __slots__ = ("_above", "_below", "_speaking", "start_frames", "stop_frames", "threshold")
-
-    def __init__(
-        self, threshold_dbfs: float = -40.0, start_frames: int = 3, stop_frames: int = 35
-    ) -> None:
-        self.threshold = float(10 ** (threshold_dbfs / 20))
-        self.start_frames = start_frames
-        self.stop_frames = stop_frames
-        self._above = self._below = 0
-        self._speaking = False
-
-    def feed(self, samples: Samples) -> TurnSignal | None:
-        rms = float(np.sqrt(np.mean(np.square(samples, dtype=np.float64)))) if len(samples) else 0.0
-        if rms >= self.threshold:
-            self._above += 1
-            self._below = 0
-            if not self._speaking and self._above >= self.start_frames:
-                self._speaking = True
-                return TurnSignal.SPEECH_STARTED
-        else:
-            self._above = 0
-            self._below += 1
-            if self._speaking and self._below >= self.stop_frames:
-                self._speaking = False
-                return TurnSignal.SPEECH_STOPPED
-        return None
-
-    def reset(self) -> None:
-        self._above = self._below = 0
-        self._speaking = False
 
 
 # -- the call ---------------------------------------------------------------------------
@@ -206,7 +152,7 @@ class CallOptions:
     """The session a call opens: from settings, overridden by ``customParameters``."""
 
     engine_input: AudioFormat
-    turn_detection: TurnDetection = TurnDetection.ENGINE
+    barge_in: BargeIn = BargeIn.ENGINE
     model: str = ""
     voice: str = ""
     instructions: str = ""
@@ -237,34 +183,34 @@ class TwilioCall:
     Args:
         start: the stream's ``start``.
         options: the engine session it opens.
-        detector: the sidecar's turn detector (None: :class:`EnergyTurnDetector`).
+        turns: the sidecar's turn detector over the caller's audio, at 8 kHz
+            (proxy/core/turns.py; its ``create_response`` decides the commit's).
     """
 
-    def __init__(
-        self, start: CallStart, options: CallOptions, detector: TurnDetector | None = None
-    ) -> None:
+    def __init__(self, start: CallStart, options: CallOptions, turns: TurnDetector) -> None:
         self.start = start
         self.options = options
-        self.detector: TurnDetector = detector if detector is not None else EnergyTurnDetector()
+        self.turns = turns
         self._sid = start.stream_sid
         self._input = AudioConverter(G711_ULAW, options.engine_input)
         self._output_format = _DEFAULT_OUTPUT
         self._output: AudioConverter | None = None
         self._cutter = FrameCutter(TWILIO_FRAME_BYTES, b"\xff")
-        #: The response whose audio is being cut into frames, and its engine ms so far.
+        #: The response whose audio is being cut into frames, its engine ms taken so
+        #: far, and the frames of it sent (20 ms each: the caller's timebase).
         self._playing: str | None = None
         self._sent_ms = 0.0
+        self._response_frames = 0
         self._marks: deque[_Mark] = deque()
         self._mark_seq = 0
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         #: Responses the engine created and has not finished.
         self._open: set[str] = set()
         self._speaking = False
-        self._had_speech = False
         #: Frames of the caller's speech since it started, and how many the engine's
         #: own detection has before the sidecar barges in (0: the sidecar's alone).
         self._speech_frames = 0
-        self._grace = ENGINE_GRACE_FRAMES if options.turn_detection is TurnDetection.ENGINE else 0
+        self._grace = ENGINE_GRACE_FRAMES if options.barge_in is BargeIn.ENGINE else 0
         #: Counters for the session's report.
         self.clears = 0
         self.clears_by_sidecar = 0
@@ -280,9 +226,7 @@ class TwilioCall:
         session: dict[str, Any] = {
             "input_audio_format": opts.engine_input.encoding.value,
             "sample_rate_hz": opts.engine_input.rate,
-            "turn_detection": (
-                {"type": "server_vad"} if opts.turn_detection is TurnDetection.ENGINE else None
-            ),
+            "turn_detection": ({"type": "server_vad"} if opts.barge_in is BargeIn.ENGINE else None),
         }
         if opts.model:
             session["model"] = opts.model
@@ -329,16 +273,24 @@ class TwilioCall:
         if isinstance(raw, AudioError) or not raw:
             return
         samples = decode_samples(Encoding.MULAW, raw)
-        signal = None if isinstance(samples, AudioError) else self.detector.feed(samples)
+        turns = self.turns
+        turns.receive_response_active(self.playing)
+        events = [] if isinstance(samples, AudioError) else turns.receive_samples(samples)
         converted = self._input.convert(raw)
         if isinstance(converted, bytes) and converted:
-            out.engine.append(
-                _dumps({"type": "input_audio_buffer.append", "audio": encode_base64(converted)})
-            )
-        if signal is TurnSignal.SPEECH_STARTED:
-            self._speaking = self._had_speech = True
-            self._speech_frames = 0
-        elif self._speaking:
+            out.engine.append(_append(converted))
+        started = commit = create = False
+        for event in events:
+            if isinstance(event, SpeechStarted):
+                started = self._speaking = True
+                self._speech_frames = 0
+            elif isinstance(event, SpeechStopped):
+                self._speaking = False
+            elif isinstance(event, CommitInput):
+                commit = True
+            elif isinstance(event, CreateResponse):
+                create = True
+        if self._speaking and not started:
             self._speech_frames += 1
         if self._speaking and self._speech_frames == self._grace and self.playing:
             # Speech over an answer: the sidecar barges in at once, or, where the
@@ -348,17 +300,14 @@ class TwilioCall:
             self.clears_by_sidecar += len(clear)
             out.twilio.extend(clear)
             out.engine.append(_dumps({"type": "response.cancel"}))
-        if signal is TurnSignal.SPEECH_STOPPED and self._had_speech:
-            self._speaking = self._had_speech = False
+        if commit:
             tail = self._input.flush()
             if tail:
-                out.engine.append(
-                    _dumps({"type": "input_audio_buffer.append", "audio": encode_base64(tail)})
-                )
-            out.engine.append(
-                _dumps({"type": "input_audio_buffer.commit", "response_create": True})
-            )
-            self.detector.reset()
+                out.engine.append(_append(tail))
+            commit_event: dict[str, Any] = {"type": "input_audio_buffer.commit"}
+            if create:
+                commit_event["response_create"] = True
+            out.engine.append(_dumps(commit_event))
 
     def _mark_echoed(self, name: str, out: Inbound) -> None:
         """Twilio played everything before mark ``name`` (or a ``clear`` dropped it)."""
@@ -455,6 +404,7 @@ class TwilioCall:
     def _start_response(self, rid: str) -> None:
         self._playing = rid
         self._sent_ms = 0.0
+        self._response_frames = 0
         self._cutter.reset()
         if self._output is not None:
             self._output.reset()
@@ -480,9 +430,14 @@ class TwilioCall:
             for f in frames
         ]
         self.frames_sent += len(frames)
+        self._response_frames += len(frames)
         self._mark_seq += 1
         name = f"m{self._mark_seq}"
-        self._marks.append(_Mark(name, rid, round(self._sent_ms)))
+        # What the caller has heard once Twilio played up to here: the frames sent
+        # (the converter keeps time, so a frame's 20 ms are 20 ms of the engine's
+        # audio), never more than the engine's audio taken (the last frame's padding).
+        heard = min(self._response_frames * TWILIO_FRAME_MS, self._sent_ms)
+        self._marks.append(_Mark(name, rid, round(heard)))
         if len(self._marks) > MAX_MARKS:
             self._marks.popleft()
         out.append(_dumps({"event": "mark", "streamSid": sid, "mark": {"name": name}}))
@@ -519,3 +474,7 @@ class TwilioCall:
 
 def _dumps(body: Mapping[str, Any]) -> str:
     return orjson.dumps(body).decode()
+
+
+def _append(audio: bytes) -> str:
+    return _dumps({"type": "input_audio_buffer.append", "audio": encode_base64(audio)})

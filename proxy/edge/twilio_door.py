@@ -1,14 +1,13 @@
 """The phone front door: WS ``/v1/twilio``, Twilio Media Streams (docs/design.md, Phone front door).
 
-Order: a valid upgrade; with ``twilio_auth_token`` set, the request's
-``X-Twilio-Signature`` (403 before anything is spent: no slot, no engine);
-readiness; the upgrade; Twilio's ``connected`` and ``start`` (within
-``handshake_timeout``); without a token, an API key in ``customParameters``
-(``api_key``) as ``api_keys`` say; then the session's slots, quota and
-engine link as for every session (proxy/edge/session_open.py), and a relay
-whose client side speaks Twilio (proxy/session/twilio_side.py). A refusal
-after the upgrade closes the stream (1008 for auth, 1013 otherwise); Twilio
-then ends the call's ``<Connect>``.
+Order: a valid upgrade; with ``twilio_auth_token``, the ``X-Twilio-Signature``
+(403 before anything is spent: no slot, no engine); readiness and the
+voice-activity model; the upgrade; Twilio's ``connected`` and ``start``
+(within ``handshake_timeout``); without a token, an API key in
+``customParameters`` (``api_key``); then slots, quota and engine link as for
+every session (proxy/edge/session_open.py), and a relay whose client side
+speaks Twilio (proxy/session/twilio_side.py). A refusal after the upgrade
+closes the stream (1008 for auth, 1013 otherwise).
 """
 
 from __future__ import annotations
@@ -23,16 +22,18 @@ import aiohttp
 from aiohttp import web
 
 from proxy import compat
-from proxy.core.audio_formats import AudioFormat, parse_engine_format
+from proxy.core.audio_formats import G711_ULAW, AudioFormat, parse_engine_format
 from proxy.core.playback import AckMode
+from proxy.core.turns import TurnDetector
 from proxy.core.twilio_call import (
+    BargeIn,
     CallOptions,
     CallStart,
-    TurnDetection,
     TwilioCall,
     parse_start,
     parse_twilio,
 )
+from proxy.core.voice_activity import VoiceModelError
 from proxy.edge.access import log_session_end
 from proxy.edge.guard import client_address
 from proxy.edge.handshake import validate_upgrade, wants_websocket
@@ -51,6 +52,7 @@ from proxy.session.limits import RelayLimits
 from proxy.session.relay import Relay
 from proxy.session.twilio_side import TwilioTranslator
 from proxy.session.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
+from proxy.session.voice_model import load_voice_model
 from proxy.session.writer import AiohttpWriterAdapter
 
 __all__ = ["TWILIO_PATH", "signature_valid", "twilio_stream"]
@@ -108,6 +110,14 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
         metrics.sessions_rejected.labels(refusal[0]).inc()
         log_refused(address, 503, refusal[0])
         return json_error(503, refusal[0], refusal[1], **{"Retry-After": "5"})
+    try:
+        # The caller's turns: the packaged voice-activity model on Twilio's 8 kHz
+        # (loaded once per process, off the event loop the first time).
+        model = await asyncio.to_thread(load_voice_model)
+    except VoiceModelError as exc:
+        log.error("phone calls need the voice-activity model: %s", exc)
+        metrics.sessions_rejected.labels("not_ready").inc()
+        return json_error(503, "not_ready", "turn detection is not available")
     settings = state.settings
     client = web.WebSocketResponse(
         max_msg_size=settings.max_client_message_bytes, compress=False, autoping=False
@@ -134,7 +144,8 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
     try:
         async with admitted(request, state, key_name) as placement:
             upstream = await _connect(request, state, placement)
-            call = TwilioCall(start, _options(state, start))
+            turns = TurnDetector(model.new_stream(G711_ULAW.rate))
+            call = TwilioCall(start, _options(state, start), turns)
             translator = TwilioTranslator(call)
             side = ClientSide(
                 client,
@@ -187,7 +198,7 @@ def _options(state: ProxyState, start: CallStart) -> CallOptions:
     assert isinstance(fmt, AudioFormat)  # both are checked settings
     return CallOptions(
         engine_input=fmt,
-        turn_detection=TurnDetection(settings.twilio_turn_detection),
+        barge_in=BargeIn(settings.twilio_turn_detection),
         model=custom.get("model", settings.twilio_model),
         voice=custom.get("voice", settings.twilio_voice),
         instructions=custom.get("instructions", settings.twilio_instructions),

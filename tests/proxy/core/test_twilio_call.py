@@ -20,13 +20,12 @@ from proxy.core.audio_formats import (
     Encoding,
     decode_samples,
 )
+from proxy.core.turns import TurnDetector
 from proxy.core.twilio_call import (
     ENGINE_GRACE_FRAMES,
+    BargeIn,
     CallOptions,
     CallStart,
-    EnergyTurnDetector,
-    TurnDetection,
-    TurnSignal,
     TwilioCall,
     parse_start,
     parse_twilio,
@@ -36,16 +35,34 @@ SID = "MZ1"
 RID = "resp-1"
 SILENT = b"\xff" * 160  # mu-law silence
 LOUD = bytes([0x10, 0x90] * 80)  # mu-law near full scale, alternating sign
+#: Frames of speech until the detector says it started: 64 ms of whole 32 ms windows.
+SPEECH_FRAMES = 4
+
+
+class LevelStream:
+    """A stand-in voice-activity scorer: a 32 ms window at 8 kHz is speech when loud
+    (the packaged model is tested on speech in tests/proxy/core/test_turns.py and
+    through this door in tests/integration/test_twilio.py)."""
+
+    rate = 8000
+    window_samples = 256
+
+    def probability(self, window: Any) -> float:
+        return 1.0 if float(np.sqrt(np.mean(np.square(window)))) > 0.05 else 0.0
+
+    def reset(self) -> None:
+        pass
 
 
 def call(
-    mode: TurnDetection = TurnDetection.SIDECAR,
+    mode: BargeIn = BargeIn.SIDECAR,
     engine_input: AudioFormat = MINICPMO_INPUT,
     output_rate: int = 8000,
 ) -> TwilioCall:
     """A call whose engine answers in PCM16 at ``output_rate`` (8 kHz: no resampler
     holding samples back, so frame counts are exact)."""
-    c = TwilioCall(CallStart(SID), CallOptions(engine_input=engine_input, turn_detection=mode))
+    options = CallOptions(engine_input=engine_input, barge_in=mode)
+    c = TwilioCall(CallStart(SID), options, TurnDetector(LevelStream()))
     c.to_twilio(session_created(output_rate))
     return c
 
@@ -131,7 +148,7 @@ class TestParsing:
 
 class TestSessionUpdate:
     def test_engine_turn_detection_asks_for_server_vad(self) -> None:
-        update = orjson.loads(call(TurnDetection.ENGINE).session_update())
+        update = orjson.loads(call(BargeIn.ENGINE).session_update())
         assert update["type"] == "session.update"
         session = update["session"]
         assert session["turn_detection"] == {"type": "server_vad"}
@@ -141,12 +158,13 @@ class TestSessionUpdate:
     def test_sidecar_turn_detection_asks_for_none_and_settings_name_the_session(self) -> None:
         options = CallOptions(
             engine_input=NEMOTRON_INPUT,
-            turn_detection=TurnDetection.SIDECAR,
+            barge_in=BargeIn.SIDECAR,
             model="m",
             voice="v",
             instructions="be brief",
         )
-        session = orjson.loads(TwilioCall(CallStart(SID), options).session_update())["session"]
+        c = TwilioCall(CallStart(SID), options, TurnDetector(LevelStream()))
+        session = orjson.loads(c.session_update())["session"]
         assert session["turn_detection"] is None
         assert session["input_audio_format"] == "pcm_f32le"
         assert (session["model"], session["voice"], session["instructions"]) == (
@@ -173,11 +191,11 @@ class TestCallerAudio:
 
     def test_a_turn_ends_with_a_commit_that_asks_for_the_answer(self) -> None:
         c = call()
-        events: list[str] = []
+        events: list[dict[str, Any]] = []
         for payload in [LOUD] * 10 + [SILENT] * 40:
-            events += types(c.from_twilio(media(payload)).engine)
-        commits = [t for t in events if t != "input_audio_buffer.append"]
-        assert commits == ["input_audio_buffer.commit"]
+            events += [orjson.loads(t) for t in c.from_twilio(media(payload)).engine]
+        commits = [e for e in events if e["type"] != "input_audio_buffer.append"]
+        assert commits == [{"type": "input_audio_buffer.commit", "response_create": True}]
 
     def test_silence_alone_commits_nothing(self) -> None:
         c = call()
@@ -253,6 +271,16 @@ class TestMarks:
         (ack,) = [orjson.loads(t) for t in out.engine]
         assert ack == {"type": "playback.ack", "response_id": RID, "played_ms": 100}
 
+    def test_a_mark_says_the_frames_sent_not_the_audio_taken(self) -> None:
+        # 24 kHz in: the resampler and the cutter hold part of the first 100 ms back.
+        c = call(output_rate=24_000)
+        frames = c.to_twilio(delta(100, rate=24_000))
+        sent_ms = 20 * len(payloads(frames))
+        assert sent_ms < 100
+        name = orjson.loads(frames[-1])["mark"]["name"]
+        (ack,) = c.from_twilio({"event": "mark", "mark": {"name": name}}).engine
+        assert orjson.loads(ack)["played_ms"] == sent_ms
+
     def test_marks_a_clear_dropped_mean_nothing_was_heard(self) -> None:
         c = call()
         c.to_twilio(created())
@@ -278,7 +306,7 @@ class TestBargeIn:
     def test_the_engines_cancel_clears_once_and_its_late_audio_never_goes_out(
         self, trigger: dict[str, Any]
     ) -> None:
-        c = call(TurnDetection.ENGINE)
+        c = call(BargeIn.ENGINE)
         c.to_twilio(created())
         c.to_twilio(delta(100))
         assert kinds(c.to_twilio(ev(trigger))) == ["clear"]
@@ -302,61 +330,38 @@ class TestBargeIn:
         assert not c.playing
 
     def test_the_sidecar_hears_the_caller_over_an_answer_at_once(self) -> None:
-        c = call(TurnDetection.SIDECAR)
+        c = call(BargeIn.SIDECAR)
         c.to_twilio(created())
         c.to_twilio(delta(100))
-        outs = [c.from_twilio(media(LOUD)) for _ in range(3)]  # the detector's 60 ms
-        assert [o.twilio for o in outs[:2]] == [[], []]
-        assert kinds(outs[2].twilio) == ["clear"]
-        assert "response.cancel" in types(outs[2].engine)
+        # Two 32 ms windows of speech (the detector's minimum) are whole after 4 frames.
+        outs = [c.from_twilio(media(LOUD)) for _ in range(SPEECH_FRAMES)]
+        assert [o.twilio for o in outs[:-1]] == [[]] * (SPEECH_FRAMES - 1)
+        assert kinds(outs[-1].twilio) == ["clear"]
+        assert "response.cancel" in types(outs[-1].engine)
         assert c.to_twilio(delta(100)) == []
         assert c.clears == c.clears_by_sidecar == 1
 
     def test_where_the_engine_listens_the_sidecar_waits_its_grace(self) -> None:
-        c = call(TurnDetection.ENGINE)
+        c = call(BargeIn.ENGINE)
         c.to_twilio(created())
         c.to_twilio(delta(100))
         c.to_twilio(ev({"type": "response.done", "response": {"id": RID, "status": "completed"}}))
         # The engine is done generating; Twilio still plays: the engine will not barge in.
-        outs = [c.from_twilio(media(LOUD)) for _ in range(3 + ENGINE_GRACE_FRAMES)]
+        outs = [c.from_twilio(media(LOUD)) for _ in range(SPEECH_FRAMES + ENGINE_GRACE_FRAMES)]
         cleared = [i for i, o in enumerate(outs) if o.twilio]
-        assert cleared == [2 + ENGINE_GRACE_FRAMES]
+        assert cleared == [SPEECH_FRAMES - 1 + ENGINE_GRACE_FRAMES]
         assert kinds(outs[cleared[0]].twilio) == ["clear"]
 
     def test_where_the_engine_barged_in_the_sidecar_does_not_again(self) -> None:
-        c = call(TurnDetection.ENGINE)
+        c = call(BargeIn.ENGINE)
         c.to_twilio(created())
         c.to_twilio(delta(100))
-        outs = [c.from_twilio(media(LOUD)) for _ in range(3)]
+        outs = [c.from_twilio(media(LOUD)) for _ in range(SPEECH_FRAMES)]
         assert kinds(c.to_twilio(ev({"type": "input_audio_buffer.speech_started"}))) == ["clear"]
         outs += [c.from_twilio(media(LOUD)) for _ in range(ENGINE_GRACE_FRAMES + 5)]
         assert all(o.twilio == [] for o in outs)
         assert "response.cancel" not in [t for o in outs for t in types(o.engine)]
         assert (c.clears, c.clears_by_sidecar) == (1, 0)
-
-
-class TestEnergyTurnDetector:
-    def test_speech_starts_after_three_loud_frames_and_stops_after_the_silence(self) -> None:
-        d = EnergyTurnDetector()
-        loud = np.full(160, 0.3, dtype=np.float32)
-        quiet = np.zeros(160, dtype=np.float32)
-        signals = [d.feed(loud) for _ in range(5)] + [d.feed(quiet) for _ in range(40)]
-        assert signals.index(TurnSignal.SPEECH_STARTED) == 2
-        assert signals.index(TurnSignal.SPEECH_STOPPED) == 5 + 34
-        assert [s for s in signals if s is not None] == [
-            TurnSignal.SPEECH_STARTED,
-            TurnSignal.SPEECH_STOPPED,
-        ]
-
-    def test_line_noise_is_not_speech(self) -> None:
-        d = EnergyTurnDetector()
-        noise = (np.random.default_rng(1).standard_normal(160) * 0.003).astype(np.float32)
-        assert all(d.feed(noise) is None for _ in range(100))
-
-    def test_a_short_blip_is_not_speech(self) -> None:
-        d = EnergyTurnDetector()
-        loud, quiet = np.full(160, 0.3, np.float32), np.zeros(160, np.float32)
-        assert [d.feed(x) for x in (loud, loud, quiet, loud, quiet)] == [None] * 5
 
 
 def test_the_tests_loud_frame_is_loud_and_silent_frame_silent() -> None:
