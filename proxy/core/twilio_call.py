@@ -203,6 +203,8 @@ class TwilioCall:
         self._response_frames = 0
         self._marks: deque[_Mark] = deque()
         self._mark_seq = 0
+        #: Marks in ``_marks`` no clear dropped: Twilio still holds audio before them.
+        self._unheard = 0
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         #: Responses the engine created and has not finished.
         self._open: set[str] = set()
@@ -240,7 +242,7 @@ class TwilioCall:
     def playing(self) -> bool:
         """The caller hears (or is about to hear) an answer: audio Twilio has not
         played yet, or a response the engine is still producing."""
-        return any(not m.cleared for m in self._marks) or bool(self._open)
+        return self._unheard > 0 or bool(self._open)
 
     # -- Twilio to the session ---------------------------------------------------------------
 
@@ -316,6 +318,8 @@ class TwilioCall:
             return
         while marks:
             mark = marks.popleft()
+            if not mark.cleared:
+                self._unheard -= 1
             if mark.name == name:
                 if not mark.cleared:
                     self.marks_heard += 1
@@ -438,8 +442,9 @@ class TwilioCall:
         # audio), never more than the engine's audio taken (the last frame's padding).
         heard = min(self._response_frames * TWILIO_FRAME_MS, self._sent_ms)
         self._marks.append(_Mark(name, rid, round(heard)))
-        if len(self._marks) > MAX_MARKS:
-            self._marks.popleft()
+        self._unheard += 1
+        if len(self._marks) > MAX_MARKS and not self._marks.popleft().cleared:
+            self._unheard -= 1
         out.append(_dumps({"event": "mark", "streamSid": sid, "mark": {"name": name}}))
         return out
 
@@ -457,7 +462,7 @@ class TwilioCall:
             self._open.discard(rid)
         while len(self._cancelled) > _MAX_CANCELLED:
             self._cancelled.popitem(last=False)
-        pending = [m for m in self._marks if not m.cleared]
+        pending = [m for m in self._marks if not m.cleared] if self._unheard else []
         playing = self._playing is not None
         if playing:
             self._playing = None
@@ -468,6 +473,7 @@ class TwilioCall:
             return []
         for mark in pending:
             mark.cleared = True  # Twilio echoes them at once; nothing of them was heard
+        self._unheard = 0
         self.clears += 1
         return [_dumps({"event": "clear", "streamSid": self._sid})]
 

@@ -4,10 +4,11 @@ Order: a valid upgrade; with ``twilio_auth_token``, the ``X-Twilio-Signature``
 (403 before anything is spent: no slot, no engine); readiness and the
 voice-activity model; the upgrade; Twilio's ``connected`` and ``start``
 (within ``handshake_timeout``); without a token, an API key in
-``customParameters`` (``api_key``); then slots, quota and engine link as for
-every session (proxy/edge/session_open.py), and a relay whose client side
-speaks Twilio (proxy/session/twilio_side.py). A refusal after the upgrade
-closes the stream (1008 for auth, 1013 otherwise).
+``customParameters`` (``api_key``; with one, a key there names the call's
+usage); then slots, quota and engine link as for every session
+(proxy/edge/session_open.py), and a relay whose client side speaks Twilio
+(proxy/session/twilio_side.py). A refusal after the upgrade closes the
+stream (1008 for auth, 1013 otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from proxy.core.twilio_call import (
     parse_start,
     parse_twilio,
 )
+from proxy.core.usage import UNNAMED_KEY
 from proxy.core.voice_activity import VoiceModelError
 from proxy.edge.access import log_session_end
 from proxy.edge.guard import client_address
@@ -130,11 +132,12 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
         await _close(client, 1008, b"no start", settings.close_timeout)
         return client
     start, start_text = opened
-    key_name, key_id = "unnamed", ""
-    if not token:
-        result = state.auth.check(
-            {"Authorization": "Bearer " + start.custom.get(_KEY_PARAM, "")}, ()
-        )
+    key_name, key_id = UNNAMED_KEY, ""
+    offered = start.custom.get(_KEY_PARAM)
+    if not token or (offered is not None and state.auth.enabled):
+        # Without a token the key is the credential; with one (the signature was the
+        # credential) a key still names the call's usage and quotas, when it is right.
+        result = state.auth.check({"Authorization": "Bearer " + (offered or "")}, ())
         if not result.ok:
             metrics.sessions_rejected.labels(result.reason).inc()
             log_refused(address, result.status, result.reason)

@@ -443,7 +443,7 @@ async def test_wrong_signature_is_refused_before_any_engine_session(
     from twilio.request_validator import RequestValidator
 
     sim = await simulator("--chunk-ms", str(CHUNK_MS))
-    sc = await sidecar(upstream=sim.ws_url, twilio_auth_token=TOKEN)
+    sc = await sidecar(upstream=sim.ws_url, twilio_auth_token=TOKEN, api_keys=("k-phone",))
     url = _twilio_url(sc)
     signed = "wss://" + url.removeprefix("ws://")
     for headers in ({}, {"X-Twilio-Signature": "bm90IHRoZSBzaWduYXR1cmU="}):
@@ -452,9 +452,14 @@ async def test_wrong_signature_is_refused_before_any_engine_session(
         assert refused.value.status == 403
     assert await sim_metric(sim, "vllm_omni_sim_sessions_opened_total") == 0
     assert sc.metric("omni_sidecar_sessions_rejected_total", {"reason": "bad_signature"}) == 2
-    # The right signature (Twilio's, over the URL it was given) is let in.
-    good = RequestValidator(TOKEN).compute_signature(signed, {})
-    caller = await calls(sc, headers={"X-Twilio-Signature": good})
+    # The right signature (Twilio's, over the URL it was given) is let in, with no
+    # key (the signature is the credential); a key it offers must be right.
+    good = {"X-Twilio-Signature": RequestValidator(TOKEN).compute_signature(signed, {})}
+    caller = await calls(sc, headers=good)
+    await caller.open({"api_key": "wrong"})
+    await wait_until(lambda: caller.closed.is_set(), what="a wrong key refused")
+    assert caller.ws.close_code == 1008
+    caller = await calls(sc, headers=good)
     await caller.open()
     await caller.silence(0.2)
     await wait_until(lambda: sc.metric("omni_sidecar_sessions_active") == 1, what="session")

@@ -23,6 +23,7 @@ from proxy.core.audio_formats import (
 from proxy.core.turns import TurnDetector
 from proxy.core.twilio_call import (
     ENGINE_GRACE_FRAMES,
+    MAX_MARKS,
     BargeIn,
     CallOptions,
     CallStart,
@@ -288,6 +289,15 @@ class TestMarks:
         assert kinds(c.to_twilio(ev({"type": "input_audio_buffer.speech_started"}))) == ["clear"]
         for name in names:
             assert c.from_twilio({"event": "mark", "mark": {"name": name}}).engine == []
+
+    def test_marks_in_flight_are_bounded_and_the_last_echo_ends_playback(self) -> None:
+        c = call()
+        frames: list[str] = []
+        for _ in range(MAX_MARKS + 10):
+            frames = c.to_twilio(delta(20))
+        assert c.playing
+        c.from_twilio({"event": "mark", "mark": {"name": orjson.loads(frames[-1])["mark"]["name"]}})
+        assert not c.playing
 
     def test_an_unknown_mark_is_ignored(self) -> None:
         assert call().from_twilio({"event": "mark", "mark": {"name": "m99"}}).engine == []
