@@ -297,6 +297,7 @@ async def _run_call(
     try:
         await relay.run()
     finally:
+        translator.writer = None  # the one back-reference (writer -> translator -> writer)
         state.registry.remove(relay)
         clears = state.metrics.twilio_clears
         clears.labels("sidecar").inc(call.clears_by_sidecar)

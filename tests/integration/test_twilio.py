@@ -503,3 +503,44 @@ async def test_dead_engine_ends_the_call(sidecar: Start, calls: Any, simulator: 
     sim.kill()
     await wait_until(lambda: caller.closed.is_set(), what="the call ended with the engine")
     await wait_until(lambda: sc.metric("omni_sidecar_sessions_active") == 0, what="slot freed")
+
+
+async def test_ended_calls_leave_no_cyclic_garbage(
+    sidecar: Start, calls: Any, simulator: Any
+) -> None:
+    """As every session (docs/design.md, Memory): a call's translator, detector and
+    converters are freed by reference counting when the call ends."""
+    import collections
+    import gc
+
+    from tests.integration.test_session_garbage import _theirs
+
+    sim = await simulator("--chunk-ms", str(CHUNK_MS), "--realtime-factor", "0")
+    sc = await sidecar(upstream=sim.ws_url)
+    registry = sc.sidecar.state.registry
+
+    async def one_call() -> None:
+        caller = await calls(sc)
+        await caller.open()
+        await caller.silence(0.1)
+        await caller.stop()
+        await wait_until(lambda: caller.closed.is_set(), what="the call ended")
+
+    for _ in range(2):  # warm up: imports, the model, caches
+        await one_call()
+    await wait_until(lambda: not registry.relays, what="the warm-up calls ended")
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            await one_call()
+        await wait_until(lambda: not registry.relays, what="every call ended")
+        await asyncio.sleep(0)
+        gc.collect()
+        theirs = collections.Counter(
+            f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage if _theirs(o)
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not theirs, f"cyclic garbage of 5 calls: {theirs.most_common(12)}"
