@@ -285,7 +285,9 @@ async def _run_call(
     state.metrics.front_door_sessions.labels("twilio").inc()
     state.registry.add(relay, key_id=key_id)
     if state.registry.closing_all:
-        relay.shutdown()
+        relay.shutdown()  # its handshake raced the shutdown: close it with 1001 now
+    elif state.registry.handing_over:
+        relay.hand_over()  # a drain: a call is never handed over (Twilio cannot resume)
     call = translator.call
     relay.log.info(
         "phone call open: %s stream %s call %s -> %s",
