@@ -50,7 +50,7 @@ help:
 $(BIN)/omni-sidecar:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[test,stacks]'
 
 setup:
 	rm -f $(BIN)/omni-sidecar

@@ -10,7 +10,11 @@ real one, and this one can be measured in seconds.
 
 It prints µs per engine event (``upstream_text`` through the client write) and
 per client frame (the reader loop through the engine send), as the median of
-``--rounds`` rounds. ``--calls`` prints instead how many Python function calls
+``--rounds`` rounds. ``--dialect ga`` (or ``beta``) puts the OpenAI front door
+in the relay (docs/design.md, OpenAI dialect), fed by a client at 24 kHz, with
+the engine's output at ``--engine-output-rate`` (24000: no resampling of the
+output; 22050: Nemotron's) and its input at ``--engine-input-rate`` (16000:
+resampled; 24000: not). ``--calls`` prints instead how many Python function calls
 each takes (``sys.setprofile``): a count that does not move with the machine's
 load, for comparing two trees.
 """
@@ -125,7 +129,22 @@ def _delta(rid: str, seq: int, b64: str) -> str:
     )
 
 
-def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
+def _dialect(flavour: str) -> Any:
+    if flavour == "none":
+        return None
+    from proxy.core.capabilities import EngineVersion
+    from proxy.core.dialect import Flavour, OpenAIDialect, engine_dialect
+    from proxy.session.openai_side import OpenAISide
+
+    ids = iter(range(1 << 62))
+    return OpenAISide(
+        OpenAIDialect(
+            Flavour(flavour), engine_dialect(EngineVersion.V0_30), lambda: f"event_{next(ids)}"
+        )
+    )
+
+
+def _relay(settings: Settings, dialect: str = "none") -> tuple[Relay, _ScriptedClient]:
     metrics = SidecarMetrics(CollectorRegistry(), process_metrics=False)
     registry = SessionRegistry(metrics, max_total_pending_output_bytes=1 << 40)
     client = _ScriptedClient()
@@ -135,6 +154,7 @@ def _relay(settings: Settings) -> tuple[Relay, _ScriptedClient]:
         _NullProtocol(),
         link,  # type: ignore[arg-type]
         write_buffer_bytes=settings.client_write_buffer_bytes,
+        translator=_dialect(dialect),
     )
     relay = Relay(
         session_key="micro",
@@ -175,12 +195,24 @@ class _CallCounter:
 
 
 async def _round(
-    chunk_ms: int, events: int, settings: Settings, *, count_calls: bool = False
+    chunk_ms: int,
+    events: int,
+    settings: Settings,
+    *,
+    count_calls: bool = False,
+    dialect: str = "none",
+    engine_rate: int = 24000,
+    engine_input_rate: int = 16000,
 ) -> tuple[float, float]:
-    relay, client = _relay(settings)
-    b64 = base64.b64encode(b"\x01\x02" * (24 * chunk_ms)).decode()
-    up_b64 = base64.b64encode(b"\x01\x02" * (16 * 80)).decode()
-    relay.upstream_text('{"type":"session.created","event_id":"b0","session":{"id":"s1"}}')
+    relay, client = _relay(settings, dialect)
+    b64 = base64.b64encode(b"\x01\x02" * (engine_rate * chunk_ms // 1000)).decode()
+    client_rate = 16 if dialect == "none" else 24  # samples per ms: the engine's, or OpenAI's
+    up_b64 = base64.b64encode(b"\x01\x02" * (client_rate * 80)).decode()
+    relay.upstream_text(
+        '{"type":"session.created","event_id":"b0","session":{"id":"s1","audio":'
+        f'{{"input":{{"format":"pcm16","sample_rate_hz":{engine_input_rate}}},'
+        f'"output":{{"format":"pcm16","sample_rate_hz":{engine_rate}}}}}}}}}'
+    )
     rid = "resp_1"
     relay.upstream_text(
         f'{{"type":"response.created","event_id":"b0","response_id":"{rid}",'
@@ -227,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--events", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--playback-ack", default="auto", choices=("auto", "off", "always"))
+    parser.add_argument("--dialect", default="none", choices=("none", "ga", "beta"))
+    parser.add_argument("--engine-output-rate", type=int, default=24000)
+    parser.add_argument("--engine-input-rate", type=int, default=16000)
     parser.add_argument(
         "--calls", action="store_true", help="count Python calls per event instead of timing"
     )
@@ -238,7 +273,17 @@ def main(argv: list[str] | None = None) -> None:
     for label, chunk_ms in (("nemotron (80 ms deltas)", 80), ("minicpmo (1000 ms deltas)", 1000)):
         downs, ups = [], []
         for _ in range(ns.rounds):
-            down, up = asyncio.run(_round(chunk_ms, ns.events, settings, count_calls=ns.calls))
+            down, up = asyncio.run(
+                _round(
+                    chunk_ms,
+                    ns.events,
+                    settings,
+                    count_calls=ns.calls,
+                    dialect=ns.dialect,
+                    engine_rate=ns.engine_output_rate,
+                    engine_input_rate=ns.engine_input_rate,
+                )
+            )
             downs.append(down)
             ups.append(up)
         unit = "Python calls" if ns.calls else "µs"

@@ -256,8 +256,9 @@ FIRST_AUDIO_BUCKETS: Final = (*_FINE_SECONDS, 30.0)
 AUDIO_LEAD_BUCKETS: Final = (0.0, 0.1, 0.25, 0.5, 0.6, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TRUNCATION_SOURCES: Final = ("client", "sidecar")
 #: The routes a session came in through: the engine's protocol on /v1/realtime and
-#: /v1/duplex, Twilio Media Streams on /v1/twilio (docs/design.md, Phone front door).
-FRONT_DOORS: Final = ("realtime", "duplex", "twilio")
+#: /v1/duplex, Twilio Media Streams on /v1/twilio (docs/design.md, Phone front door),
+#: the OpenAI Realtime protocol, GA or beta, on /v1/realtime (docs/design.md, OpenAI dialect).
+FRONT_DOORS: Final = ("realtime", "duplex", "twilio", "openai", "openai_beta")
 #: Who heard the caller barge in on a phone call: the engine's voice detection or the sidecar's.
 CLEAR_SOURCES: Final = ("engine", "sidecar")
 #: Upstream WebSocket connect on loopback: ~ms; seconds mean trouble.

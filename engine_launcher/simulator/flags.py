@@ -19,6 +19,7 @@ from engine_launcher.simulator.releases import ENGINE_VERSIONS, EngineRelease, r
 from engine_launcher.simulator.replay_journal import DEFAULT_JOURNAL_LIMITS, JournalLimits
 
 __all__ = [
+    "AUDIO_PROFILES",
     "DEFAULT_CHUNK_MS",
     "DEFAULT_HOST",
     "DEFAULT_MODEL",
@@ -33,6 +34,14 @@ __all__ = [
 
 EventNaming = Literal["ga", "beta"]
 
+#: ``--audio-profile``: the audio formats of a model family (docs/engine-protocol.md, Models).
+#: minicpmo: output PCM16 24 kHz, input PCM16 16 kHz; nemotron: output PCM16 22.05 kHz
+#: in 80 ms packets, input ``pcm_f32le`` 16 kHz. ``--sample-rate``/``--chunk-ms`` given
+#: explicitly win over the profile's.
+AUDIO_PROFILES: Final[dict[str, dict[str, int | str]]] = {
+    "minicpmo": {"sample_rate": 24000, "chunk_ms": 1000, "input_format": "pcm16"},
+    "nemotron": {"sample_rate": 22050, "chunk_ms": 80, "input_format": "pcm_f32le"},
+}
 #: ``--session-mode``: ``duplex`` (a model served with ``session_mode: duplex``) or
 #: ``realtime`` (the plain OpenAI-style /v1/realtime handler of 0.31 and later).
 SESSION_MODES: Final = ("duplex", "realtime")
@@ -86,6 +95,8 @@ class SimulatorConfig:
     output_reserve_events: int | None = None
     max_sessions: int | None = None
     session_mode: str = "duplex"
+    #: The default input format of a session (the profile's), at 16 kHz.
+    input_format: str = "pcm16"
     session_resume: bool = True
     disconnect_grace: float = DEFAULT_DISCONNECT_GRACE
     reaper_interval: float = DEFAULT_REAPER_INTERVAL
@@ -267,14 +278,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--chunk-ms",
         type=int,
-        default=DEFAULT_CHUNK_MS,
-        help="audio length of one output delta in ms (default %(default)s)",
+        default=None,
+        help=f"audio length of one output delta in ms (default {DEFAULT_CHUNK_MS}, "
+        "or the --audio-profile's)",
     )
     parser.add_argument(
         "--sample-rate",
         type=int,
-        default=DEFAULT_SAMPLE_RATE,
-        help="output PCM16 mono rate in Hz (default %(default)s)",
+        default=None,
+        help=f"output PCM16 mono rate in Hz (default {DEFAULT_SAMPLE_RATE}, "
+        "or the --audio-profile's)",
+    )
+    parser.add_argument(
+        "--audio-profile",
+        choices=tuple(AUDIO_PROFILES),
+        default=None,
+        help="audio formats of a model family: minicpmo (out PCM16 24 kHz, in PCM16 "
+        "16 kHz) or nemotron (out PCM16 22.05 kHz in 80 ms packets, in pcm_f32le "
+        "16 kHz); the default is minicpmo's formats with 1000 ms chunks",
     )
     parser.add_argument(
         "--realtime-factor",
@@ -497,6 +518,12 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
+    profile = AUDIO_PROFILES.get(ns.audio_profile or "", {})
+    if ns.chunk_ms is None:
+        ns.chunk_ms = profile.get("chunk_ms", DEFAULT_CHUNK_MS)
+    if ns.sample_rate is None:
+        ns.sample_rate = profile.get("sample_rate", DEFAULT_SAMPLE_RATE)
+    input_format = str(profile.get("input_format", "pcm16"))
     try:
         return SimulatorConfig(
             host=ns.host,
@@ -527,6 +554,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
             output_reserve_events=ns.output_reserve_events,
             max_sessions=ns.max_sessions,
             session_mode=ns.session_mode,
+            input_format=input_format,
             session_resume=ns.session_resume,
             disconnect_grace=ns.disconnect_grace,
             reaper_interval=ns.reaper_interval,

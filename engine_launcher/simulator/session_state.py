@@ -114,7 +114,9 @@ class SimulatedSession:
         self.epoch = 0
         self.turn_id = 0
         self.settings = SimulatedSettings(
-            model=model or config.model, playback_commit_policy=config.playback_commit_policy
+            model=model or config.model,
+            playback_commit_policy=config.playback_commit_policy,
+            input_format=config.input_format,
         )
         self.input = InputBuffer()
         self.history = Conversation()

@@ -40,12 +40,13 @@ from proxy.edge.resume import ResumeRequest, first_message, parse_resume, refuse
 from proxy.edge.resume_pass import Asked, ask_replicas
 from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import FirstMessageWait
-from proxy.edge.state import ProxyState, UpstreamTarget
+from proxy.edge.state import ProxyState, UpstreamTarget, openai_translator
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
 from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.observer import SessionTracer
+from proxy.session.openai_side import OpenAISide
 from proxy.session.relay import Relay
 from proxy.session.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
 from proxy.session.writer import AiohttpWriterAdapter
@@ -418,9 +419,11 @@ def _side_factory(
             # A client that opens with its first message resumes after a 1012: a
             # drain hands its session over (docs/design.md, Start-up and shutdown).
             resumes=opens_with_first_message(dict(request.query)),
+            translator=openai_translator(request, state),  # for an OpenAI client
         )
-        # From here on every frame to this client, aiohttp's own close frames
-        # included, goes through the connection's frame writer.
+        if isinstance(side.translator, OpenAISide):
+            side.translator.writer = side.writer  # its own answers are written at once
+        # Every frame to this client from now on goes through its frame writer, aiohttp's too.
         compat.install_client_writer(client, AiohttpWriterAdapter(side.writer))
         return side
 
@@ -478,6 +481,8 @@ async def _run_relay(
     key, settings = placement.key, state.settings
     duplex = session_is_duplex(request.path, dict(request.query))
     door = "duplex" if request.path.endswith("/v1/duplex") else "realtime"
+    if isinstance(side.translator, OpenAISide):
+        door = side.translator.label  # the OpenAI dialect (docs/design.md, OpenAI dialect)
     capabilities = state.registry.capabilities.current.for_session(duplex=duplex)
     observer = state.registry.observer(
         key,
@@ -512,6 +517,8 @@ async def _run_relay(
     finally:
         state.registry.remove(relay)
         log_session_end(relay, observer, state.usage)
+        if isinstance(side.translator, OpenAISide):
+            side.translator.writer = None  # the one back-reference
 
 
 def _tokens(state: ProxyState) -> tuple[ResumeTokens, SpentTokens]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Final
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -27,9 +29,13 @@ from aiohttp import web
 from engine_launcher.admission import EngineAdmission
 from metrics import SidecarMetrics
 from proxy.core.buffer import BufferLimits
+from proxy.core.dialect import OpenAIDialect, engine_dialect, select_flavour
+from proxy.core.dialect.turn_hook import TurnSourceFactory
+from proxy.core.dialect.turns_adapter import DetectorTurns
 from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.resume_token import ResumeTokens
 from proxy.core.session_settings import OverflowPolicy, SessionSettings
+from proxy.core.voice_activity import VoiceModelError
 from proxy.edge.auth import AuthPolicy, load_key_file
 from proxy.edge.guard import EdgeGuard, EdgeLimits
 from proxy.edge.quota_store import QuotaGate
@@ -37,8 +43,10 @@ from proxy.edge.resume_secret import load_resume_secret
 from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import Admission
 from proxy.session.observer import Tracing
+from proxy.session.openai_side import OpenAISide
 from proxy.session.registry import SessionRegistry
 from proxy.session.usage_log import UsageBook, UsageFile
+from proxy.session.voice_model import load_voice_model
 from proxy.settings import Settings
 
 __all__ = [
@@ -47,6 +55,7 @@ __all__ = [
     "ProxyState",
     "UpstreamTarget",
     "max_per_engine",
+    "openai_translator",
     "session_settings",
     "upstream_headers",
     "upstream_url",
@@ -318,3 +327,35 @@ def upstream_headers(state: ProxyState, request: web.Request) -> dict[str, str]:
     elif mode.startswith("key:"):
         headers["Authorization"] = "Bearer " + mode[4:]
     return headers
+
+
+# -- the front door of a new client connection (docs/design.md, OpenAI dialect) -----------
+
+
+def openai_translator(request: web.Request, state: ProxyState) -> OpenAISide | None:
+    """The client's OpenAI front door (``select_flavour``), for the engine release the
+    sidecar fronts, with the sidecar's own turn detection where its model is installed;
+    None: the engine's own protocol."""
+    flavour = select_flavour(
+        state.settings.client_dialect, request.path, request.query, request.headers
+    )
+    if flavour is None:
+        return None
+    engine = engine_dialect(state.registry.capabilities.current.version)
+    return OpenAISide(OpenAIDialect(flavour, engine, _event_id, turns=_turns()))
+
+
+def _event_id() -> str:
+    return "event_" + uuid.uuid4().hex
+
+
+@cache
+def _turns() -> TurnSourceFactory | None:
+    """Sessions' turn detectors on the process's one voice-activity model, loaded at the
+    first OpenAI client (None: the model is not installed; the engine's VAD is asked)."""
+    try:
+        model = load_voice_model()
+    except VoiceModelError as exc:
+        log.warning("no turn detection of the sidecar's own for OpenAI clients: %s", exc)
+        return None
+    return lambda: DetectorTurns(model.new_stream())

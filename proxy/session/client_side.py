@@ -62,6 +62,8 @@ class ClientSide:
     ) -> None:
         self.client = client
         self.address = address
+        #: The front door of another protocol, both ways (None: the engine's protocol).
+        self.translator = translator
         self.writer = ClientFrameWriter(
             protocol, write_buffer_bytes=write_buffer_bytes, translator=translator
         )

@@ -51,6 +51,7 @@ __all__ = [
     "SPECS",
     "TOP_SPECS",
     "TRACING_MODES",
+    "ClientDialect",
     "LogFormat",
     "LogLevel",
     "OverflowPolicyName",
@@ -67,6 +68,7 @@ LOG_LEVELS: Final[tuple[str, ...]] = typing.get_args(LogLevel)
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final[tuple[str, ...]] = typing.get_args(LogFormat)
 UpstreamClient = Literal["picows", "aiohttp"]
+ClientDialect = Literal["auto", "engine"]
 TracingMode = Literal["off", "otlp"]
 TwilioInputFormat = Literal["pcm16", "pcm_f32le"]
 TwilioTurnDetection = Literal["engine", "sidecar"]
@@ -218,6 +220,19 @@ class Settings(ServingSettings):
         help="Forward the client's query string upstream.",
         live=True,
         section=_AUTH,
+    )
+    client_dialect: ClientDialect = setting(  # noqa: RUF009 - a dataclasses.field
+        "auto",
+        help='Which protocol a /v1/realtime client gets: "auto" gives the OpenAI Realtime '
+        "protocol (GA; beta with OpenAI-Beta: realtime=v1) to a connection with ?model=, "
+        "an Authorization header (or the browser's openai-insecure-api-key subprotocol) "
+        "and no duplex, autostart or resume parameter, translated to and from the "
+        "engine's, and the engine's own protocol, untouched, to every other (/v1/duplex "
+        'always); "engine" gives every client the engine\'s own protocol. Applies to '
+        "sessions opened after a change.",
+        live=True,
+        section=_AUTH,
+        metavar="DIALECT",
     )
     upstream_autostart_off: bool = setting(
         False,

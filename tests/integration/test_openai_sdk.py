@@ -10,7 +10,10 @@ into its pydantic event models. Two clients are covered:
   ``ws://…/v1``, header ``OpenAI-Beta: realtime=v1``) against the simulator in
   ``--event-names beta`` mode (vLLM-Omni 0.28 names: ``response.audio.delta``).
 
-The SDK maps vLLM-Omni-only events (``response.speak``, ``session.heartbeat_ack``,
+These run with ``client_dialect = "engine"``: the SDK reads the engine's own
+protocol through the sidecar, as before the OpenAI dialect existed (the
+default, ``auto``, gives these clients the OpenAI dialect:
+tests/integration/test_openai_dialect.py). The SDK maps vLLM-Omni-only events (``response.speak``, ``session.heartbeat_ack``,
 ``session.closed``…) to a fallback model, so the tests branch on ``.type``
 only. Pace: 200 ms chunks sent every 200 ms, so a cancel sent right after a
 delta reaches the sidecar before the next one is produced; everything of the
@@ -191,7 +194,7 @@ def assert_no_stale_audio(log: Transcript, names: dict[str, str], cancelled_id: 
 async def test_ga_client_runs_a_whole_session_through_the_sidecar(
     ga_sim: SimulatorChild, sidecar: Any
 ) -> None:
-    proxy = await sidecar(upstream=ga_sim.ws_url)
+    proxy = await sidecar(upstream=ga_sim.ws_url, client_dialect="engine")
     async with ga_connection(proxy.http_url) as conn:
         log = Transcript()
         created = await recv_until(conn, log, "session.created")
@@ -253,7 +256,7 @@ async def test_ga_script_straight_to_the_simulator_sees_stale_audio(ga_sim: Simu
 async def test_beta_client_runs_a_whole_session_through_the_sidecar(
     beta_sim: SimulatorChild, sidecar: Any
 ) -> None:
-    proxy = await sidecar(upstream=beta_sim.ws_url)
+    proxy = await sidecar(upstream=beta_sim.ws_url, client_dialect="engine")
     host, port = proxy.sidecar.bound["listen"]
     async with beta_connection(f"ws://{host}:{port}/v1") as conn:
         log = Transcript()

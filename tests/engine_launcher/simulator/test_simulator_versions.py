@@ -416,3 +416,23 @@ def test_help_says_what_each_version_does() -> None:
     text = " ".join(build_parser().format_help().split())
     for phrase in (*(f"{v}:" for v in VERSIONS), "output_backpressure", "--max-sessions"):
         assert phrase in text
+
+
+# -- audio profiles ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], (24000, 1000, "pcm16")),
+        (["--audio-profile", "minicpmo"], (24000, 1000, "pcm16")),
+        (["--audio-profile", "nemotron"], (22050, 80, "pcm_f32le")),
+        (["--audio-profile", "nemotron", "--chunk-ms", "200"], (22050, 200, "pcm_f32le")),
+        (["--audio-profile", "nemotron", "--sample-rate", "24000"], (24000, 80, "pcm_f32le")),
+    ],
+)
+def test_an_audio_profile_sets_the_formats_and_explicit_flags_win(
+    argv: list[str], expected: tuple[int, int, str]
+) -> None:
+    config = parse_args(argv)
+    assert (config.sample_rate, config.chunk_ms, config.input_format) == expected
