@@ -31,6 +31,7 @@ import pytest
 
 from proxy.core.audio_convert import AudioConverter
 from proxy.core.audio_formats import G711_ULAW, AudioError, AudioFormat, Encoding, decode_samples
+from tests.aiohttp_private import abort
 from tests.conftest import DEADLINE, MS, RunningSidecar, wait_until
 from tests.integration.helpers import SimulatorChild, module_simulator, sim_metric
 
@@ -432,8 +433,7 @@ async def test_dropped_twilio_socket_frees_the_engine_slot(
     await caller.open()
     await caller.silence(0.3)
     await wait_until(lambda: sc.metric("omni_sidecar_sessions_active") == 1, what="session")
-    transport = caller.ws._response.connection.transport  # type: ignore[union-attr]
-    transport.abort()  # no close frame: Twilio's side of the network went away
+    abort(caller.ws)  # no close frame: Twilio's side of the network went away
     await wait_until(lambda: sc.metric("omni_sidecar_sessions_active") == 0, what="slot freed")
 
     async def engine_idle() -> bool:
