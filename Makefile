@@ -86,7 +86,7 @@ test-loaded: $(BIN)/omni-sidecar
 	$(BIN)/python scripts/cpu_hog.py --seconds 3600 -- $(PYTEST) -n $(PYTEST_WORKERS) --dist $(PYTEST_DIST) $(PYTEST_ARGS)
 
 bench: $(BIN)/omni-sidecar
-	$(BIN)/python -m pip install -e '.[test,bench]'
+	$(BIN)/python -m pip install -e '.[test,stacks,bench]'
 	$(BIN)/python -m bench all
 
 native: $(BIN)/omni-sidecar
@@ -101,7 +101,7 @@ pure:
 dev:
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	OMNI_SIDECAR_PURE_BUILD=1 $(BIN)/python -m pip install -e '.[test]'
+	OMNI_SIDECAR_PURE_BUILD=1 $(BIN)/python -m pip install -e '.[test,stacks]'
 	$(MAKE) pure
 
 # The heavier tier against the real vLLM-Omni serving layer (own venv per release, ~9 GB):
