@@ -236,7 +236,7 @@ async def handle_debug_history(request: web.Request) -> web.Response:
 async def handle_realtime(request: web.Request) -> web.StreamResponse:
     """WebSocket ``/v1/realtime`` and ``/v1/duplex``: one duplex session per socket."""
     state = request.app[STATE_KEY]
-    query = request.query
+    query = dict(request.query.items())  # a repeated name: its last value, as vLLM-Omni reads it
     if state.config.session_mode == "realtime":
         return await _plain_realtime(request, state)
     if request.path == "/v1/realtime" and is_false_flag(query.get("duplex")):

@@ -165,28 +165,64 @@ def session_resync_required(event_id: str, session_id: str | None, reason: str) 
     )
 
 
-#: Error codes with which an engine refuses a ``session.resume`` it cannot serve
-#: for this client (unknown, expired, a token it does not know).
-RESUME_REFUSALS: Final = frozenset({"session_resume_expired", "invalid_resume_token"})
+#: Every error code with which an engine refuses a ``session.resume``
+#: (docs/engine-protocol.md, Resume): the client gets the one answer for each.
+RESUME_REFUSALS: Final = frozenset(
+    {
+        "invalid_session_resume",
+        "session_resume_expired",
+        "unsupported_session_resume",
+        "invalid_resume_token",
+        "session_resume_conflict",
+    }
+)
 
 
 def with_resume_token(event: UpstreamEvent, token: str) -> UpstreamEvent:
     """The engine's ``session.created``/``session.resumed`` with the client's bound
     ``token`` in place of the engine's own; the rest of the frame as the engine wrote it.
 
-    The engine's token is swapped where it stands when it is written once, plainly,
-    and the result is read back to prove it; otherwise the frame is written anew.
+    The engine's token never reaches a client other than inside ``token`` (a client
+    could resume with it unbound). It is swapped where it stands when the frame spells
+    it once, plainly, and has no escape that could spell it again (in a key a parser
+    drops), and the result is read back to prove it; otherwise the frame is written
+    anew, every other copy of the engine's token (a string that is it) made empty.
     """
     body = dict(event.body or {})
-    engine_token = body.get("resume_token")
+    engine_token = body.pop("resume_token", None)
+    if not (isinstance(engine_token, str) and engine_token):
+        return _event({**body, "resume_token": token})
+    if _holds(body, engine_token):
+        return _event({**_blanked(body, engine_token), "resume_token": token})
     body["resume_token"] = token
-    if isinstance(engine_token, str):
-        literal = orjson.dumps(engine_token).decode()
-        if event.text.count(literal) == 1:
-            swapped = classify_upstream(event.text.replace(literal, orjson.dumps(token).decode()))
-            if swapped.body == body:
-                return swapped
+    literal = orjson.dumps(engine_token).decode()
+    if "\\" not in event.text and event.text.count(engine_token) == 1 and literal in event.text:
+        swapped = classify_upstream(event.text.replace(literal, orjson.dumps(token).decode()))
+        if swapped.body == body:
+            return swapped
     return _event(body)
+
+
+def _holds(value: Any, secret: str) -> bool:
+    """``secret`` stands somewhere in ``value`` as a string of its own (a name or a value)."""
+    if isinstance(value, str):
+        return value == secret
+    if isinstance(value, dict):
+        return any(_holds(k, secret) or _holds(v, secret) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds(v, secret) for v in value)
+    return False
+
+
+def _blanked(value: Any, secret: str) -> Any:
+    """``value`` with every string that is ``secret`` made empty."""
+    if isinstance(value, str):
+        return "" if value == secret else value
+    if isinstance(value, dict):
+        return {_blanked(k, secret): _blanked(v, secret) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_blanked(v, secret) for v in value]
+    return value
 
 
 def resume_refused(event_id: str | None = None) -> UpstreamEvent:

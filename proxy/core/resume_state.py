@@ -140,12 +140,6 @@ class ResumeState:
         if self.journal is not None and type(acked) is int:
             self.journal.ack(acked)
 
-    def engine_resume(self, body: dict[str, Any] | None) -> str | None:
-        """A client's ``session.resume`` for the engine (its own token in place of the
-        client's), when the client's token is bound to this key; else None."""
-        verified = self._tokens.engine_resume(body, self.key_id)
-        return None if verified is None else verified.text
-
     @property
     def held(self) -> bool:
         """The client dropped and the session waits for a resume."""

@@ -95,7 +95,10 @@ class ResumeTokens:
         parts = self.verify(token, session_id, key_id)
         if parts is None:
             return None
-        text = orjson.dumps({**body, "resume_token": parts.engine_token}).decode()
+        engine_body = {**body, "resume_token": parts.engine_token}
+        if cursor < 0:  # the engine refuses a negative cursor; read as 0 (none received)
+            engine_body["last_received_server_event_seq"] = 0
+        text = orjson.dumps(engine_body).decode()
         return ResumeForEngine(session_id, parts, text)
 
     def _mac(self, session_id: str, key_id: str, engine_token: str, generation: int) -> str:

@@ -173,15 +173,18 @@ class SessionCore(SessionOutput):
                 return ClientDecision(event, forward=False)
         elif event.kind is ClientKind.SESSION_UPDATE:
             self.limits.input.on_client_update(event.body)
-        elif event.kind is ClientKind.SESSION_RESUME and self.session_id is None:
-            # To the engine with its own token, when the token is this key's
-            # (docs/design.md, Resume); any other gets the one refusal.
-            engine_text = self.resume.engine_resume(event.body)
-            if engine_text is None:
+        elif event.kind is ClientKind.SESSION_RESUME:
+            # The edge reads every message the engine would take as a resume before the
+            # session starts (docs/design.md, Resume): one that reaches a session is never
+            # passed on. Before the engine's session exists it gets the one refusal; later,
+            # the engine's own answer to a resume on an open connection (which stays).
+            if self.session_id is None:
                 self._refuse_resume(now)
-                return ClientDecision(event, forward=False)
-            text = engine_text
-            self.resume.passed_upstream = True
+            else:
+                message = "session.resume must be the first message of a new connection"
+                code = "unsupported_session_resume"
+                self._reject(code, message, now, client_event_id=event.event_id, size=event.size)
+            return ClientDecision(event, forward=False)
         elif event.kind is ClientKind.EVENT_ACK:
             self.resume.ack(event.body)
         elif event.kind is ClientKind.RESPONSE_CREATE or (

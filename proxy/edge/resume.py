@@ -22,20 +22,25 @@ import aiohttp
 
 from metrics import SidecarMetrics
 from proxy.core import notices
+from proxy.core.lifecycle import SessionState
 from proxy.core.events import ClientKind, EventKind, classify_client, classify_upstream, error_code
 from proxy.core.resume_token import ResumeForEngine, ResumeTokens
 from proxy.edge.resume_spent import SpentTokens
+from proxy.edge.session_slots import first_data
 from proxy.session.client_side import ClientSide
 from proxy.session.registry import SessionRegistry
+from proxy.session.relay import Relay
 from proxy.session.upstream_link import UpstreamLink
 
 __all__ = [
     "ResumeRequest",
+    "current",
     "first_message",
     "parse_resume",
     "refuse_resume",
     "resume_held",
     "resume_unknown",
+    "verified",
 ]
 
 log = logging.getLogger("omni_sidecar.edge.app")
@@ -64,21 +69,28 @@ class ResumeRequest:
         return tokens.engine_resume(self.body, key_id) if self.well_formed else None
 
 
+#: The engine's first answers to a resume that say it holds the session (docs/engine-protocol.md,
+#: Resume): resumed, a resync, or a concurrent resume won the race. Any other says it does not.
+_FOUND: Final = frozenset({"session.resumed", "session.resync_required"})
+
+
 def resume_unknown(answer: str | None) -> bool:
     """The engine's first answer to a resume says it does not hold the session."""
     if answer is None:
         return False
     event = classify_upstream(answer)
-    return event.kind is EventKind.ERROR and error_code(event) in notices.RESUME_REFUSALS
+    if event.kind is EventKind.ERROR:
+        return error_code(event) != "session_resume_conflict"
+    return event.type not in _FOUND
 
 
 async def first_message(client: Any, timeout: float) -> aiohttp.WSMessage | None:
-    """The connection's first message (None: none within ``timeout``)."""
+    """The connection's first data message (None: none within ``timeout``)."""
     try:
-        msg: aiohttp.WSMessage = await client.receive(timeout=timeout)
+        async with asyncio.timeout(timeout):
+            return await first_data(client)
     except TimeoutError:
         return None
-    return msg
 
 
 def parse_resume(msg: aiohttp.WSMessage | None) -> ResumeRequest | None:
@@ -96,6 +108,25 @@ def parse_resume(msg: aiohttp.WSMessage | None) -> ResumeRequest | None:
     if not (isinstance(session_id, str) and isinstance(token, str)) or type(cursor) is not int:
         return ResumeRequest("", "", 0, body, well_formed=False)
     return ResumeRequest(session_id, token, max(0, cursor), body, well_formed=True)
+
+
+def current(registry: SessionRegistry, request: ResumeRequest, key_id: str) -> bool:
+    """The resume names a session held here, with this key and its current token."""
+    return registry.resumable(request.session_id, request.token, key_id) is not None
+
+
+async def verified(
+    request: ResumeRequest, key_id: str, tokens: tuple[ResumeTokens, SpentTokens]
+) -> str | None:
+    """The resume's frame for the engine, when its token is this key's for this session
+    and not spent (an older generation than one issued: proxy/edge/resume_spent.py)."""
+    for_engine = request.for_engine(tokens[0], key_id)
+    if for_engine is None:
+        return None
+    parts = for_engine.parts
+    if await tokens[1].spent(request.session_id, parts.engine_token, parts.generation):
+        return None
+    return for_engine.text
 
 
 async def refuse_resume(metrics: SidecarMetrics, client: Any, request: ResumeRequest) -> None:
@@ -132,20 +163,35 @@ async def resume_held(
     side = side_for(relay.upstream)
     previous = relay.side
     side.follow(previous)
-    if not relay.attach(side, request.cursor):
-        # attach told it session.resync_required (or the session ended meanwhile).
-        metrics.resumes.labels("resync_required").inc()
-        await _refuse(side.client, None)
+    if registry.handing_over or not relay.attach(side, request.cursor):
+        await _not_resumed(registry, metrics, relay, side.client, request)
         return True
     metrics.resumes.labels("resumed").inc()
     verified = tokens[0].engine_resume(request.body, key_id)
-    if verified is not None:  # the token it presented, and every older one, is spent now
+    if verified is not None:  # attached: the token it presented, and every older one, is spent
         parts = verified.parts
         await tokens[1].issued(request.session_id, parts.engine_token, parts.generation + 1)
     relay.log.info("session resumed from %s (cursor %d)", side.address or "?", request.cursor)
     _log_attachment(relay.key, request, previous, side)
     await side.done.wait()
     return True
+
+
+async def _not_resumed(
+    registry: SessionRegistry, metrics: SidecarMetrics, relay: Relay, client: Any, request: ResumeRequest
+) -> None:
+    """``Relay.attach`` said no (or was not asked): why decides what the client gets."""
+    if registry.handing_over:
+        # The drain hands the session over: the client resumes on another sidecar with
+        # the token it holds, which nothing here spent (close 1012, as a hand-over).
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5.0):
+                await client.close(code=1012, message=b"handed_over")
+    elif relay.view.state is SessionState.CLOSED:
+        await refuse_resume(metrics, client, request)  # it ended meanwhile: held nowhere now
+    else:
+        metrics.resumes.labels("resync_required").inc()  # attach wrote session.resync_required
+        await _refuse(client, None)
 
 
 def _log_attachment(

@@ -36,11 +36,13 @@ from proxy.edge.refusals import log_refused as _log_refused
 from proxy.edge.refusals import quota_refused as _quota_refused
 from proxy.edge.refusals import refuse_in_band
 from proxy.edge.refusals import retry_after as _retry_after
-from proxy.edge.resume import ResumeRequest, first_message, parse_resume, refuse_resume, resume_held
+from proxy.edge.resume import ResumeRequest, current, first_message, parse_resume, refuse_resume
+from proxy.edge.resume import resume_held, verified
 from proxy.edge.resume_pass import Asked, ask_replicas
 from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import FirstMessageWait
-from proxy.edge.state import ProxyState, UpstreamTarget, openai_translator
+from proxy.edge.state import ProxyState, UpstreamTarget, client_query, engine_query
+from proxy.edge.state import openai_translator
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
 from proxy.session.client_side import ClientSide
@@ -172,7 +174,7 @@ async def admitted(
         held.push_async_callback(_release_quota, state, placement.key)
         if state.tracing is not None:
             tracer = state.tracing.session(
-                placement.key, request.headers, model=request.query.get("model")
+                placement.key, request.headers, model=client_query(request).get("model")
             )
             placement.tracer = tracer
             held.callback(tracer.refused, "handshake_failed")  # no-op once its span ended
@@ -195,8 +197,10 @@ async def open_session(
     """Open and run one session; returns once it is over (or was refused)."""
     settings = state.settings
     resume_on = state.session_settings.client_resume_grace > 0
-    first_message_opens = resume_on and opens_with_first_message(dict(request.query))
-    resumable = state.registry.resumable_of(key_id) if first_message_opens else 0
+    # Whenever the engine reads the first message as an open or a resume, it is read
+    # here first: a resume is checked (held here, spent) before any engine hears of it.
+    first_message_opens = not opens_at_connect(engine_query(state, request))
+    resumable = state.registry.resumable_of(key_id) if first_message_opens and resume_on else 0
     if resumable:
         # This key has a session a resume could take over: this may be it, so its
         # first message is read before any slot is taken (docs/design.md, Resume).
@@ -218,13 +222,15 @@ async def open_session(
             if first_message_opens:
                 opening = await first_message(client, settings.handshake_timeout)
                 resume = parse_resume(opening)
-                if resume is not None and state.registry.holds(resume.session_id):
-                    # Held here: it takes that session's resources back, so this
-                    # connection's go back first (never a second slot).
+                held = resume is not None and state.registry.holds(resume.session_id)
+                if resume is not None and held and current(state.registry, resume, key_id):
+                    # This key's, held here: it takes that session's resources back, so
+                    # this connection's go back first (never a second slot).
                     await _close_link(upstream, settings.close_timeout)
                     raise _HeldHere(client, protocol, resume)
                 if resume is not None:
-                    engine_text = await _verified(state, resume, key_id)
+                    # Refused before the link closes: as long whether held here or not.
+                    engine_text = None if held else await verified(resume, key_id, _tokens(state))
                     if engine_text is None:
                         await refuse_resume(state.metrics, client, resume)
                         await _close_link(upstream, settings.close_timeout)
@@ -276,7 +282,7 @@ async def _open_resume_first(
         state.registry, state.metrics, client, side_for, resume, key_id, _tokens(state)
     ):
         return client
-    engine_text = None if resume is None else await _verified(state, resume, key_id)
+    engine_text = None if resume is None else await verified(resume, key_id, _tokens(state))
     if resume is not None and engine_text is None:
         # Not held here, and its token is not this key's: nothing is admitted for it.
         await refuse_resume(state.metrics, client, resume)
@@ -418,7 +424,7 @@ def _side_factory(
             address=client_address(request),
             # A client that opens with its first message resumes after a 1012: a
             # drain hands its session over (docs/design.md, Start-up and shutdown).
-            resumes=opens_with_first_message(dict(request.query)),
+            resumes=opens_with_first_message(client_query(request)),
             translator=openai_translator(request, state),  # for an OpenAI client
         )
         if isinstance(side.translator, OpenAISide):
@@ -479,7 +485,7 @@ async def _run_relay(
 ) -> None:
     key_name, key_id = identity
     key, settings = placement.key, state.settings
-    duplex = session_is_duplex(request.path, dict(request.query))
+    duplex = session_is_duplex(request.path, client_query(request))
     door = "duplex" if request.path.endswith("/v1/duplex") else "realtime"
     if isinstance(side.translator, OpenAISide):
         door = side.translator.label  # the OpenAI dialect (docs/design.md, OpenAI dialect)
@@ -523,18 +529,6 @@ async def _run_relay(
 
 def _tokens(state: ProxyState) -> tuple[ResumeTokens, SpentTokens]:
     return state.resume_tokens, state.resume_spent
-
-
-async def _verified(state: ProxyState, resume: ResumeRequest, key_id: str) -> str | None:
-    """The resume's frame for the engine, when its token is this key's for this session
-    and not spent (an older generation than one issued: proxy/edge/resume_spent.py)."""
-    verified = resume.for_engine(state.resume_tokens, key_id)
-    if verified is None:
-        return None
-    parts = verified.parts
-    if await state.resume_spent.spent(resume.session_id, parts.engine_token, parts.generation):
-        return None
-    return verified.text
 
 
 def replica_target(state: ProxyState, engine: int) -> UpstreamTarget | None:

@@ -15,7 +15,22 @@ import asyncio
 import contextlib
 from typing import Any
 
-__all__ = ["Admission", "FirstMessageWait"]
+import aiohttp
+
+__all__ = ["Admission", "FirstMessageWait", "first_data"]
+
+
+async def first_data(client: Any) -> Any:
+    """``client``'s first message that is not a ping or a pong (a ping is answered): what
+    the engine reads as the first message, since control frames never reach it. With
+    ``autoping`` off aiohttp returns a ping as a message of its own."""
+    while True:
+        msg = await client.receive()
+        if msg.type is aiohttp.WSMsgType.PING:
+            with contextlib.suppress(Exception):
+                await client.pong(msg.data)
+        elif msg.type is not aiohttp.WSMsgType.PONG:
+            return msg
 
 
 class FirstMessageWait:
@@ -44,7 +59,7 @@ class FirstMessageWait:
         try:
             async with asyncio.timeout(timeout) as scope:
                 self._scope = scope
-                return await client.receive()
+                return await first_data(client)
         except TimeoutError:
             return None
         finally:

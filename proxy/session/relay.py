@@ -302,16 +302,16 @@ class Relay:
         self._send(self._after(now))
 
     def attach(self, side: ClientSide, cursor: int) -> bool:
-        """A ``session.resume`` on ``side``: replay what it missed and go on there;
-        False when what came after ``cursor`` is no longer kept: ``side`` is told
-        ``session.resync_required`` and nothing else changes."""
+        """A ``session.resume`` on ``side``: replay what it missed and go on there. False: it
+        ended, is handed over, or lost what followed ``cursor`` (``session.resync_required``)."""
         core = self.core
         now = self._clock()
         token = core.next_resume_token()
         held = core.held
-        if core.state is _CLOSED or not core.reattach(cursor, now, token=token):
-            if core.state is not _CLOSED:
-                side.writer.send_text(core.resync_notice())
+        if core.state is _CLOSED or core.handing_over or core.hand_over_requested:
+            return False  # ended, or the drain hands it over: the engine replays it elsewhere
+        if not core.reattach(cursor, now, token=token):
+            side.writer.send_text(core.resync_notice())
             return False
         if not held:  # the old connection still looks alive: superseded
             self.side.supersede(core.replaced_notice())

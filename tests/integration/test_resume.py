@@ -267,6 +267,54 @@ async def test_every_sidecar_of_the_fleet_refuses_a_resume_that_is_not_the_sessi
     assert resumes_after == resumes_before, "no resume reached the engine"
 
 
+@pytest.mark.parametrize(
+    "how",
+    [
+        "no_model",  # the engine reads the first message of a URL without model= as a resume
+        "last_autostart",  # model= and autostart=1&autostart=0: the engine reads the last
+        "after_a_ping",  # a ping first: the resume is the engine's first message still
+    ],
+)
+async def test_a_spent_token_is_refused_whatever_the_url_and_whatever_comes_first(
+    streaming_sim: SimulatorChild, sidecar: Any, how: str
+) -> None:
+    """Every message the engine would take as a resume is read by the sidecar first
+    (the held-here path and the spent check): a spent token never reaches the engine,
+    which does not know it is spent (a local resume does not rotate its token)."""
+    proxy = await sidecar(upstream=streaming_sim.ws_url, client_resume_grace=GRACE)
+    registry = proxy.sidecar.state.registry
+    urls = {
+        "no_model": proxy.url + "?duplex=1",
+        "last_autostart": proxy.url + "?duplex=1&model=m&autostart=1&autostart=0",
+        "after_a_ping": _url(proxy),
+    }
+    resumes_before = await sim_metric(streaming_sim, "vllm_omni_sim_resumes_total")
+    async with _dropped_mid_response(proxy) as (created, cursor, _):
+        async with connect(_url(proxy)) as legit:  # resumed here: the first token is spent
+            await legit.send(_resume(created, cursor))
+            resumed = await legit.recv()
+            assert resumed["type"] == "session.resumed"
+            abort(legit.ws)
+        await wait_until(lambda: registry.detached() == 1, what="held again")
+        async with connect(urls[how]) as replay:
+            if how == "after_a_ping":
+                await replay.ws.ping()
+            await replay.send(_resume(created, cursor, created["resume_token"]))
+            refusal = await replay.recv()
+            events = await replay.recv_until_closed()
+        assert refusal["type"] == "error", f"a spent token resumed the session: {refusal}"
+        assert refusal["error"]["code"] == "session_resume_expired"
+        assert not [e for e in events if e["type"] in (AUDIO, "session.resumed")]
+        async with connect(urls[how]) as client:  # the owner's current token resumes it there
+            if how == "after_a_ping":
+                await client.ws.ping()
+            await client.send(_resume(created, cursor, resumed["resume_token"]))
+            assert (await client.recv())["type"] == "session.resumed"
+    assert proxy.metric("omni_sidecar_resumes_total", {"result": "refused"}) == 1
+    resumes_after = await sim_metric(streaming_sim, "vllm_omni_sim_resumes_total")
+    assert resumes_after == resumes_before, "no resume reached the engine"
+
+
 async def test_a_client_that_never_comes_back_frees_its_slots_when_the_grace_ends(
     streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path
 ) -> None:

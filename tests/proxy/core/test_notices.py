@@ -122,11 +122,32 @@ def test_the_bound_token_replaces_the_engines_keeping_the_rest_of_the_frame_as_w
     assert swapped.kind is EventKind.SESSION_CREATED
 
 
-def test_a_token_written_twice_makes_the_frame_written_anew() -> None:
-    text = '{"type":"session.created","resume_token":"t","session":{"id":"t"}}'
+def test_a_token_written_twice_makes_the_frame_written_anew_without_the_copy() -> None:
+    """Only the bound token carries the engine's (the client resumes with nothing
+    unbound): a copy elsewhere in the frame is made empty, even a session id."""
+    text = '{"type":"session.created","resume_token":"t","session":{"id":"t","v":["t"]}}'
     swapped = notices.with_resume_token(classify_upstream(text), "bound")
     assert swapped.body == {
         "type": "session.created",
         "resume_token": "bound",
-        "session": {"id": "t"},
-    }, "the session id that equals the token is not touched"
+        "session": {"id": "", "v": [""]},
+    }
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A duplicate key a parser drops, spelling the token with an escape:
+        '{"type":"session.created","resume_token":"\\u0065ngine-tok","resume_token":"engine-tok"}',
+        '{"type":"session.created","x":"engine\\u002dtok","x":1,"resume_token":"engine-tok"}',
+        # A copy the parser keeps:
+        '{"type":"session.created","resume_token":"engine-tok","session":{"engine-tok":2}}',
+    ],
+)
+def test_the_engines_token_reaches_the_client_only_inside_the_bound_one(text: str) -> None:
+    swapped = notices.with_resume_token(classify_upstream(text), "bound")
+    assert "engine-tok" not in swapped.text and "engine\\u" not in swapped.text
+    assert "\\u0065" not in swapped.text and "\\u002d" not in swapped.text
+    assert swapped.body is not None and swapped.body["resume_token"] == "bound"
+
+

@@ -1,7 +1,7 @@
 """Resume tokens bound to their session and key (proxy/core/resume_token.py;
 docs/design.md, Resume): issued in place of the engine's in ``session.created``,
-verified by any sidecar that shares the secret, and the only way a resume
-reaches the engine through a session that was not opened for it. Sans-I/O.
+verified by any sidecar that shares the secret, and the only way a resume the
+edge passes reaches the engine. Sans-I/O.
 """
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ class TestTokens:
         """The engine's own token, as a sidecar before this one handed it out."""
         assert TOKENS.verify("engine-tok", "duplex-1", KEY) is None
         assert TOKENS.verify("engine-tok~", "duplex-1", KEY) is None
+
+    def test_the_engine_gets_its_own_token_and_never_the_sidecars_part(self) -> None:
+        token = TOKENS.issue("duplex-1", KEY, "engine-tok", 2)
+        resume = {"type": "session.resume", "session_id": "duplex-1", "resume_token": token}
+        verified = TOKENS.engine_resume(resume, KEY)
+        assert verified is not None and verified.parts == TokenParts("engine-tok", 2)
+        assert json.loads(verified.text) == {**resume, "resume_token": "engine-tok"}
+        assert TOKEN_MARK not in verified.text, "the sidecar's part never reaches the engine"
+
+    def test_a_negative_cursor_reaches_the_engine_as_0(self) -> None:
+        """The engine refuses a negative cursor (``invalid_session_resume``); the held
+        path reads it as 0, and so does the engine."""
+        token = TOKENS.issue("duplex-1", KEY, "engine-tok", 0)
+        resume = {"type": "session.resume", "session_id": "duplex-1", "resume_token": token}
+        verified = TOKENS.engine_resume({**resume, "last_received_server_event_seq": -5}, KEY)
+        assert verified is not None
+        assert json.loads(verified.text)["last_received_server_event_seq"] == 0
 
     @given(st.text(max_size=80))
     def test_nothing_else_verifies(self, token: str) -> None:
@@ -98,17 +115,38 @@ class TestTheCore:
         assert isinstance(token, str)
         assert TOKENS.verify(token, "duplex-1", KEY) is not None
 
-    def test_a_resume_sent_through_an_open_connection_reaches_the_engine_with_its_own_token(
-        self,
-    ) -> None:
+    def test_a_resume_that_reaches_a_session_is_refused_even_with_this_keys_token(self) -> None:
+        """The edge reads every message the engine would take as a resume before any
+        session starts (proxy/edge/session_open.py): one that reaches the core came some
+        way the edge did not check (after a ping, past a query the engine reads
+        otherwise), so it is refused, never passed on with the engine's token."""
         core = _core(grace=0.0)
         token = TOKENS.issue("duplex-1", KEY, "engine-tok", 2)
         resume = {"type": "session.resume", "session_id": "duplex-1", "resume_token": token}
         decision = core.receive_client(dumps(resume), 0.0)
-        assert decision.forward
-        (sent,) = core.drain(0.0, 0).to_upstream
-        assert json.loads(sent) == {**resume, "resume_token": "engine-tok"}
-        assert TOKEN_MARK not in sent, "the sidecar's part never reaches the engine"
+        assert not decision.forward
+        drain = core.drain(0.0, 1 << 20)
+        assert not drain.to_upstream
+        (refusal,) = [json.loads(e.event.text) for e in drain.to_client]
+        assert refusal["error"]["code"] == "session_resume_expired"
+        assert core.state is not SessionState.OPEN, "the connection ends"
+
+    def test_a_resume_on_an_open_session_gets_the_engines_answer_and_the_session_goes_on(
+        self,
+    ) -> None:
+        core = _core()
+        core.receive_upstream(_created(), 0.0)
+        _written(core)
+        token = TOKENS.issue("duplex-1", KEY, "engine-tok", 0)
+        resume = {"type": "session.resume", "event_id": "c1", "session_id": "duplex-1"}
+        decision = core.receive_client(dumps({**resume, "resume_token": token}), 0.0)
+        assert not decision.forward
+        drain = core.drain(0.0, 1 << 20)
+        assert not drain.to_upstream, "neither token reaches the engine"
+        (error,) = [json.loads(e.event.text) for e in drain.to_client]
+        assert error["error"]["code"] == "unsupported_session_resume"
+        assert error["error"]["event_id"] == "c1"
+        assert core.state is SessionState.OPEN
 
     def test_a_resume_under_another_key_is_refused_and_the_engine_hears_nothing(self) -> None:
         core = _core(grace=0.0, key_id=OTHER_KEY)

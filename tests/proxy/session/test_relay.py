@@ -25,6 +25,7 @@ from proxy.core.drain import Drain
 from proxy.core.events import UpstreamEvent
 from proxy.core.lifecycle import SessionState
 from proxy.core.playback import AckMode, PlaybackSettings
+from proxy.core.resume_state import HandOver
 from proxy.core.session_core import ACK_RIDE_WAIT, OverflowPolicy, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
@@ -842,3 +843,36 @@ async def test_a_lost_connection_whose_reader_was_cut_off_ends_without_waiting(
     s.upstream.feed(response_created("r1"))  # the writer finds the connection gone
     await s.finished()  # the manual clock never runs out a wait
     assert s.observer.ended
+
+
+def _resumable_created() -> str:
+    session = {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}}
+    created = {"type": "session.created", "event_id": "e", "session": session}
+    return json.dumps({**created, "resume_token": "engine-token"})
+
+
+@pytest.mark.parametrize("held", [True, False])
+async def test_a_session_the_drain_hands_over_takes_no_resume(
+    session_factory: Any, held: bool
+) -> None:
+    """Once the drain hands a session over (held, or live with a client that resumes
+    whose old connection has not closed yet) the engine replays it to the client on
+    another sidecar: a resume read here meanwhile is not attached, and the new
+    connection is told nothing (proxy/edge/resume.py answers 1012, the token unspent)."""
+    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
+    s = await session_factory(core_settings=settings)
+    s.core.client_resumes = True  # its URL had autostart=0
+    s.upstream.feed(_resumable_created())
+    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
+    if held:
+        s.transport.abort()  # a drop: held
+        await wait_until(lambda: s.relay.view.held, what="held for a resume")
+    # SIGTERM (Sidecar._hand_over); in the same loop turn a connection whose first
+    # message was read before the drain asks to resume (resume_held -> attach).
+    assert s.relay.hand_over() is HandOver.NOW
+    client, protocol = FakeClient(), FakeProtocol()
+    side = ClientSide(client, protocol, s.upstream, None, write_buffer_bytes=1 << 20)  # type: ignore[arg-type]
+    client.writer = side.writer
+    assert not s.relay.attach(side, 0)
+    await s.settle()
+    assert protocol.transport is None or not protocol.transport.frames()
