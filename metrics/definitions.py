@@ -401,6 +401,18 @@ class SidecarMetrics:
             "Events replayed to resumed clients: written before the drop, after their cursor.",
             registry=registry,
         )
+        self.resume_spent_checks = Counter(
+            f"{p}_resume_spent_checks",
+            "Resume token generations checked against (or recorded in) the fleet's Redis "
+            "(quota_redis_url).",
+            registry=registry,
+        )
+        self.resume_spent_check_fallbacks = Counter(
+            f"{p}_resume_spent_check_fallbacks",
+            "Of those, checks Redis did not answer in time (down, or every pooled connection "
+            "busy past quota_redis_timeout): checked against this process's record only.",
+            registry=registry,
+        )
         self.usage_sessions = Counter(
             f"{p}_usage_sessions",
             "Ended sessions, by API key name (docs/design.md, Usage).",

@@ -16,8 +16,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import time
 from collections import OrderedDict
 from typing import Any, Final
+
+from metrics import SidecarMetrics
 
 __all__ = ["SpentTokens"]
 
@@ -39,6 +43,8 @@ _PREFIX: Final = "omni_sidecar:resume:"
 #: Seconds a record lives: an engine token is good for as long as its session
 #: (a day is longer than any call the defaults allow).
 _TTL_SECONDS: Final = 24 * 3600
+#: Seconds between two log lines about checks Redis did not answer.
+_LOG_EVERY: Final = 10.0
 #: Sessions remembered in this process when there is no shared store.
 _MAX_LOCAL: Final = 65536
 
@@ -48,25 +54,41 @@ class SpentTokens:
 
     Args:
         redis_url: ``quota_redis_url`` (None: this process only).
-        timeout: seconds per Redis call (``quota_redis_timeout``).
+        timeout: seconds per Redis call, a wait for a pooled connection included
+            (``quota_redis_timeout``).
+        max_connections: ``quota_redis_max_connections``: past it a check waits for a
+            connection (within ``timeout``), never skips Redis at once.
+        metrics: counts the checks and those that fell back to this process.
     """
 
-    def __init__(self, redis_url: str | None = None, timeout: float = 0.25) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        timeout: float = 0.25,
+        max_connections: int = 16,
+        metrics: SidecarMetrics | None = None,
+    ) -> None:
         self._local: OrderedDict[str, int] = OrderedDict()
         self._timeout = timeout
+        self._metrics = metrics
         self._client: Any = None
         self._script: Any = None
+        #: Fallbacks not logged yet, and when the last line was logged (monotonic).
+        self._unlogged = 0
+        self._logged_at = -math.inf
         if redis_url:
             import redis.asyncio as aioredis
 
-            self._client = aioredis.Redis.from_url(
+            pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url,
-                max_connections=4,
+                max_connections=max_connections,
+                timeout=timeout,
                 socket_timeout=timeout,
                 socket_connect_timeout=timeout,
                 decode_responses=True,
                 client_name="omni-sidecar-resume",
             )
+            self._client = aioredis.Redis.from_pool(pool)  # closing it closes the pool
             self._script = self._client.register_script(_CHECK_AND_RECORD)
 
     async def spent(self, session_id: str, engine_token: str, generation: int) -> bool:
@@ -76,15 +98,31 @@ class SpentTokens:
         spent_here = self._local_check(key, generation)
         if self._script is None:
             return spent_here
+        if self._metrics is not None:
+            self._metrics.resume_spent_checks.inc()
         try:
             answer = await asyncio.wait_for(
                 self._script(keys=[_PREFIX + key], args=[generation, _TTL_SECONDS]),
                 self._timeout,
             )
         except Exception as exc:  # noqa: BLE001 - Redis down: this process remembers alone
-            log.warning("resume tokens: redis failed (%s); checked here only", type(exc).__name__)
+            self._fell_back(exc)
             return spent_here
         return spent_here or int(answer) == 1
+
+    def _fell_back(self, exc: Exception) -> None:
+        """Count a check Redis did not answer; one log line per ``_LOG_EVERY`` at most."""
+        if self._metrics is not None:
+            self._metrics.resume_spent_check_fallbacks.inc()
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY:
+            log.warning(
+                "resume tokens: redis failed (%s); %d checks made in this process only",
+                type(exc).__name__,
+                self._unlogged,
+            )
+            self._unlogged, self._logged_at = 0, now
 
     async def issued(self, session_id: str, engine_token: str, generation: int) -> None:
         """A client was given ``generation``: every older one is spent now."""

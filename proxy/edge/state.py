@@ -137,7 +137,10 @@ class ProxyState:
         secret = load_resume_secret(self.settings.resume_secret_file)
         self.resume_tokens = ResumeTokens(secret)
         self.resume_spent = SpentTokens(
-            self.settings.quota_redis_url, self.settings.quota_redis_timeout
+            self.settings.quota_redis_url,
+            self.settings.quota_redis_timeout,
+            self.settings.quota_redis_max_connections,
+            self.metrics,
         )
         self.session_settings = session_settings(self.settings, secret)
         keys, quotas = load_key_file(self.settings.api_keys, self.settings.api_keys_file)

@@ -105,6 +105,8 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "omni_sidecar_resume_waiting": ("gauge", {}),
     "omni_sidecar_session_slots_used": ("gauge", {}),
     "omni_sidecar_resume_replayed_events": ("counter", {}),
+    "omni_sidecar_resume_spent_checks": ("counter", {}),
+    "omni_sidecar_resume_spent_check_fallbacks": ("counter", {}),
     # docs/design.md, Usage: a fresh registry knows one key name, "unnamed";
     # the operator's key file adds its names (test_usage_key_label_is_the_files).
     "omni_sidecar_usage_sessions": ("counter", {"key": (d.UNNAMED_KEY,)}),
