@@ -28,8 +28,7 @@ from proxy.core.resume_token import ResumeForEngine, ResumeTokens
 from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import first_data
 from proxy.session.client_side import ClientSide
-from proxy.session.registry import SessionRegistry
-from proxy.session.relay import Relay
+from proxy.session.registry import LiveSession, SessionRegistry
 from proxy.session.upstream_link import UpstreamLink
 
 __all__ = [
@@ -178,7 +177,7 @@ async def resume_held(
 
 
 async def _not_resumed(
-    registry: SessionRegistry, metrics: SidecarMetrics, relay: Relay, client: Any, request: ResumeRequest
+    registry: SessionRegistry, metrics: SidecarMetrics, relay: LiveSession, client: Any, request: ResumeRequest
 ) -> None:
     """``Relay.attach`` said no (or was not asked): why decides what the client gets."""
     if registry.handing_over:

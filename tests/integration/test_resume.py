@@ -315,6 +315,47 @@ async def test_a_spent_token_is_refused_whatever_the_url_and_whatever_comes_firs
     assert resumes_after == resumes_before, "no resume reached the engine"
 
 
+@pytest.mark.parametrize("named", ["held_here", "unknown"])
+async def test_another_keys_resume_is_refused_before_the_engine_link_closes(
+    streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path, monkeypatch: Any, named: str
+) -> None:
+    """A key with no session here opens a slot and an engine link for its connection:
+    a resume of another key's session is refused at once, the link closed after, so
+    the answer takes as long whether the session it names is held here or not (a
+    close round trip to a slow engine would tell another key which ids are held).
+    The link's close waits until the test has the refusal: refused after it, the
+    refusal would never come."""
+    import proxy.edge.session_open as session_open  # pure Python (proxy/native.py)
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} name=alpha\n{KEY_B} name=beta\n")
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url, client_resume_grace=GRACE, api_keys_file=str(keys)
+    )
+    own = {"Authorization": f"Bearer {KEY_A}"}
+    async with _dropped_mid_response(proxy, headers=own) as (created, cursor, _):
+        refused = asyncio.Event()
+        closing = session_open._close_link
+
+        async def close_once_refused(upstream: Any, timeout: float) -> None:
+            await refused.wait()
+            await closing(upstream, timeout)
+
+        monkeypatch.setattr(session_open, "_close_link", close_once_refused)
+        request = _resume(created, cursor)
+        if named == "unknown":
+            request["session_id"] = "duplex-0000"
+        async with connect(_url(proxy), headers={"Authorization": f"Bearer {KEY_B}"}) as other:
+            await other.send(request)
+            try:
+                refusal = await other.recv(timeout=DEADLINE / 4)
+            finally:
+                refused.set()
+            await other.recv_until_closed()
+        assert refusal["error"]["code"] == "session_resume_expired"
+        assert proxy.sidecar.state.registry.detached() == 1, "the owner's session stays held"
+
+
 async def test_a_client_that_never_comes_back_frees_its_slots_when_the_grace_ends(
     streaming_sim: SimulatorChild, sidecar: Any, tmp_path: Path
 ) -> None:
