@@ -204,7 +204,10 @@ async def open_session(
     if resumable:
         # This key has a session a resume could take over: this may be it, so its
         # first message is read before any slot is taken (docs/design.md, Resume).
-        wait, evicted = state.admission.begin_wait(key_id, resumable)
+        # Without auth every client shares the key "": its waits go by address instead,
+        # so silent connections push out their own, not another client's resume.
+        by = key_id or f"address {client_address(request)}"
+        wait, evicted = state.admission.begin_wait(by, resumable)
         state.metrics.resume_waits.inc()
         state.metrics.resume_wait_evictions.inc(evicted is not None)
         try:

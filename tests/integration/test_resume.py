@@ -790,6 +790,40 @@ async def test_silent_connections_up_to_the_cap_cannot_stop_the_owners_resume(
             assert proxy.metric("omni_sidecar_resume_waiting") == cap - 1, "the rest wait on"
 
 
+async def test_without_auth_silent_connections_push_out_their_own_waits_not_the_owners(
+    streaming_sim: SimulatorChild, sidecar: Any
+) -> None:
+    """Without API keys every client shares one key: the first-message waits go by
+    client address, so a flood of silent connections from one address pushes out its
+    own oldest wait, never the owner's resume waiting from another."""
+    proxy = await sidecar(
+        upstream=streaming_sim.ws_url,
+        client_resume_grace=GRACE,
+        trusted_proxies=("127.0.0.1/32",),
+        max_resume_waits_per_key=2,
+        max_resume_waits=100,
+        handshake_timeout=DEADLINE * 3,
+    )
+    owner = {"X-Forwarded-For": "198.51.100.7"}
+    flood = {"X-Forwarded-For": "203.0.113.9"}
+    async with contextlib.AsyncExitStack() as stack:
+        created, cursor, _ = await stack.enter_async_context(
+            _dropped_mid_response(proxy, headers=owner)
+        )
+        back = await stack.enter_async_context(connect(_url(proxy), headers=owner))
+        await wait_until(lambda: proxy.metric("omni_sidecar_resume_waiting") == 1, what="waiting")
+        silent = [
+            await stack.enter_async_context(connect(_url(proxy), headers=flood)) for _ in range(3)
+        ]
+        await wait_until(
+            lambda: proxy.metric("omni_sidecar_resume_wait_evictions_total") == 1,
+            what="the flood's own oldest wait pushed out",
+        )
+        assert (await silent[0].recv())["error"]["code"] == "capacity"
+        await back.send(_resume(created, cursor))
+        assert (await back.recv())["type"] == "session.resumed"
+
+
 @pytest.mark.parametrize("answer", ["nobody_holds_it", "one_holds_it"])
 async def test_a_pool_asks_every_replica_at_once_for_a_resume_held_elsewhere(
     sidecar: Any, answer: str
