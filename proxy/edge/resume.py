@@ -22,8 +22,8 @@ import aiohttp
 
 from metrics import SidecarMetrics
 from proxy.core import notices
-from proxy.core.lifecycle import SessionState
 from proxy.core.events import ClientKind, EventKind, classify_client, classify_upstream, error_code
+from proxy.core.lifecycle import SessionState
 from proxy.core.resume_token import ResumeForEngine, ResumeTokens
 from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import first_data
@@ -83,13 +83,23 @@ def resume_unknown(answer: str | None) -> bool:
     return event.type not in _FOUND
 
 
-async def first_message(client: Any, timeout: float) -> aiohttp.WSMessage | None:
-    """The connection's first data message (None: none within ``timeout``)."""
+async def first_message(
+    client: Any, timeout: float, engine: UpstreamLink | None = None
+) -> aiohttp.WSMessage | None:
+    """The connection's first data message (None: none within ``timeout``, or ``engine``
+    spoke first: it opened a session at connect or ends, so it reads no resume)."""
+    reading = asyncio.ensure_future(first_data(client))
+    spoke = asyncio.ensure_future(engine.first_text(timeout) if engine else asyncio.sleep(timeout))
     try:
-        async with asyncio.timeout(timeout):
-            return await first_data(client)
-    except TimeoutError:
-        return None
+        done, _ = await asyncio.wait(
+            {reading, spoke}, timeout=timeout, return_when="FIRST_COMPLETED"
+        )
+    finally:
+        for task in (reading, spoke):
+            task.cancel()
+        await asyncio.gather(reading, spoke, return_exceptions=True)
+    msg: aiohttp.WSMessage | None = reading.result() if reading in done else None
+    return msg
 
 
 def parse_resume(msg: aiohttp.WSMessage | None) -> ResumeRequest | None:
@@ -177,7 +187,11 @@ async def resume_held(
 
 
 async def _not_resumed(
-    registry: SessionRegistry, metrics: SidecarMetrics, relay: LiveSession, client: Any, request: ResumeRequest
+    registry: SessionRegistry,
+    metrics: SidecarMetrics,
+    relay: LiveSession,
+    client: Any,
+    request: ResumeRequest,
 ) -> None:
     """``Relay.attach`` said no (or was not asked): why decides what the client gets."""
     if registry.handing_over:

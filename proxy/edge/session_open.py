@@ -28,7 +28,6 @@ from engine_launcher.admission import EngineAdmission
 from proxy import compat
 from proxy.core.capabilities import opens_at_connect, opens_with_first_message, session_is_duplex
 from proxy.core.events import classify_upstream, is_engine_full
-from proxy.core.resume_token import ResumeTokens
 from proxy.edge.access import log_session_end
 from proxy.edge.guard import client_address
 from proxy.edge.refusals import json_error as _json_error
@@ -36,10 +35,16 @@ from proxy.edge.refusals import log_refused as _log_refused
 from proxy.edge.refusals import quota_refused as _quota_refused
 from proxy.edge.refusals import refuse_in_band
 from proxy.edge.refusals import retry_after as _retry_after
-from proxy.edge.resume import ResumeRequest, current, first_message, parse_resume, refuse_resume
-from proxy.edge.resume import resume_held, verified
+from proxy.edge.resume import (
+    ResumeRequest,
+    current,
+    first_message,
+    parse_resume,
+    refuse_resume,
+    resume_held,
+    verified,
+)
 from proxy.edge.resume_pass import Asked, ask_replicas
-from proxy.edge.resume_spent import SpentTokens
 from proxy.edge.session_slots import FirstMessageWait
 from proxy.edge.state import ProxyState, UpstreamTarget, client_query, engine_query
 from proxy.edge.state import openai_translator
@@ -204,9 +209,7 @@ async def open_session(
     if resumable:
         # This key has a session a resume could take over: this may be it, so its
         # first message is read before any slot is taken (docs/design.md, Resume).
-        # Without auth every client shares the key "": its waits go by address instead,
-        # so silent connections push out their own, not another client's resume.
-        by = key_id or f"address {client_address(request)}"
+        by = key_id or f"address {client_address(request)}"  # without auth: by address
         wait, evicted = state.admission.begin_wait(by, resumable)
         state.metrics.resume_waits.inc()
         state.metrics.resume_wait_evictions.inc(evicted is not None)
@@ -223,17 +226,18 @@ async def open_session(
             opening: aiohttp.WSMessage | None = None
             passed = False
             if first_message_opens:
-                opening = await first_message(client, settings.handshake_timeout)
+                opening = await first_message(client, settings.handshake_timeout, upstream)
                 resume = parse_resume(opening)
-                held = resume is not None and state.registry.holds(resume.session_id)
-                if resume is not None and held and current(state.registry, resume, key_id):
+                here = resume is not None and state.registry.holds(resume.session_id)
+                if resume is not None and here and current(state.registry, resume, key_id):
                     # This key's, held here: it takes that session's resources back, so
                     # this connection's go back first (never a second slot).
                     await _close_link(upstream, settings.close_timeout)
                     raise _HeldHere(client, protocol, resume)
                 if resume is not None:
                     # Refused before the link closes: as long whether held here or not.
-                    engine_text = None if held else await verified(resume, key_id, _tokens(state))
+                    checks = state.resume_checks
+                    engine_text = None if here else await verified(resume, key_id, checks)
                     if engine_text is None:
                         await refuse_resume(state.metrics, client, resume)
                         await _close_link(upstream, settings.close_timeout)
@@ -250,7 +254,7 @@ async def open_session(
         return refused.response
     except _HeldHere as held:
         client, side_for = held.client, _side_factory(request, state, held.client, held.protocol)
-        registry, metrics, tokens = state.registry, state.metrics, _tokens(state)
+        registry, metrics, tokens = state.registry, state.metrics, state.resume_checks
         if not await resume_held(registry, metrics, client, side_for, held.resume, key_id, tokens):
             await refuse_resume(metrics, client, held.resume)  # it ended meanwhile
         return client
@@ -282,10 +286,10 @@ async def _open_resume_first(
     resume = parse_resume(opening)
     side_for = _side_factory(request, state, client, protocol)
     if resume is not None and await resume_held(
-        state.registry, state.metrics, client, side_for, resume, key_id, _tokens(state)
+        state.registry, state.metrics, client, side_for, resume, key_id, state.resume_checks
     ):
         return client
-    engine_text = None if resume is None else await verified(resume, key_id, _tokens(state))
+    engine_text = None if resume is None else await verified(resume, key_id, state.resume_checks)
     if resume is not None and engine_text is None:
         # Not held here, and its token is not this key's: nothing is admitted for it.
         await refuse_resume(state.metrics, client, resume)
@@ -528,10 +532,6 @@ async def _run_relay(
         log_session_end(relay, observer, state.usage)
         if isinstance(side.translator, OpenAISide):
             side.translator.writer = None  # the one back-reference
-
-
-def _tokens(state: ProxyState) -> tuple[ResumeTokens, SpentTokens]:
-    return state.resume_tokens, state.resume_spent
 
 
 def replica_target(state: ProxyState, engine: int) -> UpstreamTarget | None:

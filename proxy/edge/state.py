@@ -191,6 +191,11 @@ class ProxyState:
         return None
 
     @property
+    def resume_checks(self) -> tuple[ResumeTokens, SpentTokens]:
+        """What a resume's token is checked with: its binding, and whether it is spent."""
+        return self.resume_tokens, self.resume_spent
+
+    @property
     def engine_ready(self) -> bool:
         """Sessions may start as far as the engines go (and the sidecar is not shutting down)."""
         return self.refusal() is None

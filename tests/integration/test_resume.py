@@ -325,7 +325,7 @@ async def test_another_keys_resume_is_refused_before_the_engine_link_closes(
     close round trip to a slow engine would tell another key which ids are held).
     The link's close waits until the test has the refusal: refused after it, the
     refusal would never come."""
-    import proxy.edge.session_open as session_open  # pure Python (proxy/native.py)
+    from proxy.edge import session_open  # pure Python (proxy/native.py)
 
     keys = tmp_path / "keys"
     keys.write_text(f"{KEY_A} name=alpha\n{KEY_B} name=beta\n")

@@ -149,5 +149,3 @@ def test_the_engines_token_reaches_the_client_only_inside_the_bound_one(text: st
     assert "engine-tok" not in swapped.text and "engine\\u" not in swapped.text
     assert "\\u0065" not in swapped.text and "\\u002d" not in swapped.text
     assert swapped.body is not None and swapped.body["resume_token"] == "bound"
-
-

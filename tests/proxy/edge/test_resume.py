@@ -64,7 +64,9 @@ class Registry:
         return self.relay
 
 
-async def _resume(registry: Registry) -> tuple[Connection, SidecarMetrics, CollectorRegistry, SpentTokens]:
+async def _resume(
+    registry: Registry,
+) -> tuple[Connection, SidecarMetrics, CollectorRegistry, SpentTokens]:
     metrics_registry = CollectorRegistry()
     metrics = SidecarMetrics(metrics_registry, process_metrics=False)
     connection, spent = Connection(), SpentTokens()
@@ -90,7 +92,9 @@ def _result(registry: CollectorRegistry, result: str) -> float:
     return value or 0.0
 
 
-async def test_a_resume_while_the_drain_hands_the_session_over_gets_1012_and_spends_nothing() -> None:
+async def test_a_resume_while_the_drain_hands_the_session_over_gets_1012_and_spends_nothing() -> (
+    None
+):
     held = Held(SessionState.OPEN, attaches=True)
     connection, _, metrics, spent = await _resume(Registry(held, handing_over=True))
     assert held.attached == 0, "never attached to a session that moves"
