@@ -46,8 +46,7 @@ from proxy.edge.resume import (
 )
 from proxy.edge.resume_pass import Asked, ask_replicas
 from proxy.edge.session_slots import FirstMessageWait
-from proxy.edge.state import ProxyState, UpstreamTarget, client_query, engine_query
-from proxy.edge.state import openai_translator
+from proxy.edge.state import ProxyState, UpstreamTarget, client_query, openai_translator
 from proxy.edge.state import upstream_headers as _upstream_headers
 from proxy.edge.state import upstream_url as _upstream_url
 from proxy.session.client_side import ClientSide
@@ -202,9 +201,10 @@ async def open_session(
     """Open and run one session; returns once it is over (or was refused)."""
     settings = state.settings
     resume_on = state.session_settings.client_resume_grace > 0
-    # Whenever the engine reads the first message as an open or a resume, it is read
-    # here first: a resume is checked (held here, spent) before any engine hears of it.
-    first_message_opens = not opens_at_connect(engine_query(state, request))
+    # The client says it opens with its first message (its query's last values, as the
+    # engine reads them): read here, so a resume is checked (held here, spent) before
+    # any engine hears of it. On any other URL the session core refuses a resume.
+    first_message_opens = opens_with_first_message(client_query(request))
     resumable = state.registry.resumable_of(key_id) if first_message_opens and resume_on else 0
     if resumable:
         # This key has a session a resume could take over: this may be it, so its

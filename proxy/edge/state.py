@@ -55,7 +55,6 @@ __all__ = [
     "ProxyState",
     "UpstreamTarget",
     "client_query",
-    "engine_query",
     "max_per_engine",
     "openai_translator",
     "session_settings",
@@ -316,7 +315,11 @@ def session_settings(settings: Settings, resume_secret: bytes = b"") -> SessionS
 def upstream_url(state: ProxyState, target: UpstreamTarget, request: web.Request) -> str:
     """The engine URL for a client's request: its path, and its query when forwarded."""
     url = target.ws_base + request.path
-    query = _engine_pairs(state, request)
+    query = list(parse_qsl(request.query_string, keep_blank_values=True))
+    if not state.settings.forward_query:
+        query = []
+    if state.settings.upstream_autostart_off and not any(k == "autostart" for k, _ in query):
+        query.append(("autostart", "0"))
     if query:
         url += "?" + urlencode(query)
     return url
@@ -326,21 +329,6 @@ def client_query(request: web.Request) -> dict[str, str]:
     """The client's query as the engine reads it: a repeated name's last value wins
     (aiohttp's ``request.query`` gives the first, which the engine never reads)."""
     return dict(parse_qsl(request.query_string, keep_blank_values=True))
-
-
-def engine_query(state: ProxyState, request: web.Request) -> dict[str, str]:
-    """The query the engine gets (``upstream_url``), as it reads it: each name's last value.
-    Whether the engine reads the first message as an open or a resume is decided on this."""
-    return dict(_engine_pairs(state, request))
-
-
-def _engine_pairs(state: ProxyState, request: web.Request) -> list[tuple[str, str]]:
-    query = list(parse_qsl(request.query_string, keep_blank_values=True))
-    if not state.settings.forward_query:
-        query = []
-    if state.settings.upstream_autostart_off and not any(k == "autostart" for k, _ in query):
-        query.append(("autostart", "0"))
-    return query
 
 
 def upstream_headers(state: ProxyState, request: web.Request) -> dict[str, str]:
