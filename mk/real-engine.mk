@@ -6,7 +6,8 @@
 #   make clean-real-engine [VLLM_OMNI=...]     remove that version's venv
 #
 # Each version gets its own venv, .venv-real-$(VLLM_OMNI) (vllm + vllm-omni +
-# CUDA torch, ~9 GB each, built once), then runs
+# CUDA torch, ~9 GB each, built once; the project with its test and stacks extras:
+# the voice stacks run against the real serving layer too), then runs
 # `pytest -m real_engine tests/real_engine` in it. The tests read the installed
 # vllm_omni.__version__ and assert what holds on that version.
 #
@@ -45,7 +46,7 @@ $(REAL_ENGINE_VENV)/.installed: pyproject.toml mk/real-engine.mk
 	$(PYTHON) -m venv $(REAL_ENGINE_VENV)
 	$(REAL_ENGINE_VENV)/bin/python -m pip install --upgrade pip
 	$(REAL_ENGINE_VENV)/bin/python -m pip install $(REAL_ENGINE_PIP_ARGS) $(REAL_ENGINE_PACKAGES)
-	$(REAL_ENGINE_VENV)/bin/python -m pip install $(REAL_ENGINE_PIP_ARGS) -e '.[test]'
+	$(REAL_ENGINE_VENV)/bin/python -m pip install $(REAL_ENGINE_PIP_ARGS) -e '.[test,stacks]'
 	$(REAL_ENGINE_VENV)/bin/python -c "import vllm_omni, vllm_omni.entrypoints.duplex.serving; assert vllm_omni.__version__ == '$(VLLM_OMNI)', vllm_omni.__version__"
 	touch $@
 

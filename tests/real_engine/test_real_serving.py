@@ -217,8 +217,11 @@ async def test_duplex_client_straight_to_real_serving(real_server: RealServer) -
 
 
 async def test_openai_ga_client_through_the_sidecar(real_server: RealServer, sidecar: Any) -> None:
+    """With ``client_dialect = "engine"``, as tests/integration/test_openai_sdk.py: the
+    SDK reads the engine's own events (``session.close`` answered by ``session.closed``);
+    the voice stacks through the OpenAI dialect: test_real_stacks.py."""
     openai = pytest.importorskip("openai")
-    proxy = await sidecar(upstream=real_server.ws_url)
+    proxy = await sidecar(upstream=real_server.ws_url, client_dialect="engine")
     client = openai.AsyncOpenAI(base_url=f"{proxy.http_url}/v1", api_key="sk-test", max_retries=0)
     events: list[Any] = []
 
