@@ -176,7 +176,8 @@ class Call:
         except Exception as exc:
             if "\nlibrary errors: " in str(exc):
                 raise
-            raise AssertionError(f"{type(exc).__name__}: {exc}{self.diagnosis()}") from exc
+            what = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+            raise AssertionError(f"{what}{self.diagnosis()}") from exc
 
     def assert_clean(self) -> None:
         """No library error, nothing surfaced, no error event on the wire."""
