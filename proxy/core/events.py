@@ -1,9 +1,9 @@
 """Event classification for both directions of a realtime session.
 
 The relay forwards the original frame text and parses only what a decision
-needs (house rule 3). Audio frames are classified without parsing their
+needs (house rule 3). Engine audio deltas are classified without parsing their
 base64 payload (it is cut out and the small rest is parsed, ``_splice_payload``);
-everything else is parsed with orjson. Anything unusual falls back to a full
+everything else, every client frame included, is parsed with orjson. Anything unusual falls back to a full
 parse, so a hostile frame can make classification slower, never wrong. Sans-I/O.
 """
 
