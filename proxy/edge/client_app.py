@@ -18,8 +18,8 @@ from aiohttp import web
 
 from proxy import compat
 from proxy.edge.guard import client_address
-from proxy.edge.handshake import validate_upgrade, wants_websocket
-from proxy.edge.refusals import check_auth, json_error, log_refused, retry_after
+from proxy.edge.handshake import wants_websocket
+from proxy.edge.refusals import check_auth, check_upgrade, json_error, log_refused, retry_after
 from proxy.edge.reverse_proxy import ProxyRequest, reverse_proxy
 from proxy.edge.session_open import open_session
 from proxy.edge.state import STATE, WS_PATHS, ProxyState, upstream_headers
@@ -86,14 +86,9 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     metrics = state.metrics
     address = client_address(request)
-    version = (request.version.major, request.version.minor)
-    invalid = validate_upgrade(request.method, version, request.headers)
+    invalid = check_upgrade(request, state)
     if invalid is not None:
-        metrics.rejected_connections.labels("bad_handshake").inc()
-        log_refused(address, invalid.status, invalid.reason)
-        response = json_error(invalid.status, invalid.reason, invalid.message, **invalid.headers)
-        response.force_close()
-        return response
+        return invalid
     auth = check_auth(request, state)
     if isinstance(auth, web.Response):
         return auth

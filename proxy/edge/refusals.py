@@ -19,10 +19,12 @@ from proxy.core import notices
 from proxy.core.quota_rules import QuotaRefusal
 from proxy.edge.auth import AuthResult, offered_subprotocols
 from proxy.edge.guard import client_address
+from proxy.edge.handshake import validate_upgrade
 from proxy.edge.state import ProxyState
 
 __all__ = [
     "check_auth",
+    "check_upgrade",
     "json_error",
     "log_refused",
     "quota_refused",
@@ -69,6 +71,20 @@ def quota_refused(refused: QuotaRefusal) -> web.Response:
 def log_refused(address: str, status: int, reason: str) -> None:
     """One line per refused handshake: who, what status, why (never a key)."""
     log.warning("refused handshake from %s: %d %s", address or "?", status, reason)
+
+
+def check_upgrade(request: web.Request, state: ProxyState) -> web.Response | None:
+    """The answer to a WebSocket upgrade request that is not a valid one (RFC 6455
+    §4.2.1), counted and logged; None when it is valid. The connection is closed after."""
+    version = (request.version.major, request.version.minor)
+    invalid = validate_upgrade(request.method, version, request.headers)
+    if invalid is None:
+        return None
+    state.metrics.rejected_connections.labels("bad_handshake").inc()
+    log_refused(client_address(request), invalid.status, invalid.reason)
+    response = json_error(invalid.status, invalid.reason, invalid.message, **invalid.headers)
+    response.force_close()
+    return response
 
 
 def check_auth(request: web.Request, state: ProxyState) -> web.Response | AuthResult:

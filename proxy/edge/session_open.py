@@ -62,6 +62,7 @@ __all__ = [
     "Placement",
     "Refused",
     "admitted",
+    "open_link",
     "open_session",
     "replica_target",
     "tune_client_socket",
@@ -341,13 +342,19 @@ async def _connect_to(
     request: web.Request, state: ProxyState, target: UpstreamTarget, tracer: SessionTracer | None
 ) -> tuple[UpstreamLink, str]:
     """A link to ``target`` for this request, and its URL."""
-    settings, metrics = state.settings, state.metrics
     url = _upstream_url(state, target, request)
-    metrics.upstream_connects.inc()
-    started = time.monotonic()
     headers = _upstream_headers(state, request)
     if tracer is not None:
         tracer.upstream_headers(headers)
+    return await open_link(state, url, headers), url
+
+
+async def open_link(state: ProxyState, url: str, headers: dict[str, str]) -> UpstreamLink:
+    """The engine WebSocket at ``url``, within the connect and handshake timeouts,
+    counted and timed; raises ``UpstreamConnectError`` or ``TimeoutError`` (logged)."""
+    settings, metrics = state.settings, state.metrics
+    metrics.upstream_connects.inc()
+    started = time.monotonic()
     try:
         async with asyncio.timeout(
             min(settings.upstream_connect_timeout, settings.handshake_timeout)
@@ -366,7 +373,7 @@ async def _connect_to(
         log.warning("upstream connect to %s failed: %s", url, exc or type(exc).__name__)
         raise
     metrics.upstream_connect.observe(time.monotonic() - started)
-    return upstream, url
+    return upstream
 
 
 async def _check_engine_full(

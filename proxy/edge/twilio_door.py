@@ -38,13 +38,13 @@ from proxy.core.usage import UNNAMED_KEY
 from proxy.core.voice_activity import VoiceModelError
 from proxy.edge.access import log_session_end
 from proxy.edge.guard import client_address
-from proxy.edge.handshake import validate_upgrade, wants_websocket
-from proxy.edge.refusals import json_error, log_refused
+from proxy.edge.handshake import wants_websocket
+from proxy.edge.refusals import check_upgrade, json_error, log_refused
 from proxy.edge.session_open import (
-    MAX_UPSTREAM_MESSAGE_BYTES,
     Placement,
     Refused,
     admitted,
+    open_link,
     replica_target,
     tune_client_socket,
 )
@@ -53,7 +53,7 @@ from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
 from proxy.session.relay import Relay
 from proxy.session.twilio_side import TwilioTranslator
-from proxy.session.upstream_link import UpstreamConnectError, UpstreamLink, connect_upstream
+from proxy.session.upstream_link import UpstreamConnectError, UpstreamLink
 from proxy.session.voice_model import load_voice_model
 from proxy.session.writer import AiohttpWriterAdapter
 
@@ -92,14 +92,9 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
     address = client_address(request)
     if not wants_websocket(request.headers):
         return json_error(400, "websocket_required", "this route is a Twilio Media Stream")
-    version = (request.version.major, request.version.minor)
-    invalid = validate_upgrade(request.method, version, request.headers)
+    invalid = check_upgrade(request, state)
     if invalid is not None:
-        metrics.rejected_connections.labels("bad_handshake").inc()
-        log_refused(address, invalid.status, invalid.reason)
-        response = json_error(invalid.status, invalid.reason, invalid.message, **invalid.headers)
-        response.force_close()
-        return response
+        return invalid
     token = state.settings.twilio_auth_token
     if token and not signature_valid(
         _signed_url(request, state), request.headers.get("X-Twilio-Signature", ""), token
@@ -210,7 +205,7 @@ def _options(state: ProxyState, start: CallStart) -> CallOptions:
 
 async def _connect(request: web.Request, state: ProxyState, placement: Placement) -> UpstreamLink:
     """The call's engine link (its replica's); raises ``Refused``."""
-    settings, metrics, engine = state.settings, state.metrics, placement.engine
+    metrics, engine = state.metrics, placement.engine
     target = (
         state.target() if engine is None or state.router is None else replica_target(state, engine)
     )
@@ -218,24 +213,10 @@ async def _connect(request: web.Request, state: ProxyState, placement: Placement
         metrics.sessions_rejected.labels("not_ready").inc()
         raise Refused(json_error(503, "not_ready", "engine is not ready"), "not_ready", "")
     placement.url = target.ws_base + _ENGINE_PATH
-    metrics.upstream_connects.inc()
     try:
-        async with asyncio.timeout(
-            min(settings.upstream_connect_timeout, settings.handshake_timeout)
-        ):
-            return await connect_upstream(
-                settings.upstream_client,
-                placement.url,
-                headers=upstream_headers(state, request),
-                max_message_bytes=MAX_UPSTREAM_MESSAGE_BYTES,
-                write_limit=settings.max_pending_input_bytes,
-                close_timeout=settings.close_timeout,
-                session=state.client_session() if settings.upstream_client == "aiohttp" else None,
-            )
+        return await open_link(state, placement.url, upstream_headers(state, request))
     except (UpstreamConnectError, TimeoutError) as exc:
-        metrics.upstream_connect_failures.inc()
         metrics.sessions_rejected.labels("upstream_unavailable").inc()
-        log.warning("upstream connect to %s failed: %s", placement.url, exc or type(exc).__name__)
         message = f"cannot reach the engine: {exc}"
         raise Refused(
             json_error(502, "upstream_unavailable", message), "upstream_unavailable", message
