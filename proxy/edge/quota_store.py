@@ -30,7 +30,7 @@ from proxy.core.quota_rules import (
     refusal_for,
 )
 
-__all__ = ["QuotaGate"]
+__all__ = ["QuotaGate", "redis_client"]
 
 log = logging.getLogger("omni_sidecar.quota")
 
@@ -165,6 +165,32 @@ class _Backend:
     errors: int = field(default=0)
 
 
+def redis_client(url: str, max_connections: int, timeout: float, name: str) -> Any:
+    """A Redis client for ``quota_redis_url`` (the redis extra, imported only here).
+
+    Bounded: a call that finds all ``max_connections`` busy waits for one within
+    ``timeout``, which also bounds each call; one reconnect for a pooled connection
+    a restarted Redis closed. Closing the client closes its pool.
+    """
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[RedisConnectionError],
+        decode_responses=True,
+        client_name=name,
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
 class QuotaGate:
     """Admits sessions against their key's quota and ends those out of audio.
 
@@ -204,28 +230,7 @@ class QuotaGate:
         self._unshared: dict[str, tuple[int, float]] = {}
         self._backend: _Backend | None = None
         if redis_url:
-            # Only with quota_redis_url (the redis extra).
-            import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-            from redis.exceptions import ConnectionError as RedisConnectionError
-
-            # Bounded: a call that finds every connection busy waits for one (within
-            # quota_redis_timeout, which bounds the whole call anyway).
-            pool = aioredis.BlockingConnectionPool.from_url(
-                redis_url,
-                max_connections=max_connections,
-                timeout=timeout,
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                # One reconnect for a pooled connection a restarted Redis closed;
-                # quota_redis_timeout still bounds the whole call.
-                retry=Retry(NoBackoff(), 1),
-                retry_on_error=[RedisConnectionError],
-                decode_responses=True,
-                client_name="omni-sidecar",
-            )
-            client = aioredis.Redis.from_pool(pool)
+            client = redis_client(redis_url, max_connections, timeout, "omni-sidecar")
             self._backend = _Backend(
                 client,
                 client.register_script(_ADMIT),

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from typing import Any, Final
 
 from metrics import SidecarMetrics
+from proxy.edge.quota_store import redis_client
 
 __all__ = ["SpentTokens"]
 
@@ -77,18 +78,9 @@ class SpentTokens:
         self._unlogged = 0
         self._logged_at = -math.inf
         if redis_url:
-            import redis.asyncio as aioredis
-
-            pool = aioredis.BlockingConnectionPool.from_url(
-                redis_url,
-                max_connections=max_connections,
-                timeout=timeout,
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                decode_responses=True,
-                client_name="omni-sidecar-resume",
-            )
-            self._client = aioredis.Redis.from_pool(pool)  # closing it closes the pool
+            # Blocking: past max_connections a check waits for a connection (within
+            # ``timeout``) instead of failing at once and deciding in this process alone.
+            self._client = redis_client(redis_url, max_connections, timeout, "omni-sidecar-resume")
             self._script = self._client.register_script(_CHECK_AND_RECORD)
 
     async def spent(self, session_id: str, engine_token: str, generation: int) -> bool:
