@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from proxy.core.audio_formats import MINICPMO_INPUT, MINICPMO_OUTPUT, AudioFormat
@@ -232,29 +232,11 @@ _V0_30: Final = EngineDialect(
 ENGINE_DIALECTS: Final[Mapping[EngineVersion, EngineDialect]] = {
     EngineVersion.UNKNOWN: _V0_30,
     EngineVersion.V0_30: _V0_30,
-    EngineVersion.V0_31: EngineDialect(
-        version=EngineVersion.V0_31,
-        turn_detection=_V0_30.turn_detection,
-        turn_detection_fields=_VAD_FIELDS,
-        engine_turns=False,
-        truncates=False,
-        input_format=MINICPMO_INPUT,
-        output_format=MINICPMO_OUTPUT,
-        hidden_errors=_HIDDEN,
-        status_reasons=_REASONS,
-        error_codes=_ERROR_CODES,
-    ),
-    EngineVersion.V0_32: EngineDialect(
+    EngineVersion.V0_31: replace(_V0_30, version=EngineVersion.V0_31),
+    EngineVersion.V0_32: replace(
+        _V0_30,
         version=EngineVersion.V0_32,
-        turn_detection={"server_vad": "server_vad", "semantic_vad": "server_vad"},
-        turn_detection_fields=_VAD_FIELDS,
-        engine_turns=False,
-        truncates=False,
-        input_format=MINICPMO_INPUT,
-        output_format=MINICPMO_OUTPUT,
         hidden_errors=_HIDDEN | {"semantic_vad_unavailable"},
-        status_reasons=_REASONS,
-        error_codes=_ERROR_CODES,
     ),
 }
 
