@@ -760,21 +760,23 @@ async def test_a_full_engine_link_pauses_reading_the_client_until_it_drains() ->
 # -- a lost connection: the reader says whether the client dropped ----------------------------
 
 
+async def _resumable_session(session_factory: Any) -> Any:
+    """A session held on a drop (grace 30 s) whose ``session.created`` was delivered."""
+    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
+    s = await session_factory(core_settings=settings)
+    session = {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}}
+    created = {"type": "session.created", "event_id": "event_sc", "session": session}
+    s.upstream.feed(json.dumps({**created, "resume_token": "engine-token"}))
+    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
+    return s
+
+
 async def test_a_drop_the_writer_sees_before_the_reader_is_still_held_for_a_resume(
     session_factory: Any,
 ) -> None:
     """Under load the writer may find the transport lost before the reader reads its
     end: the session waits for the reader's word and is held, not ended."""
-    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
-    s = await session_factory(core_settings=settings)
-    created = {
-        "type": "session.created",
-        "event_id": "event_sc",
-        "session": {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}},
-        "resume_token": "engine-token",
-    }
-    s.upstream.feed(json.dumps(created))
-    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
+    s = await _resumable_session(session_factory)
     s.transport.on_lost.remove(s.client.lose)  # the reader hears of it later
     s.transport.abort()
     s.upstream.feed(response_created("r1"))  # the writer finds the connection gone
@@ -791,17 +793,8 @@ async def test_a_held_session_ends_when_its_grace_runs_out_without_playback_acks
 ) -> None:
     """With playback acks off the grace is the only deadline: the relay arms it
     while held, and the session ends as a normal close when it runs out."""
-    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
-    s = await session_factory(core_settings=settings)
+    s = await _resumable_session(session_factory)
     assert not s.core.playback.acking
-    created = {
-        "type": "session.created",
-        "event_id": "event_sc",
-        "session": {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}},
-        "resume_token": "engine-token",
-    }
-    s.upstream.feed(json.dumps(created))
-    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
     s.transport.abort()  # a drop: no close frame
     await wait_until(lambda: s.relay.view.held, what="held for a resume")
     s.scheduler.advance(29.999)
@@ -845,12 +838,6 @@ async def test_a_lost_connection_whose_reader_was_cut_off_ends_without_waiting(
     assert s.observer.ended
 
 
-def _resumable_created() -> str:
-    session = {"id": "duplex-abc", "capabilities": {"supports_session_resume": True}}
-    created = {"type": "session.created", "event_id": "e", "session": session}
-    return json.dumps({**created, "resume_token": "engine-token"})
-
-
 @pytest.mark.parametrize("held", [True, False])
 async def test_a_session_the_drain_hands_over_takes_no_resume(
     session_factory: Any, held: bool
@@ -859,11 +846,8 @@ async def test_a_session_the_drain_hands_over_takes_no_resume(
     whose old connection has not closed yet) the engine replays it to the client on
     another sidecar: a resume read here meanwhile is not attached, and the new
     connection is told nothing (proxy/edge/resume.py answers 1012, the token unspent)."""
-    settings = dataclasses.replace(make_settings(), client_resume_grace=30.0)
-    s = await session_factory(core_settings=settings)
+    s = await _resumable_session(session_factory)
     s.core.client_resumes = True  # its URL had autostart=0
-    s.upstream.feed(_resumable_created())
-    await wait_until(lambda: "session.created" in s.types(), what="session.created delivered")
     if held:
         s.transport.abort()  # a drop: held
         await wait_until(lambda: s.relay.view.held, what="held for a resume")
