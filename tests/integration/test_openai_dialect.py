@@ -63,7 +63,10 @@ def minicpmo_sim() -> Iterator[SimulatorChild]:
 @pytest.fixture(scope="module")
 def nemotron_sim() -> Iterator[SimulatorChild]:
     args = ("--model", MODEL, "--engine-version", "0.30", "--audio-profile", "nemotron")
-    with module_simulator(*args, "--late-audio-chunks", "3", *PACE) as sim:
+    # 200 ms packets (the profile's own are 80 ms), as for minicpmo: a stack's
+    # interruption must not race a packet the sidecar wrote before the cancel reached
+    # it (on a loaded machine the cancel's round trip can take longer than 80 ms).
+    with module_simulator(*args, "--chunk-ms", "200", "--late-audio-chunks", "3", *PACE) as sim:
         yield sim
 
 
