@@ -119,22 +119,22 @@ DEFECTS = [
     Defect(
         "timers: engine loss gets close_timeout instead of drain_timeout",
         "proxy/session/timers.py",
-        "        budget = self._drain_timeout if engine_lost else self._close_timeout",
+        "        budget = self._drain_timeout if code == CLOSE_ABNORMAL_ENGINE else self._close_timeout",
         "        budget = self._close_timeout",
         "tests/proxy/session/test_timers.py",
     ),
     Defect(
         "relay: engine loss is not told to the close deadline",
         "proxy/session/relay.py",
-        "engine_lost=core.outcome is Outcome.ENGINE_UNAVAILABLE",
-        "engine_lost=False",
+        "                self.timers.arm_close_deadline(close[0])",
+        "                self.timers.arm_close_deadline()",
         "tests/proxy/session/test_relay.py",
     ),
     Defect(
         "relay: pings count as client activity for the idle timeout",
         "proxy/session/relay.py",
-        "        self.timers.last_client_frame = now\n        writer = self.side.writer\n",
-        "        self.timers.last_client_frame = now\n        self.timers.last_client_event = now\n"
+        "        self.timers.last_client_frame = self._clock()\n        writer = self.side.writer\n",
+        "        self.timers.last_client_frame = self.timers.last_client_event = self._clock()\n"
         "        writer = self.side.writer\n",
         "tests/proxy/session/test_relay.py",
     ),

@@ -831,3 +831,106 @@ def test_every_shell_defect_still_applies() -> None:
         if (count := (ROOT / defect.path).read_text(encoding="utf-8").count(defect.old)) != 1
     ]
     assert not stale, f"defects that no longer edit one line: {stale}"
+
+
+# -- the relay uses the core through a narrow surface (docs/design.md, Session core) ----------
+
+#: The most names of the core the relay may touch: the core's members it calls or
+#: reads, and the members of what those calls return (the drain, a client decision).
+MAX_RELAY_CORE_NAMES = 15
+
+
+def core_names_used(path: Path) -> set[str]:
+    """Attribute names read or called on ``self.core`` and on whatever a function of
+    the module derives from it (``core = self.core``, ``out = core.drain(...)``,
+    ``a, b = core.attach(...)``), function by function."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    used: set[str] = set()
+
+    def from_core(node: ast.expr, derived: set[str]) -> bool:
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                return node.attr == "core"
+            return from_core(node.value, derived)
+        if isinstance(node, ast.Call):
+            return from_core(node.func, derived)
+        return isinstance(node, ast.Name) and node.id in derived
+
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        derived: set[str] = set()
+        for node in ast.walk(function):  # assignments first: a name is derived for the whole body
+            if (
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and node.value is not None
+                and from_core(node.value, derived)
+            ):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:  # a name or a tuple of names, not self.x
+                    names = target.elts if isinstance(target, ast.Tuple) else [target]
+                    derived.update(n.id for n in names if isinstance(n, ast.Name))
+        for node in ast.walk(function):
+            if isinstance(node, ast.Attribute) and from_core(node.value, derived):
+                used.add(node.attr)
+    return used
+
+
+def test_the_relay_touches_few_names_of_the_core() -> None:
+    used = core_names_used(ROOT / "proxy/session/relay.py")
+    assert len(used) <= MAX_RELAY_CORE_NAMES, (
+        f"the relay touches {len(used)} names of the core (at most {MAX_RELAY_CORE_NAMES}): "
+        f"{sorted(used)}; fold a new fact into SessionCore.receive or the drain"
+    )
+
+
+def test_the_core_name_rule_sees_a_name_reached_through_a_local(tmp_path: Path) -> None:
+    # The rule itself, broken on purpose: a state read through a local, a drain field
+    # through the drain, and a method on self.core, each counted once.
+    target = tmp_path / "relay.py"
+    target.write_text(
+        "class Relay:\n"
+        "    def f(self):\n"
+        "        core = self.core\n"
+        "        out = core.drain(0.0, 1)\n"
+        "        ok, notice = core.attach(1, 0.0)\n"
+        "        self.core.receive(1, 0.0)\n"
+        "        return core.held, out.to_client, out.to_client, self.side.writer, notice\n",
+        encoding="utf-8",
+    )
+    assert core_names_used(target) == {"drain", "attach", "receive", "held", "to_client"}
+
+
+#: What the shell may call on a session core: frames, the one lifecycle input, a
+#: resume, the sidecar's own requests, the one output. Everything else public is
+#: the read-only ``SessionView`` (or a state read the relay acts on).
+CORE_INPUTS = frozenset(
+    {
+        "receive_client",
+        "receive_client_binary",
+        "receive_upstream",
+        "receive",
+        "attach",
+        "request_hand_over",
+        "trim_journal",
+        "drain",
+    }
+)
+
+
+def test_lifecycle_facts_enter_the_core_through_one_input() -> None:
+    from proxy.core.session_core import SessionCore
+    from proxy.core.view import SessionView
+
+    view = {name for name in dir(SessionView) if not name.startswith("_")}
+    methods = {
+        name
+        for name in dir(SessionCore)
+        if not name.startswith("_")
+        and callable(getattr(SessionCore, name))
+        and not isinstance(getattr(SessionCore, name), type)
+    }
+    assert methods - view == CORE_INPUTS, (
+        "a public method of SessionCore that is neither an input nor the view: a new "
+        "lifecycle fact is a Fact member for SessionCore.receive"
+    )

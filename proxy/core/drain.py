@@ -1,10 +1,10 @@
 """What the session core hands its shell after a call: one drain, and the news for reporters.
 
 ``Drain`` is the core's whole output (docs/design.md, Session core): events to
-write to the client, frames to send upstream, the close code once the closure
-notice is among the events, the next deadline, and a ``Report`` when the
-session's telemetry changed. One object per session, refilled by every
-``SessionCore.drain`` call and read at once.
+write to the client, frames to send upstream, the next deadline, how the
+client's connection closes once the session is over for it, and a ``Report``
+when the session's telemetry changed. One object per session, refilled by
+every ``SessionCore.drain`` call and read at once.
 """
 
 from __future__ import annotations
@@ -90,15 +90,17 @@ class Report:
 class Drain:
     """The core's output after a call; one per session, refilled by ``SessionCore.drain``.
 
-    The shell writes ``to_client`` (in order, one transport write) and
-    reports it back (``SessionCore.written``), sends ``to_upstream`` (in
-    order), closes the client with ``close_code`` once ``to_client`` is
-    written when it is set, arms one timer at ``next_deadline()``, and hands
-    the drain to the session's observer (``report`` when not None).
+    The shell writes ``to_client`` (in order, one transport write; they count
+    as written), sends ``to_upstream`` (in order), arms one timer at
+    ``deadline`` (``Fact.TIMER`` then), and hands the drain to the session's
+    observer (``report`` when not None). Once ``close`` is set the session is
+    over for its client: the shell delivers what is left within its close
+    deadline and closes the connection with that frame (at once for a session
+    handed over: ``Phase.HANDED_OVER``).
     """
 
     __slots__ = (
-        "close_code",
+        "close",
         "deadline",
         "journal_bytes",
         "pending_bytes",
@@ -111,8 +113,9 @@ class Drain:
     def __init__(self) -> None:
         self.to_client: Sequence[Entry] = ()
         self.to_upstream: Sequence[str] = ()
-        self.close_code: int | None = None
-        #: ``next_deadline()`` as of the drain (``written`` may move it earlier).
+        #: The client connection's close frame (code, reason); None while the session is open.
+        self.close: tuple[int, bytes] | None = None
+        #: When the shell reports ``Fact.TIMER`` next (None: no deadline).
         self.deadline: float | None = None
         #: Output still queued after the drain (the registry's process-wide total).
         self.pending_bytes = 0

@@ -30,10 +30,12 @@ __all__ = [
     "ENDINGS",
     "SESSION_TRANSITIONS",
     "EndReason",
+    "Fact",
     "InvalidState",
     "Outcome",
     "SessionEvent",
     "SessionLifecycle",
+    "SessionPhase",
     "SessionState",
     "next_state",
 ]
@@ -99,6 +101,42 @@ def next_state(state: SessionState, event: SessionEvent) -> SessionState:
         return SESSION_TRANSITIONS[state][event]
     except KeyError:
         raise InvalidState(state, event) from None
+
+
+class SessionPhase(enum.Enum):
+    """Where a session stands, as its shell acts on it (``SessionCore.phase``).
+
+    ``state`` with what the shell needs besides: whether the session waits for
+    a resume, or was handed over (then it ends for this sidecar without
+    ``session.closed``, whatever ``state`` says).
+    """
+
+    OPEN = "open"  # relaying
+    HELD = "held"  # open, its client dropped: waiting for a resume
+    CLOSING = "closing"  # the closure notice is queued: delivering the last events
+    CLOSED = "closed"
+    HANDED_OVER = "handed_over"  # left to the engine to resume elsewhere: close 1012
+
+
+class Fact(enum.Enum):
+    """What the shell saw happen, besides frames: the one lifecycle input
+    (``SessionCore.receive``, with an :class:`EndReason` for the proxy's own ends).
+
+    ``amount`` is a size in bytes or a count where the member says so.
+    """
+
+    TIMER = "timer"  # the drain's deadline passed
+    CLIENT_PING = "client_ping"  # amount: pings the client has not read the answer of
+    CLIENT_CLOSED = "client_closed"  # its connection ended with a close frame (or at shutdown)
+    CLIENT_DROPPED = "client_dropped"  # ...without one: held for a resume where it may be
+    RESUME_ABANDONED = "resume_abandoned"  # nobody resumes it now: a held session ends
+    CLIENT_GONE = "client_gone"  # the shell is done with the client: the session is over
+    UPSTREAM_BINARY = "upstream_binary"  # amount: bytes of an engine binary frame (dropped)
+    UPSTREAM_CLOSED = "upstream_closed"  # the engine link closed normally, no session.closed
+    ENGINE_LOST = "engine_lost"  # the engine link or the engine itself is gone
+    SHED = "shed"  # the process-wide output cap is passed and this session is the largest
+    FAILED = "failed"  # the shell's session task failed
+    FINISHED = "finished"  # the session's task is over: settle what is still open
 
 
 class EndReason(enum.Enum):
@@ -268,9 +306,9 @@ class SessionLifecycle:
                     self.ledger.on_done_received(event.response_id)
                 return
             target = None  # still full with nothing left to fail: close the session
-        self.close_for_overflow(now, target=target, dropped=event)
+        self._close_for_overflow(now, target=target, dropped=event)
 
-    def control_overflow(self, now: float) -> None:
+    def _control_overflow(self, now: float) -> None:
         """The client keeps sending control frames (pings) whose answers it does
         not read: their answers count against the event budget, so this is an
         overflow like any other (the ``close_session`` sequence, 1008)."""
@@ -278,18 +316,18 @@ class SessionLifecycle:
             return
         self.telemetry.overflows += 1
         self.telemetry.news = True
-        self.close_for_overflow(now, target=self.ledger.active_response())
+        self._close_for_overflow(now, target=self.ledger.active_response())
 
-    def shed(self, now: float) -> None:
+    def _shed(self, now: float) -> None:
         """The process-wide pending cap is exceeded and this is the largest session."""
-        self.close_for_overflow(now)
+        self._close_for_overflow(now)
 
-    def failed(self) -> None:
+    def _failed(self) -> None:
         """The shell's session task failed: the session's outcome is ``error``."""
         if self.outcome is None:
             self.outcome = Outcome.ERROR
 
-    def close_for_overflow(
+    def _close_for_overflow(
         self,
         now: float,
         *,
@@ -322,7 +360,7 @@ class SessionLifecycle:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def upstream_lost(self, now: float, *, clean: bool = False) -> None:
+    def _upstream_lost(self, now: float, *, clean: bool = False) -> None:
         """The engine socket ended without ``session.closed``.
 
         Args:
@@ -342,7 +380,7 @@ class SessionLifecycle:
         notice = notices.session_closed(self._new_id(), self.session_id, "engine_unavailable")
         self._close(notice, CLOSE_ABNORMAL_ENGINE, Outcome.ENGINE_UNAVAILABLE, now)
 
-    def end(self, now: float, reason: EndReason, message: str = "") -> None:
+    def _end(self, now: float, reason: EndReason, message: str = "") -> None:
         """End the session on the proxy's initiative (``ENDINGS`` says how).
 
         Queues an ``error`` {reason} with ``message`` where the ending has one,
@@ -359,7 +397,7 @@ class SessionLifecycle:
         notice = notices.session_closed(self._new_id(), self.session_id, reason.value)
         self._close(notice, code, outcome, now)
 
-    def client_gone(self) -> None:
+    def _client_gone(self) -> None:
         """The client socket is closed: nothing more can be delivered."""
         if self.outcome is None:
             self.outcome = Outcome.CLIENT_CLOSED
@@ -372,7 +410,7 @@ class SessionLifecycle:
         self.state = next_state(self.state, SessionEvent.CLIENT_GONE)
         self._request_upstream_close("client_close")
 
-    def close_frame(self) -> tuple[int, bytes]:
+    def _close_frame(self) -> tuple[int, bytes]:
         """The client's close frame: the session's code (1000 when none was set)
         and its outcome as the reason."""
         code = CLOSE_NORMAL if self.close_code is None else self.close_code

@@ -1,15 +1,19 @@
 """SessionCore: one session's policy, sans-I/O (docs/design.md, Session core).
 
-Inputs are frames and facts with ``now``: ``receive_client``, ``receive_upstream``,
-``written``, the lifecycle facts (``end``, ``upstream_lost``, ``shed``,
-``client_gone``) and ``on_timer``. Output is one ``drain(now, room)``: what to
-write to the client, what to send upstream, the close code, the next deadline
-and a report for the observer. Reporters read ``SessionView``
-(proxy/core/view.py), never this type: only the relay calls it.
+Inputs are frames and facts with ``now``: ``receive_client``,
+``receive_client_binary``, ``receive_upstream``, every lifecycle fact through
+``receive`` (a ``Fact``, or an ``EndReason`` for the proxy's own ends), a
+resume's ``attach``, and the sidecar's ``request_hand_over`` and
+``trim_journal``. Output is one ``drain(now, room)``: what to write to the
+client, what to send upstream, the next deadline, how the client closes, and a
+report for the observer; ``phase`` and ``output_waiting`` say where the
+session stands. Reporters read ``SessionView`` (proxy/core/view.py), never this
+type: only the relay calls it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Final, NamedTuple
 
@@ -35,8 +39,10 @@ from proxy.core.lifecycle import (
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
     EndReason,
+    Fact,
     InvalidState,
     Outcome,
+    SessionPhase,
     SessionState,
 )
 from proxy.core.playback import PlaybackLedger
@@ -55,13 +61,16 @@ __all__ = [
     "CLOSE_POLICY_VIOLATION",
     "ENGINE_FULL_CODE",
     "ClientDecision",
+    "ClientVerdict",
     "DropReason",
     "EndReason",
+    "Fact",
     "HandOver",
     "InvalidState",
     "Outcome",
     "OverflowPolicy",
     "SessionCore",
+    "SessionPhase",
     "SessionSettings",
     "SessionState",
     "SessionStatistics",
@@ -88,18 +97,32 @@ def check_session_settings(settings: SessionSettings) -> None:
     PlaybackLedger(settings.playback)
 
 
+class ClientVerdict(enum.Enum):
+    """What the shell does about a client frame (``ClientDecision.verdict``)."""
+
+    FORWARDED = "forwarded"  # its text goes upstream
+    ANSWERED = "answered"  # not forwarded: refused with an error, or kept by the sidecar
+    OVER_RATE = "over_rate"  # over the frame rate, not parsed: read the client slower
+    CUT_OFF = "cut_off"  # the session ends for flooding: read none of the client's backlog
+    CLOSE_ASKED = "close_asked"  # a forwarded session.close: the engine's answer is due
+
+
 class ClientDecision(NamedTuple):
     """What became of a client frame: its event (None: over the frame rate, not
-    parsed) and whether its original text goes upstream.
+    parsed or a binary frame), whether its original text goes upstream, and
+    what the shell does about it.
 
     A named tuple: built per client frame, and cheaper than a frozen dataclass.
     """
 
     event: ClientEvent | None
     forward: bool
+    verdict: ClientVerdict
 
 
-_OVER_RATE: Final = ClientDecision(None, forward=False)
+_OVER_RATE: Final = ClientDecision(None, False, ClientVerdict.OVER_RATE)
+_CUT_OFF: Final = ClientDecision(None, False, ClientVerdict.CUT_OFF)
+_BINARY_ANSWERED: Final = ClientDecision(None, False, ClientVerdict.ANSWERED)
 
 
 class SessionCore(SessionOutput):
@@ -154,23 +177,23 @@ class SessionCore(SessionOutput):
             along. A refused frame gets an ``error``.
         """
         if not self._admit(len(text), now):
-            return _OVER_RATE
+            return _CUT_OFF if self._flooded else _OVER_RATE
         event = classify_client(text)
         if not event.is_valid:
             self._reject(event.kind.value, event.detail, now, size=event.size)
-            return ClientDecision(event, forward=False)
+            return ClientDecision(event, False, ClientVerdict.ANSWERED)
         if self.state is not SessionState.OPEN:
             if event.cancels and self.state is SessionState.CLOSING:
                 # Queued output is still being delivered: a cancel must still
                 # silence it at once (docs/design.md, Cancellation), even though nothing more
                 # goes upstream.
                 self._cancel_from_client(event, now)
-            return ClientDecision(event, forward=False)
+            return ClientDecision(event, False, ClientVerdict.ANSWERED)
         if event.cancels:
             self._cancel_from_client(event, now)
         elif event.kind is ClientKind.AUDIO_APPEND or event.type == "conversation.item.create":
             if not self._take_input_audio(event, now):
-                return ClientDecision(event, forward=False)
+                return ClientDecision(event, False, ClientVerdict.ANSWERED)
         elif event.kind is ClientKind.SESSION_UPDATE:
             self.limits.input.on_client_update(event.body)
         elif event.kind is ClientKind.SESSION_RESUME:
@@ -184,7 +207,7 @@ class SessionCore(SessionOutput):
                 message = "session.resume must be the first message of a new connection"
                 code = "unsupported_session_resume"
                 self._reject(code, message, now, client_event_id=event.event_id, size=event.size)
-            return ClientDecision(event, forward=False)
+            return ClientDecision(event, False, ClientVerdict.ANSWERED)
         elif event.kind is ClientKind.EVENT_ACK:
             self.resume.ack(event.body)
         elif event.kind is ClientKind.RESPONSE_CREATE or (
@@ -196,7 +219,7 @@ class SessionCore(SessionOutput):
             self.upstream_close_sent = True
         elif event.type in _PLAYBACK_ACKS:
             if not self.playback.on_client_ack(event.event_id, now, event.body):
-                return ClientDecision(event, forward=False)  # playback_ack = always
+                return ClientDecision(event, False, ClientVerdict.ANSWERED)  # playback_ack = always
         elif event.type == "conversation.item.truncate":
             item_id = (event.body or {}).get("item_id")
             self.playback.on_client_truncate(
@@ -205,17 +228,19 @@ class SessionCore(SessionOutput):
         out = self._to_upstream
         limit = self.settings.max_pending_input_bytes
         if limit and upstream_backlog + sum(map(len, out)) + event.size > limit:
-            self.end(
+            self._end(
                 now,
                 EndReason.INPUT_BACKPRESSURE,
                 f"the engine is not accepting input; more than {limit} bytes are waiting",
             )
-            return ClientDecision(event, forward=False)
+            return ClientDecision(event, False, ClientVerdict.ANSWERED)
         out.append(text)
         self._forwarded_at = now
         if self.playback.acking:
             out.extend(self.playback.acks_due(now))
-        return ClientDecision(event, forward=True)
+        if event.kind is ClientKind.SESSION_CLOSE:
+            return ClientDecision(event, True, ClientVerdict.CLOSE_ASKED)
+        return ClientDecision(event, True, ClientVerdict.FORWARDED)
 
     def _take_input_audio(self, event: ClientEvent, now: float) -> bool:
         """Charge the frame's input audio as the engine will hear it, within
@@ -244,23 +269,20 @@ class SessionCore(SessionOutput):
         self.usage.input_seconds += seconds
         return True
 
-    def receive_client_binary(self, size: int, now: float) -> bool:
-        """A binary client frame: not part of the protocol, answered with an ``error``.
-
-        Returns:
-            False when it was over the frame rate (not answered).
-        """
+    def receive_client_binary(self, size: int, now: float) -> ClientDecision:
+        """A binary client frame: not part of the protocol, answered with an ``error``
+        (unless it is over the frame rate: then, as a text frame, not answered)."""
         if not self._admit(size, now):
-            return False
+            return _CUT_OFF if self._flooded else _OVER_RATE
         self._reject(
             "binary_unsupported",
             "binary frames are not supported; send JSON text frames",
             now,
             size=size,
         )
-        return True
+        return _BINARY_ANSWERED
 
-    def receive_client_ping(self, unanswered_pings: int, now: float) -> bool:
+    def _client_ping(self, unanswered_pings: int, now: float) -> bool:
         """A client ping; ``unanswered_pings`` wait behind a client that is not reading.
 
         Each counts as one event of the output budget: a client that pings
@@ -274,7 +296,7 @@ class SessionCore(SessionOutput):
             unanswered_pings + self.buffer.pending_events > budget
             and self.state is SessionState.OPEN
         ):
-            self.control_overflow(now)
+            self._control_overflow(now)
             return True
         return False
 
@@ -297,11 +319,11 @@ class SessionCore(SessionOutput):
             )
             self.buffer.offer(error, now)
         if limits.episode_too_long(now):
-            self.end(now, EndReason.CLIENT_RATE_LIMITED)
+            self._end(now, EndReason.CLIENT_RATE_LIMITED)
         return False
 
     @property
-    def flooded(self) -> bool:
+    def _flooded(self) -> bool:
         """The session ended because the client flooded it: read none of its backlog."""
         return self.outcome is Outcome.RATE_LIMITED and self.state is not SessionState.OPEN
 
@@ -449,10 +471,6 @@ class SessionCore(SessionOutput):
             self._overflow(event, now)
         return received
 
-    def receive_upstream_binary(self, size: int) -> None:
-        """An engine binary frame: not part of the protocol, dropped and counted."""
-        self.telemetry.count_drop(DropReason.INVALID_UPSTREAM_FRAME, size)
-
     def _response_of_item(self, body: dict[str, object]) -> str | None:
         """The response an assistant item event belongs to (``item_<response_id>``).
 
@@ -500,72 +518,40 @@ class SessionCore(SessionOutput):
         for response_id in self.ledger.open_responses():
             self._cancel(response_id, now)
 
-    # -- resume (docs/design.md, Resume) ----------------------------------------------------------
+    # -- lifecycle facts -----------------------------------------------------------------------
 
-    def client_ended(self, now: float, *, dropped: bool) -> bool:
-        """The client's connection ended; ``dropped``: without a close frame.
-
-        Returns:
-            True when the session is held for ``client_resume_grace`` (a drop,
-            the session resumable, not closing by the client's own
-            ``session.close``); otherwise it ends (``client_gone``).
-        """
-        resume = self.resume
-        if self.state is SessionState.CLOSED:
-            resume.release()
-            return False
-        if (
-            self.handing_over
-            or not dropped
-            or not resume.resumable
-            or self.client_close_requested
-            or resume.held
-        ):
-            resume.release()  # held and ended meanwhile (shutdown, replaced): nobody to tell
-            self.client_gone()
-            return False
-        resume.detach(now)
-        return True
-
-    def next_resume_token(self) -> str:
-        """The token the next resume of this session will need (proxy/core/resume_token.py)."""
-        return self.resume.next_token()
-
-    def reattach(self, cursor: int, now: float, *, token: str) -> bool:
-        """A client resumed this session: ``session.resumed``, then what it missed.
-
-        Args:
-            cursor: the last ``server_event_seq`` the client received.
-            token: the token its next resume will need (``next_resume_token``).
+    def receive(
+        self, fact: Fact | EndReason, now: float, *, amount: int = 0, message: str = ""
+    ) -> bool:
+        """What the shell saw happen, besides frames; an ``EndReason``: the proxy
+        ends the session (``message`` goes in its ``error`` where the ending has one).
 
         Returns:
-            False when what was written after ``cursor`` is no longer kept
-            (the client must resync); the session stays as it was.
+            True for a ``CLIENT_DROPPED`` session now held for a resume, and for a
+            ``CLIENT_PING`` that overflowed the session; otherwise False.
         """
-        resume = self.resume
-
-        def resumed(generation: int) -> str:
-            notice = notices.session_resumed(
-                self._new_id(),
-                self.session_id,
-                resume.session_object,
-                generation=generation,
-                resume_token=token,
-            )
-            return notice.text
-
-        if not resume.reattach(cursor, now, token, self._still_audible, resumed):
-            return False
-        self.client_resumes = True
-        self.telemetry.news = True
-        return True
-
-    def resync_notice(self) -> str:
-        """``session.resync_required`` {journal_gap}: for a resume ``reattach`` refused."""
-        return notices.session_resync_required(self._new_id(), self.session_id, "journal_gap").text
-
-    def replaced_notice(self) -> str:
-        """``session.replaced``: for the connection a resume took the session from
-        (its attachment generation, the one before the current)."""
-        generation = self.resume.generation - 1
-        return notices.session_replaced(self._new_id(), self.session_id, generation).text
+        if isinstance(fact, EndReason):
+            self._end(now, fact, message)
+        elif fact is Fact.TIMER:
+            self._on_timer(now)
+        elif fact is Fact.CLIENT_PING:
+            return self._client_ping(amount, now)
+        elif fact is Fact.CLIENT_CLOSED or fact is Fact.CLIENT_DROPPED:
+            return self._client_ended(now, dropped=fact is Fact.CLIENT_DROPPED)
+        elif fact is Fact.RESUME_ABANDONED:
+            if self.resume.held:  # it ended while held (shutdown, replaced): nobody to tell
+                self._client_ended(now, dropped=False)
+        elif fact is Fact.CLIENT_GONE:
+            if self.state is not SessionState.CLOSED:
+                self._client_gone()  # over: session.close goes to the engine
+        elif fact is Fact.UPSTREAM_BINARY:
+            self.telemetry.count_drop(DropReason.INVALID_UPSTREAM_FRAME, amount)
+        elif fact is Fact.UPSTREAM_CLOSED or fact is Fact.ENGINE_LOST:
+            self._upstream_lost(now, clean=fact is Fact.UPSTREAM_CLOSED)
+        elif fact is Fact.SHED:
+            self._shed(now)
+        elif fact is Fact.FAILED:
+            self._failed()
+        else:  # Fact.FINISHED: observe what is still open (no more audio can follow)
+            self.telemetry.finish()
+        return False

@@ -1,9 +1,10 @@
 """The output half of a session: drain, what was written, deadlines, reports.
 
-``SessionCore`` (proxy/core/session_core.py) takes the frames in; this half
-says what goes out: one ``drain(now, room)`` per shell turn, ``written`` /
-``not_written`` for what the writer did, ``next_deadline`` / ``on_timer``, and
-the read-only view reporters see (proxy/core/view.py). Sans-I/O.
+``SessionCore`` (proxy/core/session_core.py) takes the frames and facts in;
+this half says what goes out: one ``drain(now, room)`` per shell turn (what to
+write and send, the deadline, how the client closes), what the session does
+when its deadline passes, the hand-over at a sidecar's drain, and the
+read-only view reporters see (proxy/core/view.py). Sans-I/O.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+from proxy.core import notices
 from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING, Drain, Report
@@ -21,6 +23,7 @@ from proxy.core.lifecycle import (
     Outcome,
     SessionEvent,
     SessionLifecycle,
+    SessionPhase,
     SessionState,
     next_state,
 )
@@ -99,6 +102,10 @@ class SessionOutput(SessionLifecycle):
     def drain(self, now: float, room: int) -> Drain:
         """Everything the shell has to do now; the same object every call, read at once.
 
+        The events taken count as written (the shell writes them at once, in
+        one transport call: the room it gave says its transport is open). A
+        requested hand-over that may begin now begins here, after them.
+
         Args:
             room: bytes the client transport may take now; events are taken
                 while they fit (one event larger than the room goes alone);
@@ -116,22 +123,22 @@ class SessionOutput(SessionLifecycle):
         ):
             entries = self._take(now, room)
             out.to_client = entries
-            out.close_code = self.close_code if entries and entries[-1].closure else None
+            if entries:
+                self._written(entries, now)
         else:
             out.to_client = NOTHING
-            out.close_code = None
+        if self.hand_over_requested and self._hand_over_due():
+            self._hand_over()  # 1012, no session.close
         if self._to_upstream:
             out.to_upstream, self._to_upstream = self._to_upstream, []
         else:
             out.to_upstream = NOTHING
-        deadline = self._ack_at
-        paced = self._paced_until
-        if paced is not None and (deadline is None or paced < deadline):
-            deadline = paced
-        grace = resume.grace_at
-        if grace is not None and (deadline is None or grace < deadline):
-            deadline = grace
-        out.deadline = deadline
+        out.deadline = self._next_deadline()
+        out.close = (
+            None
+            if self.state is SessionState.OPEN and not self.handing_over
+            else self._close_frame()
+        )
         out.pending_bytes = buffer.pending_bytes
         out.pending_events = buffer.pending_events
         out.journal_bytes = self.journal_bytes
@@ -185,9 +192,8 @@ class SessionOutput(SessionLifecycle):
                 break
         return taken
 
-    def written(self, entries: Sequence[Entry], now: float) -> None:
-        """The shell wrote these entries (a drain's ``to_client``) to the client."""
-        self._out.to_client = NOTHING  # written: nothing here keeps a large frame alive
+    def _written(self, entries: Sequence[Entry], now: float) -> None:
+        """What a drain takes for the client is written: journal it, time it, count it."""
         usage = self.usage
         silence = self._silence
         asked_at = self._asked_at
@@ -224,28 +230,22 @@ class SessionOutput(SessionLifecycle):
         if self._ack_at is None and self.playback.acking:
             self._arm_acks(self.playback.next_ack_at(now), now)
 
-    def not_written(self, entries: Sequence[Entry]) -> None:
-        """The shell could not write these entries (the connection is gone)."""
-        self._out.to_client = NOTHING
-        for entry in entries:
-            self.telemetry.count_drop(DropReason.SESSION_CLOSED, entry.event.size)
-
     # -- time -----------------------------------------------------------------------------------
 
-    def next_deadline(self) -> float | None:
-        """When ``on_timer`` must next be called (None: no deadline)."""
+    def _next_deadline(self) -> float | None:
+        """When ``Fact.TIMER`` is next due (None: no deadline)."""
         deadline = self._ack_at
         for at in (self._paced_until, self.resume.grace_at):
             if at is not None and (deadline is None or at < deadline):
                 deadline = at
         return deadline
 
-    def on_timer(self, now: float) -> None:
+    def _on_timer(self, now: float) -> None:
         """Time passed: paced audio may be released, acks may be due, a grace may end."""
         if self.resume.grace_over(now):
             # The dropped client never came back: a normal end (session.close upstream).
             self.telemetry.news = True
-            self.client_gone()
+            self._client_gone()
         if self._paced_until is not None and now >= self._paced_until:
             self._paced_until = None
         if self._ack_at is not None and now >= self._ack_at:
@@ -297,9 +297,76 @@ class SessionOutput(SessionLifecycle):
             return 0
         return journal.trim(max(0, journal.bytes - excess))
 
+    # -- resume (docs/design.md, Resume) ----------------------------------------------------------
+
+    def _client_ended(self, now: float, *, dropped: bool) -> bool:
+        """The client's connection ended; ``dropped``: without a close frame.
+
+        Returns:
+            True when the session is held for ``client_resume_grace`` (a drop,
+            the session resumable, not closing by the client's own
+            ``session.close``); otherwise it ends (``client_gone``).
+        """
+        resume = self.resume
+        if self.state is SessionState.CLOSED:
+            resume.release()
+            return False
+        if (
+            self.handing_over
+            or not dropped
+            or not resume.resumable
+            or self.client_close_requested
+            or resume.held
+        ):
+            resume.release()  # held and ended meanwhile (shutdown, replaced): nobody to tell
+            self._client_gone()
+            return False
+        resume.detach(now)
+        return True
+
+    def attach(self, cursor: int, now: float) -> tuple[bool, str | None]:
+        """A client resumed this session on a new connection: ``session.resumed``,
+        then what it missed after ``cursor`` (the last ``server_event_seq`` it got).
+
+        Returns:
+            (attached, notice). Attached: the notice, when the session was not
+            held, is the ``session.replaced`` for the connection it leaves (the
+            old one still looked alive). Not attached: the session ended or is
+            handed over (no notice: the engine replays it elsewhere), or what
+            followed ``cursor`` is no longer kept: the notice is the new
+            connection's ``session.resync_required`` {journal_gap}; the session
+            stays as it was.
+        """
+        resume = self.resume
+        if self.state is SessionState.CLOSED or self.handing_over or self.hand_over_requested:
+            return False, None
+        held = resume.held
+        token = resume.next_token()
+
+        def resumed(generation: int) -> str:
+            notice = notices.session_resumed(
+                self._new_id(),
+                self.session_id,
+                resume.session_object,
+                generation=generation,
+                resume_token=token,
+            )
+            return notice.text
+
+        if not resume.reattach(cursor, now, token, self._still_audible, resumed):
+            gap = notices.session_resync_required(self._new_id(), self.session_id, "journal_gap")
+            return False, gap.text
+        self.client_resumes = True
+        self.telemetry.news = True
+        if held:
+            return True, None
+        # The connection left gets its attachment generation, the one before the current.
+        replaced = notices.session_replaced(self._new_id(), self.session_id, resume.generation - 1)
+        return True, replaced.text
+
     # -- hand-over at drain (docs/design.md, Start-up and shutdown) ------------------------------
 
-    def hand_over_wait(self) -> HandOver:
+    def _hand_over_wait(self) -> HandOver:
         """Whether the session can be handed over now (``NOW``), or why not.
 
         A session is handed over when the engine keeps it for a resume and its
@@ -325,23 +392,23 @@ class SessionOutput(SessionLifecycle):
         """The sidecar drains: hand the session over as soon as it may be.
 
         Returns:
-            ``hand_over_wait()`` now; unless it is ``NOW``, ``CANCEL_SETTLING`` or
+            ``_hand_over_wait()`` now; unless it is ``NOW``, ``CANCEL_SETTLING`` or
             ``OPENING`` the session is not handed over and drains as it would have.
         """
-        wait = self.hand_over_wait()
+        wait = self._hand_over_wait()
         if wait in _MAY_MOVE and not self.handing_over:
             self.hand_over_requested = True
         return wait
 
-    def hand_over_due(self) -> bool:
-        """A requested hand-over may begin now (then call ``hand_over``)."""
+    def _hand_over_due(self) -> bool:
+        """A requested hand-over may begin now (``drain`` then begins it)."""
         return (
             self.hand_over_requested
             and not self.handing_over
-            and self.hand_over_wait() is HandOver.NOW
+            and self._hand_over_wait() is HandOver.NOW
         )
 
-    def hand_over(self) -> None:
+    def _hand_over(self) -> None:
         """Begin the hand-over: nothing more is written to the client (it gets close
         1012), the client's frames still go upstream until its close, and the
         engine is left without ``session.close`` (it keeps the session for its grace).
@@ -386,10 +453,6 @@ class SessionOutput(SessionLifecycle):
             resume_expired=expired,
         )
 
-    def finish(self) -> None:
-        """Session over: observe what is still open (no more audio can follow)."""
-        self.telemetry.finish()
-
     # -- the read-only view (proxy/core/view.py) --------------------------------------------------
 
     @property
@@ -402,9 +465,21 @@ class SessionOutput(SessionLifecycle):
 
     @property
     def output_waiting(self) -> bool:
-        """Events wait for the client: queued ones, or a resume's ``session.resumed`` and
-        replay, which go out the moment it attaches, whatever is queued (docs/design.md, Resume)."""
-        return bool(self.buffer.pending_events or self.resume.replay)
+        """Events wait for the client: queued ones, the closure notice, or a resume's
+        ``session.resumed`` and replay, which go out the moment it attaches, whatever
+        is queued (docs/design.md, Resume)."""
+        buffer = self.buffer
+        return bool(buffer.pending_events or buffer.closure_pending or self.resume.replay)
+
+    @property
+    def phase(self) -> SessionPhase:
+        """Where the session stands, as the shell acts on it (``SessionPhase``)."""
+        if self.handing_over:
+            return SessionPhase.HANDED_OVER
+        state = self.state
+        if state is SessionState.OPEN:
+            return SessionPhase.HELD if self.resume.held else SessionPhase.OPEN
+        return SessionPhase.CLOSING if state is SessionState.CLOSING else SessionPhase.CLOSED
 
     @property
     def closing(self) -> bool:

@@ -19,7 +19,8 @@ from metrics import SidecarMetrics
 from proxy.core.buffer import Entry
 from proxy.core.capabilities import EngineVersion
 from proxy.core.drain import Drain, Report
-from proxy.core.events import ClientEvent, EventKind, UpstreamEvent
+from proxy.core.events import ClientEvent, ClientKind, EventKind, UpstreamEvent
+from proxy.core.session_core import ClientDecision
 from proxy.core.usage import UNNAMED_KEY
 from proxy.core.view import PlaybackTotals, SessionView
 
@@ -107,7 +108,7 @@ class RelayObserver(Protocol):
 
     def watch(self, view: SessionView) -> None: ...
 
-    def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None: ...
+    def client_frame(self, size: int, decision: ClientDecision) -> None: ...
 
     def upstream_event(self, event: UpstreamEvent) -> None: ...
 
@@ -216,15 +217,23 @@ class SessionObserver:
     def view(self) -> SessionView | None:
         return self._view
 
-    def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
-        if not forwarded:
+    def client_frame(self, size: int, decision: ClientDecision) -> None:
+        """A client data frame of ``size`` bytes and what the core made of it."""
+        event = decision.event
+        if event is None:  # over the frame rate (not parsed), or binary
             self.c2u_invalid += 1
             return
-        if audio:
-            self.c2u_audio += 1
+        if decision.forward:
+            if event.kind is ClientKind.AUDIO_APPEND:
+                self.c2u_audio += 1
+            else:
+                self.c2u_control += 1
+            self.c2u_bytes += event.size
         else:
-            self.c2u_control += 1
-        self.c2u_bytes += size
+            self.c2u_invalid += 1
+        tracer = self.tracer
+        if tracer is not None and (event.cancels or event.kind is ClientKind.RESPONSE_CREATE):
+            tracer.client_event(event)  # before the drain's report of the cancel
 
     def upstream_event(self, event: UpstreamEvent) -> None:
         kind = event.kind

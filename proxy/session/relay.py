@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING
 
 from proxy.core.capabilities import EngineCapabilities
 from proxy.core.drain import NOTHING
-from proxy.core.events import ClientKind, EventKind
-from proxy.core.lifecycle import CLOSE_SERVICE_RESTART, EndReason, Outcome, SessionState
+from proxy.core.lifecycle import EndReason, Fact, SessionPhase
 from proxy.core.resume_state import HandOver
-from proxy.core.session_core import SessionCore, SessionSettings
+from proxy.core.session_core import ClientVerdict, SessionCore, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
 from proxy.session.frames import ControlPayload
@@ -37,8 +36,11 @@ __all__ = ["Relay"]
 
 log = logging.getLogger(__name__)
 
-_OPEN = SessionState.OPEN
-_CLOSED = SessionState.CLOSED
+_HELD = SessionPhase.HELD
+_CLOSED = SessionPhase.CLOSED
+_HANDED_OVER = SessionPhase.HANDED_OVER
+_OVER = frozenset({_CLOSED, _HANDED_OVER})
+_LIVE = frozenset({SessionPhase.OPEN, _HELD})
 
 
 class Relay:
@@ -92,7 +94,9 @@ class Relay:
         #: shutdown began (a drop now is not held), engine link's run over. Whether the
         #: session is held for a resume is the core's (``view.held``).
         self._ping_upstream = self._flush_soon = self._took = False
-        self._shutting_down = self._upstream_ended = False
+        self._shutting_down = self._upstream_ended = self._handed_over = False
+        #: The client connection's close frame, once a drain said the session is over for it.
+        self._close_frame: tuple[int, bytes] = (1000, b"")
         #: The core deadline the timer is armed for (None: not armed).
         self._deadline: float | None = None
         self._upstream = UpstreamSide(upstream)
@@ -113,35 +117,34 @@ class Relay:
             side = self.side
             side.start(self, tg, f"{self.key}:client")
             await self._deliver(side)
-            if self.core.handing_over:  # its frames up to its close still go upstream
+            if self.core.phase is _HANDED_OVER:  # its frames up to its close still go upstream
                 await side.wait_closed(self._scheduler, self.limits.close_timeout)
                 break
             await side.reader_verdict(self._scheduler, self.limits.close_timeout)
-            if not (side.replaced or self.core.held):  # a dropped one is left be
-                await side.close(*self.core.close_frame(), self.limits.close_timeout)
+            if not (side.replaced or self.core.phase is _HELD):  # a dropped one is left be
+                await side.close(*self._close_frame, self.limits.close_timeout)
             side.done.set()
             if self.side is side and not await self._held():
                 break
-        if self.core.state is not _CLOSED:
-            self.core.client_gone()  # over: session.close goes to the engine
-        self._send(self._after(self._clock()))
+        self._fact(Fact.CLIENT_GONE)  # over: session.close goes to the engine
         await self._upstream.close(self.limits.upstream_close_timeout, self.limits.close_timeout)
 
     def failed(self) -> None:
-        self.core.failed()
+        self.core.receive(Fact.FAILED, self._clock())
 
     def finish(self) -> None:
         """The session is over: stop its timers, settle its outcome and report it."""
         self.side.done.set()
         self.timers.cancel()
-        self.core.finish()
-        self._observer.after_drain(self.core.drain(self._clock(), 0))
+        now = self._clock()
+        self.core.receive(Fact.FINISHED, now)
+        self._observer.after_drain(self.core.drain(now, 0))
         self._observer.session_end()
 
     async def close_connections(self) -> None:
         """Close whatever is still open of the client and the engine link."""
         if not self.side.client.closed:
-            await self.side.client.close(code=self.core.close_frame()[0])
+            await self.side.client.close(code=self._close_frame[0])
         await self.upstream.close()
 
     def shutdown(self) -> None:
@@ -150,10 +153,9 @@ class Relay:
         self._end(EndReason.SHUTDOWN)
 
     def hand_over(self) -> HandOver:
-        """The sidecar drains: hand the session over now or once it may be (``_after``)."""
+        """The sidecar drains: hand the session over now or once it may be (a drain does)."""
         wait = self.core.request_hand_over()
-        if self.core.hand_over_requested:
-            self._send(self._after(self._clock()))
+        self._send(self._after(self._clock()))
         return wait
 
     def end_for_quota(self, message: str) -> None:
@@ -162,7 +164,7 @@ class Relay:
         Applied at the loop's next step, like :meth:`shed`: the quota's check
         never runs a drain of this session from inside its own call.
         """
-        self._call_soon(lambda: self._order(EndReason.QUOTA_EXCEEDED, message))
+        self._call_soon(lambda: self._end(EndReason.QUOTA_EXCEEDED, message))
 
     def trim_journal(self, excess: int) -> int:
         """The process's output cap is passed: free ``excess`` bytes of the resume
@@ -177,31 +179,29 @@ class Relay:
         outside any drain, so each frame it sends upstream goes once
         (docs/design.md, Process-wide output cap).
         """
-        self._call_soon(lambda: self._order(None))
+        self._call_soon(self._shed)
 
-    def _order(self, reason: EndReason | None, message: str = "") -> None:
-        """Apply a scheduled order (None: the shed) unless the session is over meanwhile."""
-        if self.core.state is not _OPEN:
-            return
-        if reason is not None:
-            self._end(reason, message)
-            return
-        now = self._clock()
-        self.core.shed(now)
-        self._send(self._after(now))
+    def _shed(self) -> None:
+        self._fact(Fact.SHED)
 
     def engine_unavailable(self) -> None:
         """The supervisor saw the engine die: fail this session now."""
-        self.core.upstream_lost(self._clock())
-        self._send(self._after(self._clock()))
+        self._fact(Fact.ENGINE_LOST)
         self._upstream.session_closed.set()  # its socket may linger: stop waiting for it
 
     def _end(self, reason: EndReason, message: str = "") -> None:
-        if self.core.state is _OPEN:
+        if self.core.phase in _LIVE:
             self.log.info("ending the session: %s", reason.value)
         now = self._clock()
-        self.core.end(now, reason, message)
+        self.core.receive(reason, now, message=message)
         self._send(self._after(now))
+
+    def _fact(self, fact: Fact, amount: int = 0) -> bool:
+        """Tell the core ``fact``, then do what its drain says."""
+        now = self._clock()
+        answer = self.core.receive(fact, now, amount=amount)
+        self._send(self._after(now))
+        return answer
 
     # -- timers (TimerListener) -------------------------------------------------------------
 
@@ -231,9 +231,7 @@ class Relay:
 
     def core_due(self) -> None:
         self._deadline = None  # the timer fired: it is no longer armed
-        now = self._clock()
-        self.core.on_timer(now)
-        self._send(self._after(now))
+        self._fact(Fact.TIMER)
 
     # -- client frames (ClientFrames) ---------------------------------------------------------
 
@@ -244,22 +242,8 @@ class Relay:
         timers.last_client_frame = timers.last_client_event = now
         upstream = self.upstream
         decision = self.core.receive_client(text, now, upstream_backlog=upstream.input_backlog())
-        event = decision.event
-        observer = self._observer
-        if event is None:  # over the frame rate: back to aiohttp's queue, or cut off
-            observer.client_event(len(text), forwarded=False)
-            if self.core.flooded:
-                self.side.reader.cut()  # read none of its backlog
-            else:
-                self.side.reader.over_rate()
-        else:
-            kind = event.kind
-            audio = kind is ClientKind.AUDIO_APPEND
-            observer.client_event(event.size, forwarded=decision.forward, audio=audio)
-            if kind is ClientKind.SESSION_CLOSE and decision.forward:
-                timers.arm_upstream_close(self.limits.upstream_close_timeout)
-            if (event.cancels or kind is ClientKind.RESPONSE_CREATE) and observer.tracer:
-                observer.tracer.client_event(event)  # before the drain's report of the cancel
+        self._observer.client_frame(len(text), decision)
+        self._admitted(decision.verdict)
         self._send(self._after(now))
         if upstream.write_paused:
             self.side.reader.pause_for_upstream()  # not read again until the link drains
@@ -267,21 +251,27 @@ class Relay:
     def client_binary(self, size: int) -> None:
         now = self._clock()
         self.timers.last_client_frame = self.timers.last_client_event = now
-        if not self.core.receive_client_binary(size, now) and self.core.flooded:
-            self.side.reader.cut()
-        self._observer.client_event(size, forwarded=False)
+        decision = self.core.receive_client_binary(size, now)
+        self._observer.client_frame(size, decision)
+        self._admitted(decision.verdict)
         self._send(self._after(now))
 
+    def _admitted(self, verdict: ClientVerdict) -> None:
+        if verdict is ClientVerdict.OVER_RATE:
+            self.side.reader.over_rate()  # back to aiohttp's queue
+        elif verdict is ClientVerdict.CUT_OFF:
+            self.side.reader.cut()  # read none of its backlog
+        elif verdict is ClientVerdict.CLOSE_ASKED:
+            self.timers.arm_upstream_close(self.limits.upstream_close_timeout)
+
     def client_ping(self, payload: ControlPayload) -> None:
-        now = self._clock()
-        self.timers.last_client_frame = now
+        self.timers.last_client_frame = self._clock()
         writer = self.side.writer
         if writer.pong(payload):
             return
         self._wake.set()  # the pong waits for the transport to drain
-        if self.core.receive_client_ping(writer.unanswered_pings, now):
+        if self._fact(Fact.CLIENT_PING, writer.unanswered_pings):
             self.log.warning("client keeps pinging without reading; overflow")
-            self._send(self._after(now))
 
     def client_control(self) -> None:
         self.timers.last_client_frame = self._clock()
@@ -294,27 +284,25 @@ class Relay:
         if side.ended.is_set() or not side.reader.finished:
             return  # a superseded connection's reader ended
         side.ended.set()
-        now = self._clock()
+        if side.replaced:
+            self._send(self._after(self._clock()))
+            return
         dropped = not (side.reader.closed_cleanly or self._shutting_down)
         dropped = dropped and self._observer.may_hold()
-        if not side.replaced and self.core.client_ended(now, dropped=dropped):
+        if self._fact(Fact.CLIENT_DROPPED if dropped else Fact.CLIENT_CLOSED):
             self.log.info("client dropped; held for a resume")
-        self._send(self._after(now))
 
     def attach(self, side: ClientSide, cursor: int) -> bool:
         """A ``session.resume`` on ``side``: replay what it missed and go on there. False: it
         ended, is handed over, or lost what followed ``cursor`` (``session.resync_required``)."""
-        core = self.core
         now = self._clock()
-        token = core.next_resume_token()
-        held = core.held
-        if core.state is _CLOSED or core.handing_over or core.hand_over_requested:
-            return False  # ended, or the drain hands it over: the engine replays it elsewhere
-        if not core.reattach(cursor, now, token=token):
-            side.writer.send_text(core.resync_notice())
+        attached, notice = self.core.attach(cursor, now)
+        if not attached:
+            if notice is not None:
+                side.writer.send_text(notice)
             return False
-        if not held:  # the old connection still looks alive: superseded
-            self.side.supersede(core.replaced_notice())
+        if notice is not None:  # the old connection still looked alive: superseded
+            self.side.supersede(notice)
         self.side = side
         self.timers.last_client_frame = self.timers.last_client_event = now
         self._attached.set()
@@ -328,8 +316,7 @@ class Relay:
         self.timers.last_upstream_frame = now
         event = self.core.receive_upstream(text, now)
         self._observer.upstream_event(event)
-        if event.kind is EventKind.SESSION_CLOSED:
-            self._upstream.session_closed.set()
+        self._upstream.saw(event)
         if self.upstream.backlog:
             # More engine frames are parsed already: write them all at the end of the tick.
             if not self._flush_soon:
@@ -340,7 +327,7 @@ class Relay:
 
     def upstream_binary(self, size: int) -> None:
         self.timers.last_upstream_frame = self._clock()
-        self.core.receive_upstream_binary(size)
+        self._fact(Fact.UPSTREAM_BINARY, size)
         self._observer.upstream_invalid(size)
         self.log.warning("upstream sent a binary frame (%d bytes); dropped", size)
 
@@ -356,8 +343,9 @@ class Relay:
         if not self._upstream.session_closed.is_set():
             if clean is not None:
                 self.log.info("upstream closed (%s), no session.closed", self.upstream.close_code)
-            self.core.upstream_lost(self._clock(), clean=bool(clean))
-        self._after(self._clock())
+            self._fact(Fact.UPSTREAM_CLOSED if clean else Fact.ENGINE_LOST)
+        else:
+            self._after(self._clock())
 
     # -- after every core call: do what its drain says ------------------------------------------
 
@@ -365,36 +353,35 @@ class Relay:
         """Do what the core's drain says (``deferred``: write at the tick's end)."""
         core = self.core
         writer = self.side.writer
-        held = core.held
+        held = core.phase is _HELD
         room = 0 if deferred else writer.room()  # held: the core takes none
         out = core.drain(now, room)
         entries = out.to_client
-        deadline = out.deadline
         self._took = bool(entries)
         if entries:
+            out.to_client = NOTHING  # the writer has them: the drain keeps no large frame alive
             if writer.write(entries):
-                core.written(entries, now)
                 self._observer.delivered(entries, now)
-                deadline = core.next_deadline()  # delivered audio may start the ack timer
-            else:
-                core.not_written(entries)
+        deadline = out.deadline
         if deadline != self._deadline:
             self._deadline = deadline
             self.timers.arm_core(deadline)
         self._observer.after_drain(out)
-        if core.state is not _OPEN:
-            # A bounded time to deliver the last events, also to a client that stopped reading.
-            self.timers.arm_close_deadline(engine_lost=core.outcome is Outcome.ENGINE_UNAVAILABLE)
+        close = out.close
+        if close is not None:
+            self._close_frame = close
+            if core.phase is not _HANDED_OVER:
+                # A bounded time to deliver the last events, also to a client that stopped reading.
+                self.timers.arm_close_deadline(close[0])
+            elif not self._handed_over:  # 1012, no session.close
+                self._handed_over = True
+                if not held:  # a held one has no client connection to close
+                    writer.close(*close)
+                self._upstream.hand_over()
+                self.log.info("handed over: the client resumes on another sidecar")
             self._wake.set()
-        elif out.pending_events and not deferred and not held and (self._took or not room):
+        elif core.output_waiting and not deferred and not held and (self._took or not room):
             # More than one room's worth, or a client not writable: delivery goes on.
-            self._wake.set()
-        if core.hand_over_requested and core.hand_over_due():  # 1012, no session.close
-            if not core.held:  # a held one has no client connection to close
-                self.side.writer.close(CLOSE_SERVICE_RESTART, Outcome.HANDED_OVER.value.encode())
-            core.hand_over()
-            self._upstream.hand_over()
-            self.log.info("handed over: the client resumes on another sidecar")
             self._wake.set()
         return NOTHING if self._upstream_ended else out.to_upstream
 
@@ -409,20 +396,20 @@ class Relay:
         """Write to ``side`` while it is the session's connection and writable."""
         core = self.core
         writer = side.writer
-        while side is self.side and not core.held:
+        while side is self.side and core.phase is not _HELD:
             await self._ping_if_due()
-            if core.state is _CLOSED or writer.gone or writer.close_sent:
+            if core.phase in _OVER or writer.gone or writer.close_sent:
                 break
             if writer.paused:
-                if writer.has_pending or core.output_waiting or core.closing:
+                if writer.has_pending or core.output_waiting:
                     try:
                         await writer.wait_writable()  # write only below the high-water mark
                     except (ConnectionError, RuntimeError):
                         break
                     continue
-            elif core.output_waiting or core.closing or writer.has_pending:
+            elif core.output_waiting or writer.has_pending:
                 self._send(self._after(self._clock()))
-                if core.state is _CLOSED or core.handing_over:
+                if core.phase in _OVER:
                     break
                 if self._took:
                     await asyncio.sleep(0)  # one room per turn: let other sessions run
@@ -433,14 +420,13 @@ class Relay:
     async def _held(self) -> bool:
         """While the session is held for a resume: True once another connection attached."""
         side, core = self.side, self.core
-        while core.held and core.state is _OPEN:
+        while core.phase is _HELD:
             await self._ping_if_due()
             self._wake.clear()
             self._attached.clear()
-            if core.held and core.state is _OPEN:
+            if core.phase is _HELD:
                 await first_set(self._wake, self._attached)
-        if core.held:  # it ended while held (shutdown, replaced): nobody to tell
-            core.client_ended(self._clock(), dropped=False)
+        self._fact(Fact.RESUME_ABANDONED)  # ended while held (shutdown, replaced): nobody to tell
         return self.side is not side
 
     async def _ping_if_due(self) -> None:

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Final, Literal, Protocol
 
-from proxy.core.lifecycle import EndReason
+from proxy.core.lifecycle import CLOSE_ABNORMAL_ENGINE, CLOSE_NORMAL, EndReason
 from proxy.session.limits import RelayLimits
 
 __all__ = ["LoopScheduler", "Scheduler", "SessionTimers", "Side", "TimerListener"]
@@ -202,12 +202,13 @@ class SessionTimers:
             when = self._scheduler.time() + timeout
             self._upstream_close = self._scheduler.call_at(when, self._upstream_close_due)
 
-    def arm_close_deadline(self, *, engine_lost: bool = False) -> None:
+    def arm_close_deadline(self, code: int = CLOSE_NORMAL) -> None:
         """Give a closing session ``close_timeout`` seconds to finish (``drain_timeout``
-        when the engine was lost); only the first call counts."""
+        when the engine was lost: its client is closed with ``code`` 1011); only the
+        first call counts."""
         if self._close_deadline is not None or self.close_deadline_at is not None:
             return
-        budget = self._drain_timeout if engine_lost else self._close_timeout
+        budget = self._drain_timeout if code == CLOSE_ABNORMAL_ENGINE else self._close_timeout
         when = self._scheduler.time() + budget
         self.close_deadline_at = when
         self._close_deadline = self._scheduler.call_at(when, self._deadline_passed)

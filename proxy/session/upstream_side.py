@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from typing import Protocol
 
+from proxy.core.events import EventKind, UpstreamEvent
 from proxy.session.tasks import cancel_and_wait, first_set
 from proxy.session.upstream_link import UpstreamHandler, UpstreamLink
 
@@ -55,6 +56,11 @@ class UpstreamSide:
             raise
         self.gone.set()
         relay.upstream_ended(clean)
+
+    def saw(self, event: UpstreamEvent) -> None:
+        """An engine event went through the core: its ``session.closed`` ends the wait."""
+        if event.kind is EventKind.SESSION_CLOSED:
+            self.session_closed.set()
 
     def hand_over(self) -> None:
         """The session leaves this engine link without ``session.close``."""

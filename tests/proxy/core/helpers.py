@@ -21,6 +21,7 @@ from proxy.core.buffer import BufferLimits, Entry
 from proxy.core.capabilities import EngineCapabilities, EngineVersion
 from proxy.core.drain import Drain
 from proxy.core.events import UpstreamEvent, classify_upstream
+from proxy.core.lifecycle import EndReason, Fact
 from proxy.core.playback_state import AckErrorCode, AckMode, PlaybackSettings
 from proxy.core.session_core import ClientDecision, OverflowPolicy, SessionCore, SessionSettings
 from proxy.core.telemetry import DropReason
@@ -408,19 +409,33 @@ class SessionPair:
 
     def timer(self) -> float | None:
         """The core's timer at ``now`` (acks due, paced audio); returns the next deadline."""
-        self.core.on_timer(self.now)
+        self.core.receive(Fact.TIMER, self.now)
+        return self.deadline()
+
+    def deadline(self) -> float | None:
+        """The next deadline as a drain says it (what the proxy sends meanwhile is recorded)."""
+        out = self._drain(0)
+        self._record_upstream(out.to_upstream)
+        return out.deadline
+
+    def fact(self, fact: Fact | EndReason, *, amount: int = 0) -> bool:
+        """Report a lifecycle fact at ``now``; what the proxy sends upstream is recorded."""
+        answer = self.core.receive(fact, self.now, amount=amount)
         self.collect_upstream()
-        return self.core.next_deadline()
+        return answer
+
+    def resume(self, cursor: int) -> tuple[bool, str | None]:
+        """A client resumes at ``cursor`` (``SessionCore.attach``)."""
+        return self.core.attach(cursor, self.now)
 
     def take(self) -> Entry | None:
-        """Drain one event for the client (room for one): the caller is about to write it."""
+        """Drain one event for the client (room for one): written as it is taken."""
         out = self._drain(1)
         self._record_upstream(out.to_upstream)
         return out.to_client[0] if out.to_client else None
 
     def write(self, entry: Entry) -> Delivered:
-        """The shell wrote ``entry``; record it."""
-        self.core.written([entry], self.now)
+        """Record ``entry`` as the client received it."""
         d = Delivered(entry.event.text, json.loads(entry.event.text), entry.closure)
         self.deliveries.append(d)
         return d

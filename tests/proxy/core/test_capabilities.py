@@ -72,7 +72,7 @@ def playing(p: SessionPair, seconds: float = 0.3) -> None:
 
 def own_ack(p: SessionPair) -> dict[str, Any]:
     """Let the ack timer fire (at its deadline, when that is later); the ack it sent."""
-    deadline = p.core.next_deadline()
+    deadline = p.deadline()
     assert deadline is not None, "an ack is due some time"
     p.now = max(p.now, deadline)
     p.timer()

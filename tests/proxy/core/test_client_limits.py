@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from proxy.core.lifecycle import Fact
 from proxy.core.session_core import (
     CLOSE_POLICY_VIOLATION,
     DropReason,
@@ -117,7 +118,7 @@ class TestOversizedEngineFrame:
 def test_unread_control_frames_overflow_like_output() -> None:
     pair = SessionPair()
     pair.upstream(response_created("r1"))
-    pair.core.control_overflow(pair.now)
+    assert pair.fact(Fact.CLIENT_PING, amount=10**6), "more unread pongs than the event budget"
     delivered = pair.deliver()
     assert types(delivered)[-3:] == ["error", "response.done", "session.closed"]
     assert delivered[-1].body["reason"] == "output_backpressure"

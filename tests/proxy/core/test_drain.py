@@ -37,7 +37,7 @@ def test_every_drain_is_the_same_object_refilled() -> None:
 def test_nothing_to_do_is_the_shared_empty_output() -> None:
     drain = _core().drain(0.0, ROOM)
     assert drain.to_client is NOTHING and drain.to_upstream is NOTHING
-    assert drain.close_code is None and drain.report is None and drain.deadline is None
+    assert drain.close is None and drain.report is None and drain.deadline is None
 
 
 def test_no_room_takes_nothing_and_says_what_stays_queued() -> None:
@@ -57,20 +57,20 @@ def test_events_are_taken_in_order_while_they_fit_and_a_larger_one_alone() -> No
     small = len(frames[0].encode()) + len(frames[1].encode())
     drain = core.drain(0.0, small)
     assert [e.event.text for e in drain.to_client] == frames[:2]
-    core.written(drain.to_client, 0.0)
     drain = core.drain(0.0, 10)
     assert [e.event.is_audio for e in drain.to_client] == [True], "one event larger than the room"
 
 
-def test_the_close_code_comes_only_with_the_closure_notice() -> None:
+def test_the_close_frame_comes_once_the_session_ends_and_stays() -> None:
     core = _core()
     core.receive_upstream(response_created("r1"), 0.0)
-    core.end(0.0, EndReason.SHUTDOWN)
+    assert core.drain(0.0, 0).close is None, "an open session has no close"
+    core.receive(EndReason.SHUTDOWN, 0.0)
     first = core.drain(0.0, 1)
-    assert first.close_code is None, "the closure notice is not in this drain yet"
-    core.written(first.to_client, 0.0)
+    assert not any(e.closure for e in first.to_client), "the closure notice comes later"
+    assert first.close == (1001, b"shutdown"), "deliver what is left, then close so"
     last = core.drain(0.0, ROOM)
-    assert last.to_client[-1].closure and last.close_code == 1001
+    assert last.to_client[-1].closure and last.close == (1001, b"shutdown")
 
 
 def test_a_report_comes_only_when_something_changed() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.lifecycle import CLOSE_SERVICE_RESTART, Outcome, SessionState
+from proxy.core.lifecycle import CLOSE_SERVICE_RESTART, Fact, Outcome, SessionPhase, SessionState
 from proxy.core.resume_state import HandOver
 from tests.proxy.core.helpers import (
     SessionPair,
@@ -57,6 +57,12 @@ def _pair(
     return p
 
 
+def _handed_over(p: SessionPair) -> bool:
+    """After a drain: a requested hand-over that may begin begins there."""
+    p.collect_upstream()
+    return p.core.phase is SessionPhase.HANDED_OVER
+
+
 def _session_closes(p: SessionPair) -> list[dict[str, Any]]:
     return [f for f in p.upstream_sent if f.get("type") == "session.close"]
 
@@ -65,19 +71,19 @@ def test_a_resumable_session_is_handed_over_at_once() -> None:
     p = _pair()
     p.upstream(response_created("r1"), audio("r1", seq=0))
     assert p.core.request_hand_over() is HandOver.NOW
-    assert p.core.hand_over_due()
-    p.core.hand_over()
+    assert _handed_over(p)
+    assert _handed_over(p), "the next drain hands it over"
     # Nothing more for this client: the engine replays it on the next sidecar.
     p.upstream(audio("r1", seq=1), response_done("r1"))
     assert p.deliver() == []
     # The client's frames up to its close still reach the engine.
     assert p.client(b_audio_append()).forward
     assert p.forwarded == [b_audio_append()]
-    p.core.client_ended(p.now, dropped=True)  # not held: it resumes elsewhere
+    p.core.receive(Fact.CLIENT_DROPPED, p.now)  # not held: it resumes elsewhere
     assert p.core.state is SessionState.CLOSED
     p.collect_upstream()
     assert _session_closes(p) == [], "the engine keeps the session for the resume"
-    assert p.core.close_frame() == (CLOSE_SERVICE_RESTART, b"handed_over")
+    assert p.core.drain(p.now, 0).close == (CLOSE_SERVICE_RESTART, b"handed_over")
     assert p.core.outcome is Outcome.HANDED_OVER
     assert p.take_drops() == {}, "what the engine replays is not dropped"
 
@@ -87,12 +93,12 @@ def test_a_later_end_does_not_undo_the_hand_over() -> None:
 
     p = _pair()
     p.core.request_hand_over()
-    p.core.hand_over()
-    p.core.end(p.now, EndReason.SHUTDOWN)  # the drain deadline passes meanwhile
-    p.core.upstream_lost(p.now)
-    p.core.client_gone()
+    assert _handed_over(p), "the next drain hands it over"
+    p.core.receive(EndReason.SHUTDOWN, p.now)  # the drain deadline passes meanwhile
+    p.core.receive(Fact.ENGINE_LOST, p.now)
+    p.core.receive(Fact.CLIENT_GONE, p.now)
     p.collect_upstream()
-    assert p.core.close_frame() == (CLOSE_SERVICE_RESTART, b"handed_over")
+    assert p.core.drain(p.now, 0).close == (CLOSE_SERVICE_RESTART, b"handed_over")
     assert _session_closes(p) == []
 
 
@@ -111,8 +117,8 @@ def test_a_cancel_whose_terminal_has_not_reached_the_client_delays_the_hand_over
     if how == "engine_done_cancelled":
         # The engine cancels on its own: its response.done {cancelled} is queued, not written.
         p.upstream(response_done("r1", "cancelled"))
-    assert p.core.hand_over_wait() is HandOver.CANCEL_SETTLING
-    assert not p.core.hand_over_due()
+    assert p.core.request_hand_over() is HandOver.CANCEL_SETTLING
+    assert not _handed_over(p)
     if how == "client_cancel":
         p.upstream(
             audio("r1", seq=2), response_done("r1", "cancelled")
@@ -120,7 +126,7 @@ def test_a_cancel_whose_terminal_has_not_reached_the_client_delays_the_hand_over
     done = p.deliver()
     assert [d.type for d in done][-1] == "response.done"
     assert not any(d.is_audio for d in done), "late audio filtered as always"
-    assert p.core.hand_over_due(), "the client has the cancel's terminal: hand over now"
+    assert _handed_over(p), "the client has the cancel's terminal: hand over now"
 
 
 def test_a_cancel_racing_a_create_delays_the_hand_over_until_the_response_exists() -> None:
@@ -130,7 +136,7 @@ def test_a_cancel_racing_a_create_delays_the_hand_over_until_the_response_exists
     assert p.core.request_hand_over() is HandOver.CANCEL_SETTLING
     p.upstream(response_created("r1"), response_done("r1", "cancelled"))
     p.deliver()
-    assert p.core.hand_over_due()
+    assert _handed_over(p)
 
 
 @pytest.mark.parametrize(
@@ -146,21 +152,21 @@ def test_a_session_that_cannot_resume_is_not_handed_over(
 ) -> None:
     p = _pair(**kwargs)
     assert p.core.request_hand_over() is wait
-    assert not p.core.hand_over_requested and not p.core.hand_over_due()
+    assert not p.core.hand_over_requested and not _handed_over(p)
 
 
 def test_a_held_session_is_handed_over_and_its_grace_stops() -> None:
     p = _pair(client_resumes=False)  # it dropped before it could say; held all the same
-    assert p.core.client_ended(p.now, dropped=True), "held for a resume"
+    assert p.core.receive(Fact.CLIENT_DROPPED, p.now), "held for a resume"
     assert p.core.request_hand_over() is HandOver.NOW
-    p.core.hand_over()
-    assert p.core.next_deadline() is None, "no grace of its own: the engine's runs"
+    assert _handed_over(p), "the next drain hands it over"
+    assert p.deadline() is None, "no grace of its own: the engine's runs"
 
 
 def test_a_client_that_resumed_here_resumes_after_a_hand_over_too() -> None:
     p = _pair(client_resumes=False)
-    p.core.client_ended(p.now, dropped=True)
-    assert p.core.reattach(0, p.now, token=p.core.next_resume_token())
+    p.core.receive(Fact.CLIENT_DROPPED, p.now)
+    assert p.resume(0) == (True, None)
     assert p.core.request_hand_over() is HandOver.NOW
 
 
@@ -175,12 +181,12 @@ def test_a_session_still_opening_is_handed_over_once_its_token_reached_the_clien
     p = SessionPair(settings=replace(make_settings(), client_resume_grace=30.0))
     p.core.client_resumes = True
     assert p.core.request_hand_over() is HandOver.OPENING
-    assert p.core.hand_over_requested and not p.core.hand_over_due()
+    assert p.core.hand_over_requested and not _handed_over(p)
     p.upstream(_created())
     # Queued, not written: a client without the engine's token could not resume.
-    assert not p.core.hand_over_due()
+    assert not _handed_over(p)
     assert [d.type for d in p.deliver()] == ["session.created"]
-    assert p.core.hand_over_due()
+    assert _handed_over(p)
 
 
 def test_a_new_engine_token_must_reach_the_client_before_the_hand_over() -> None:
@@ -192,9 +198,9 @@ def test_a_new_engine_token_must_reach_the_client_before_the_hand_over() -> None
         .replace("engine-token", "engine-token-2")
     )
     assert p.core.request_hand_over() is HandOver.OPENING
-    assert not p.core.hand_over_due()
+    assert not _handed_over(p)
     p.deliver()
-    assert p.core.hand_over_due()
+    assert _handed_over(p)
 
 
 def test_a_session_the_engine_opened_without_resume_drains() -> None:
@@ -203,5 +209,5 @@ def test_a_session_the_engine_opened_without_resume_drains() -> None:
     p.core.request_hand_over()
     p.upstream(_created(resumable=False))
     p.deliver()
-    assert p.core.hand_over_wait() is HandOver.NOT_RESUMABLE
-    assert not p.core.hand_over_due()
+    assert p.core.request_hand_over() is HandOver.NOT_RESUMABLE
+    assert not _handed_over(p)

@@ -16,6 +16,7 @@ import pytest
 
 from proxy.core.lifecycle import (
     SESSION_TRANSITIONS,
+    Fact,
     InvalidState,
     SessionEvent,
     SessionState,
@@ -79,11 +80,11 @@ def test_the_core_moves_open_closing_closed_on_its_closure() -> None:
     assert p.core.state is S.CLOSING
     p.deliver()
     assert p.core.state is S.CLOSED
-    p.core.client_gone()  # a second end report changes nothing
+    p.core.receive(Fact.CLIENT_GONE, p.now)  # a second end report changes nothing
     assert p.core.state is S.CLOSED
 
 
 def test_the_core_moves_open_closed_when_the_client_goes() -> None:
     p = SessionPair()
-    p.core.client_gone()
+    p.core.receive(Fact.CLIENT_GONE, p.now)
     assert p.core.state is S.CLOSED

@@ -71,7 +71,7 @@ class TestPacing:
         p.upstream(response_created("r1"), chunk("r1", 0), chunk("r1", 1))
         p.upstream(transcript_delta("r1"), response_done("r1"))
         assert types(p.deliver()) == ["response.created", "response.output_audio.delta"]
-        assert p.core.next_deadline() == pytest.approx(p.now + 0.1)
+        assert p.deadline() == pytest.approx(p.now + 0.1)
         assert p.take() is None, "nothing ready until then"
         p.tick(0.1)
         assert types(p.deliver()) == [
@@ -99,7 +99,7 @@ class TestPacing:
     def test_closing_delivers_held_audio_at_once(self) -> None:
         p = pair(pacing=True, max_audio_lead=0.0)
         p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(10)])
-        p.core.end(p.now, EndReason.SHUTDOWN)
+        p.core.receive(EndReason.SHUTDOWN, p.now)
         delivered = p.deliver()
         assert types(delivered)[-1] == "session.closed"
         assert len([d for d in delivered if d.is_audio]) == 10
@@ -107,7 +107,7 @@ class TestPacing:
     def test_off_releases_everything_at_once(self) -> None:
         p = pair(pacing=False)
         p.upstream(response_created("r1"), *[chunk("r1", i) for i in range(10)])
-        assert len(p.deliver()) == 11 and p.core.next_deadline() is None
+        assert len(p.deliver()) == 11 and p.deadline() is None
 
     def test_held_audio_must_fit_the_output_budget(self) -> None:
         with pytest.raises(ValueError, match="max_paced_audio_bytes"):

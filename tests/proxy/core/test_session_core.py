@@ -1,7 +1,7 @@
 """SessionCore (proxy/core/session_core.py): the per-session policy, through SessionPair.
 
 One class per behaviour (docs/design.md, Per-session data path; Cancellation; Overflow policy;
-Admission and lifecycle; docs/engine-protocol.md, Bounded output upstream; Late audio after a
+ClientVerdict and lifecycle; docs/engine-protocol.md, Bounded output upstream; Late audio after a
 cancel): what the
 client receives, in what order, what the proxy sends upstream itself, close
 codes, drop counts and observations. Properties at the end drive random
@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.core.lifecycle import Fact
 from proxy.core.session_core import (
     CLOSE_ABNORMAL_ENGINE,
     CLOSE_GOING_AWAY,
@@ -470,7 +471,7 @@ class TestInvalidClientFrames:
 
     def test_after_close_no_error_is_queued(self) -> None:
         p = pair()
-        p.core.end(0.0, EndReason.SHUTDOWN)
+        p.core.receive(EndReason.SHUTDOWN, 0.0)
         assert not p.client("nope").forward
         out = p.deliver()
         assert types(out) == ["session.closed"]
@@ -618,8 +619,8 @@ class TestOverflowCloseSession:
     def test_shed_by_process_total(self) -> None:
         p = pair()
         p.upstream(h.session_created("duplex-s"), h.response_created("r1"), h.audio("r1"))
-        p.core.shed(p.now)
-        p.core.shed(p.now)  # idempotent
+        p.core.receive(Fact.SHED, p.now)
+        p.core.receive(Fact.SHED, p.now)  # idempotent
         p.collect_upstream()
         out = p.deliver()
         assert types(out) == [
@@ -819,7 +820,7 @@ class TestLifecycle:
     def test_upstream_lost(self) -> None:
         p = pair()
         p.upstream(h.session_created("duplex-l"), h.response_created("r1"), h.audio("r1"))
-        p.core.upstream_lost(p.now)
+        p.core.receive(Fact.ENGINE_LOST, p.now)
         p.upstream(h.audio("r1", seq=5))  # nothing more is accepted
         out = p.deliver()
         assert types(out) == [
@@ -839,7 +840,7 @@ class TestLifecycle:
 
     def test_upstream_closed_cleanly(self) -> None:
         p = pair()
-        p.core.upstream_lost(0.0, clean=True)
+        p.core.receive(Fact.UPSTREAM_CLOSED, 0.0)
         out = p.deliver()
         assert types(out) == ["session.closed"]
         assert_closed(out[0], "upstream_closed")
@@ -849,7 +850,7 @@ class TestLifecycle:
     def test_shutdown(self) -> None:
         p = pair()
         p.upstream(h.session_created("duplex-z"), h.response_created("r1"))
-        p.core.end(p.now, EndReason.SHUTDOWN)
+        p.core.receive(EndReason.SHUTDOWN, p.now)
         p.collect_upstream()
         out = p.deliver()
         assert types(out) == ["session.created", "response.created", "session.closed"]
@@ -860,9 +861,9 @@ class TestLifecycle:
 
     def test_first_close_wins(self) -> None:
         p = pair()
-        p.core.upstream_lost(0.0)
-        p.core.end(0.0, EndReason.SHUTDOWN)
-        p.core.shed(0.0)
+        p.core.receive(Fact.ENGINE_LOST, 0.0)
+        p.core.receive(EndReason.SHUTDOWN, 0.0)
+        p.core.receive(Fact.SHED, 0.0)
         out = p.deliver()
         assert [d.type for d in out] == ["error", "session.closed"]
         assert out[-1].body["reason"] == "engine_unavailable"
@@ -906,24 +907,24 @@ class TestLifecycle:
     def test_client_gone(self) -> None:
         p = pair()
         p.upstream(h.response_created("r1"))
-        p.core.client_gone()
+        p.core.receive(Fact.CLIENT_GONE, p.now)
         assert state(p) is SessionState.CLOSED
         assert p.core.outcome is Outcome.CLIENT_CLOSED
-        p.core.client_gone()
+        p.core.receive(Fact.CLIENT_GONE, p.now)
         p.collect_upstream()
         assert p.upstream_sent == [{"type": "session.close", "reason": "client_close"}]
 
     def test_client_gone_after_own_session_close_sends_nothing_more(self) -> None:
         p = pair()
         p.client(h.b_session_close())
-        p.core.client_gone()
+        p.core.receive(Fact.CLIENT_GONE, p.now)
         p.collect_upstream()
         assert p.upstream_sent == []
 
     def test_client_gone_keeps_earlier_outcome(self) -> None:
         p = pair()
-        p.core.end(0.0, EndReason.SHUTDOWN)
-        p.core.client_gone()
+        p.core.receive(EndReason.SHUTDOWN, 0.0)
+        p.core.receive(Fact.CLIENT_GONE, p.now)
         assert p.core.outcome is Outcome.SHUTDOWN
         p.collect_upstream()
         assert p.upstream_sent == [{"type": "session.close", "reason": "shutdown"}]
@@ -935,22 +936,21 @@ class TestLifecycle:
 
 
 class TestObservations:
-    def test_cancel_to_silence_with_a_chunk_already_being_written(self) -> None:
+    def test_cancel_to_silence_ignores_a_chunk_written_before_the_cancel(self) -> None:
         p = pair()
         p.upstream(h.response_created("r1"), h.audio("r1", seq=0), h.audio("r1", seq=1))
         p.deliver(1)
         p.now = 1.0
-        entry = p.take()  # writing started: this chunk goes out
+        entry = p.take()  # drained: written at 1.0, before the cancel
         assert entry is not None
-        p.client(h.b_response_cancel())
         p.now = 1.25
-        p.write(entry)
+        p.client(h.b_response_cancel())
         assert tuple(map(list, p.take_observations())) == ([], [])
         p.now = 2.0
         p.upstream(h.response_done("r1", "cancelled"))
         p.deliver()
         silence, first = p.take_observations()
-        assert silence == [pytest.approx(0.25)]
+        assert silence == [pytest.approx(0.0)]
         assert first == []
         assert tuple(map(list, p.take_observations())) == ([], [])
 
@@ -980,7 +980,7 @@ class TestObservations:
         p.upstream(h.response_created("r1"))
         p.client(h.b_response_cancel("r1"))
         assert list(p.take_observations()[0]) == []
-        p.core.finish()
+        p.core.receive(Fact.FINISHED, p.now)
         assert p.take_observations()[0] == [0.0]
 
     def test_first_audio_from_response_create(self) -> None:
@@ -1193,9 +1193,9 @@ class TestProperties:
             assert stats.pending_events - stats.reserve_events <= max_events
             assert stats.pending_bytes - stats.reserve_bytes <= max_bytes
         if end == "shutdown":
-            run.p.core.end(run.p.now, EndReason.SHUTDOWN)
+            run.p.core.receive(EndReason.SHUTDOWN, run.p.now)
         elif end == "upstream_lost":
-            run.p.core.upstream_lost(run.p.now)
+            run.p.core.receive(Fact.ENGINE_LOST, run.p.now)
         run.finish()
         out = run.p.deliveries
 
@@ -1287,7 +1287,6 @@ class TestDrain:
         room = len(h.response_created("r1")) + len(h.audio("r1", 400, seq=0))
         out = p.core.drain(p.now, room)
         assert [e.event.type for e in out.to_client] == ["response.created", AUDIO]
-        p.core.written(out.to_client, p.now)
         out = p.core.drain(p.now, 1)
         assert len(out.to_client) == 1, "one event larger than the room still goes alone"
 
@@ -1299,16 +1298,17 @@ class TestDrain:
         assert list(out.to_client) == []
         assert [json.loads(f)["type"] for f in out.to_upstream] == ["response.cancel"]
 
-    def test_the_close_code_comes_with_the_closure_notice(self) -> None:
+    def test_the_close_frame_comes_once_the_session_is_over(self) -> None:
         p = pair()
         p.upstream(h.response_created("r1"))
-        p.core.end(p.now, EndReason.SHUTDOWN)
+        assert p.core.drain(p.now, 0).close is None, "open: no close"
+        p.core.receive(EndReason.SHUTDOWN, p.now)
         out = p.core.drain(p.now, 1)
-        assert out.close_code is None, "the closure comes after what was queued before it"
-        p.core.written(out.to_client, p.now)
+        assert [e.event.type for e in out.to_client] == ["response.created"]
+        assert out.close == (CLOSE_GOING_AWAY, b"shutdown"), "closing: deliver, then close"
         out = p.core.drain(p.now, 1 << 20)
         assert [e.event.type for e in out.to_client] == ["session.closed"]
-        assert out.close_code == CLOSE_GOING_AWAY
+        assert out.close == (CLOSE_GOING_AWAY, b"shutdown")
 
     def test_a_report_only_when_something_changed(self) -> None:
         p = pair()
@@ -1356,6 +1356,8 @@ class Resumable:
         )
         self.p = SessionPair(settings=settings)
         self.seq = 0
+        #: What the last ``resume`` was told besides (``SessionCore.attach``).
+        self.notice: str | None = None
         created = {
             "type": "session.created",
             "event_id": "event_sc",
@@ -1378,11 +1380,12 @@ class Resumable:
         return seqs
 
     def drop(self) -> bool:
-        return self.p.core.client_ended(self.p.now, dropped=True)
+        return self.p.core.receive(Fact.CLIENT_DROPPED, self.p.now)
 
     def resume(self, cursor: int) -> tuple[bool, list[Delivered]]:
-        core = self.p.core
-        if not core.reattach(cursor, self.p.now, token=core.next_resume_token()):
+        """Resume at ``cursor``; ``notice`` keeps what ``attach`` said besides."""
+        resumed, self.notice = self.p.resume(cursor)
+        if not resumed:
             return False, []
         return True, self.p.deliver(1000)
 
@@ -1399,7 +1402,6 @@ class TestResumeHeld:
         assert r.drop()
         assert r.p.core.held
         assert r.p.core.drain(r.p.now, 0).deadline == 5.0 + GRACE
-        assert r.p.core.next_deadline() == 5.0 + GRACE
 
     def test_when_the_grace_runs_out_the_session_ends_as_a_normal_close(self) -> None:
         r = Resumable()
@@ -1419,7 +1421,7 @@ class TestResumeHeld:
         p = r.p if r is not None else pair()
         if how == "session_close":
             p.client(h.b_session_close())
-        held = p.core.client_ended(p.now, dropped=how != "close_frame")
+        held = p.fact(Fact.CLIENT_CLOSED if how == "close_frame" else Fact.CLIENT_DROPPED)
         assert not held
         assert not p.core.held
 
@@ -1449,7 +1451,7 @@ class TestResumeReplay:
         cursor = seqs_of(r.p.deliver())[0]
         r.drop()
         core = r.p.core
-        assert core.reattach(cursor, r.p.now, token=core.next_resume_token())
+        assert r.p.resume(cursor) == (True, None)
         report = core.drain(r.p.now, 0).report
         assert report is not None
         assert report.replayed == 5 - 1
@@ -1487,7 +1489,8 @@ class TestResumeGap:
         assert not resumed
         assert out == []
         assert r.p.core.held, "still held: a resume from a later cursor may come"
-        notice = json.loads(r.p.core.resync_notice())
+        assert r.notice is not None, "the new connection is told why"
+        notice = json.loads(r.notice)
         assert notice["type"] == "session.resync_required"
         assert notice["reason"] == "journal_gap"
         assert notice["session_id"] == "duplex-1"
@@ -1511,10 +1514,10 @@ class TestResumeTokens:
         r = Resumable()
         r.drop()
         core = r.p.core
-        token = core.next_resume_token()
-        assert core.reattach(0, r.p.now, token=token)
+        assert r.p.resume(0) == (True, None)
         out = r.p.deliver(10)
-        assert out[0].body["resume_token"] == token
+        token = out[0].body["resume_token"]
+        assert token != r.created_token
         assert core.resume_token_matches(token)
         assert not core.resume_token_matches(r.created_token), "a spent token"
 
@@ -1525,7 +1528,8 @@ class TestResumeTokens:
         resumed, out = r.resume(r.seq)
         assert resumed
         assert out[0].body["attachment_generation"] == 1
-        replaced = json.loads(r.p.core.replaced_notice())
+        assert r.notice is not None, "the connection left behind is told"
+        replaced = json.loads(r.notice)
         assert replaced["type"] == "session.replaced"
         assert replaced["session_id"] == "duplex-1"
         assert replaced["attachment_generation"] == 0

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from proxy.core.lifecycle import EndReason, SessionState
+from proxy.core.lifecycle import EndReason, Fact, SessionState
 from proxy.core.playback_state import AckMode, PlaybackSettings
 from proxy.core.session_core import SessionCore
-from proxy.core.telemetry import DropReason
 from tests.proxy.core.helpers import (
     SessionPair,
     audio,
@@ -24,7 +23,6 @@ from tests.proxy.core.helpers import (
     dumps,
     make_settings,
     response_created,
-    transcript_delta,
 )
 
 
@@ -49,11 +47,10 @@ def test_a_replay_longer_than_a_room_goes_out_whole_before_what_queued_meanwhile
     }
     pair.upstream(_numbered(1, created), *(_audio(seq) for seq in range(2, 7)))
     assert [d.body.get("server_event_seq") for d in pair.deliver()] == [1, 2, 3, 4, 5, 6]
-    assert pair.core.client_ended(pair.now, dropped=True)
+    assert pair.core.receive(Fact.CLIENT_DROPPED, pair.now)
     done = {"type": "response.output_audio.done", "response_id": "resp_1", "item_id": "item_1"}
     pair.upstream(_numbered(7, done))  # live, queued while held
-    token = pair.core.next_resume_token()
-    assert pair.core.reattach(1, pair.now, token=token)  # it saw only session.created
+    assert pair.resume(1) == (True, None)  # it saw only session.created
     written: list[dict[str, object]] = []
     room = len(_audio(2)) + 100  # one audio event per room, with space left over
     for _ in range(20):
@@ -61,7 +58,6 @@ def test_a_replay_longer_than_a_room_goes_out_whole_before_what_queued_meanwhile
         if not out.to_client:
             break
         written += [json.loads(entry.event.text) for entry in out.to_client]
-        pair.core.written(out.to_client, pair.now)
     assert written[0]["type"] == "session.resumed"
     assert [e["server_event_seq"] for e in written[1:]] == [2, 3, 4, 5, 6, 7]
 
@@ -77,9 +73,9 @@ def test_a_reattached_idle_session_has_output_waiting_with_nothing_queued() -> N
     }
     pair.upstream(_numbered(1, created))
     pair.deliver()
-    assert pair.core.client_ended(pair.now, dropped=True)
+    assert pair.core.receive(Fact.CLIENT_DROPPED, pair.now)
     assert not pair.core.output_waiting
-    assert pair.core.reattach(1, pair.now, token=pair.core.next_resume_token())
+    assert pair.resume(1) == (True, None)
     assert pair.core.pending_events == 0 and pair.core.output_waiting
     assert [d.type for d in pair.deliver()] == ["session.resumed"]
     assert not pair.core.output_waiting
@@ -94,25 +90,14 @@ def _core(**settings: object) -> SessionCore:
     )
 
 
-def test_what_the_shell_could_not_write_is_dropped_as_session_closed() -> None:
-    core = _core()
-    frames = [response_created("r1"), transcript_delta("r1")]
-    for text in frames:
-        core.receive_upstream(text, 0.0)
-    drain = core.drain(0.0, ROOM)
-    core.not_written(drain.to_client)
-    size = sum(len(text.encode()) for text in frames)
-    assert core.drop_totals()[DropReason.SESSION_CLOSED] == (2, size)
-
-
 def test_writing_the_closure_notice_closes_the_session() -> None:
     core = _core()
-    core.end(0.0, EndReason.SHUTDOWN)
+    core.receive(EndReason.SHUTDOWN, 0.0)
     assert core.state is SessionState.CLOSING
     drain = core.drain(0.0, ROOM)
-    assert drain.to_client[-1].closure
-    core.written(drain.to_client, 0.0)
+    assert drain.to_client[-1].closure, "what a drain takes counts as written"
     assert core.state is SessionState.CLOSED
+    assert drain.close == (1001, b"shutdown"), "and the client closes with the ending's frame"
     assert core.drain(0.0, ROOM).to_client == (), "the closure notice is written once"
 
 
@@ -121,13 +106,11 @@ def test_first_audio_is_timed_from_the_request_to_the_first_audio_written() -> N
     core.receive_client(b_response_create(), 1.0)
     core.receive_upstream(response_created("r1"), 1.2)
     core.receive_upstream(audio("r1", 400, seq=1), 1.3)
-    drain = core.drain(1.4, ROOM)
-    core.written(drain.to_client, 1.5)
-    report = core.drain(1.5, 0).report
+    report = core.drain(1.5, ROOM).report  # the drain that writes it reports it
     assert report is not None
     assert list(report.first_audio) == [0.5], "asked at 1.0, first audio written at 1.5"
     core.receive_upstream(audio("r1", 400, seq=2), 1.6)
-    core.written(core.drain(1.6, ROOM).to_client, 1.7)
+    core.drain(1.6, ROOM)
     later = core.drain(1.8, 0).report
     assert later is None or not later.first_audio, "once per response"
 
@@ -139,16 +122,14 @@ def test_paced_audio_sets_the_one_deadline_and_the_timer_releases_it() -> None:
         core.receive_upstream(audio("r1", 6400, seq=seq), 0.0)
     drain = core.drain(0.0, ROOM)
     first = len(drain.to_client)
-    core.written(drain.to_client, 0.0)
-    deadline = core.next_deadline()
+    deadline = drain.deadline
     assert deadline is not None and deadline > 0.0
     assert core.pending_events == 6 - first, "the rest waits for the client to play"
-    core.on_timer(deadline)
+    core.receive(Fact.TIMER, deadline)
     assert core.drain(deadline, ROOM).to_client, "released at the deadline"
 
 
 def test_without_pacing_acks_or_a_grace_there_is_no_deadline() -> None:
     core = _core()
     core.receive_upstream(response_created("r1"), 0.0)
-    core.written(core.drain(0.0, ROOM).to_client, 0.0)
-    assert core.next_deadline() is None
+    assert core.drain(0.0, ROOM).deadline is None

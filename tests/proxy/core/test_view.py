@@ -79,7 +79,7 @@ def test_the_statistics_are_a_frozen_snapshot_of_the_session() -> None:
     assert stats.state is SessionState.OPEN and stats.session_id == "duplex-7"
     assert stats.buffer.pending_events == core.pending_events == 3
     assert stats.active_response == "r1" and stats.open_responses == ("r1",)
-    core.written(core.drain(0.0, ROOM).to_client, 0.0)
+    core.drain(0.0, ROOM)
     assert stats.buffer.pending_events == 3, "a snapshot, not a live view"
     with pytest.raises(AttributeError):
         stats.overflows = 1  # type: ignore[misc]
@@ -87,7 +87,7 @@ def test_the_statistics_are_a_frozen_snapshot_of_the_session() -> None:
 
 def test_an_ended_session_shows_its_outcome_and_close_code() -> None:
     core = _core()
-    core.end(0.0, EndReason.SHUTDOWN)
+    core.receive(EndReason.SHUTDOWN, 0.0)
     assert core.closing and core.state is SessionState.CLOSING
     assert core.outcome is Outcome.SHUTDOWN and core.close_code == 1001
 

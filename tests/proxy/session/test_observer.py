@@ -17,7 +17,9 @@ from proxy.session.observer import LIFECYCLE_EVENTS, SessionObserver
 from proxy.session.registry import SessionRegistry
 from tests.proxy.core.helpers import (
     audio,
+    b_audio_append,
     b_response_cancel,
+    b_response_create,
     error,
     make_settings,
     response_created,
@@ -47,10 +49,10 @@ def _events(prometheus: CollectorRegistry, direction: str, kind: str) -> float:
 
 
 def test_counts_reach_the_counters_at_a_flush_each_once() -> None:
-    observer, _, prometheus = _observer()
-    observer.client_event(100, forwarded=True, audio=True)
-    observer.client_event(20, forwarded=True)
-    observer.client_event(5, forwarded=False)
+    observer, core, prometheus = _observer()
+    append, create = b_audio_append(), b_response_create()
+    for text in (append, create, "not json"):
+        observer.client_frame(len(text), core.receive_client(text, 0.0))
     for text in (audio("r1", 400), response_created("r1"), error()):
         observer.upstream_event(classify_upstream(text))
     observer.upstream_event(classify_upstream("not json"))
@@ -61,9 +63,9 @@ def test_counts_reach_the_counters_at_a_flush_each_once() -> None:
     assert _events(prometheus, "client_to_upstream", "audio") == 1
     assert _events(prometheus, "client_to_upstream", "control") == 1
     assert _events(prometheus, "client_to_upstream", "invalid") == 1
-    assert (
-        _value(prometheus, "omni_sidecar_bytes_total", {"direction": "client_to_upstream"}) == 120
-    )
+    assert _value(
+        prometheus, "omni_sidecar_bytes_total", {"direction": "client_to_upstream"}
+    ) == len(append) + len(create)
     for kind in ("audio", "control", "error", "invalid"):
         assert _events(prometheus, "upstream_to_client", kind) == 1, kind
     assert observer.unflushed() == (0, 0, 0, 0)
@@ -85,8 +87,7 @@ def test_a_drains_report_is_exported_and_the_lifecycle_noted() -> None:
 
 def test_the_end_counts_the_outcome_once_and_notes_the_close() -> None:
     observer, core, prometheus = _observer()
-    core.end(0.0, EndReason.SHUTDOWN)
-    core.written(core.drain(0.0, ROOM).to_client, 0.0)
+    core.receive(EndReason.SHUTDOWN, 0.0)
     observer.after_drain(core.drain(0.0, ROOM))
     observer.session_end()
     assert _value(prometheus, "omni_sidecar_sessions_total", {"outcome": "shutdown"}) == 1

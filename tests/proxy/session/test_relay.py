@@ -26,7 +26,7 @@ from proxy.core.events import UpstreamEvent
 from proxy.core.lifecycle import SessionState
 from proxy.core.playback import AckMode, PlaybackSettings
 from proxy.core.resume_state import HandOver
-from proxy.core.session_core import ACK_RIDE_WAIT, OverflowPolicy, SessionSettings
+from proxy.core.session_core import ACK_RIDE_WAIT, ClientDecision, OverflowPolicy, SessionSettings
 from proxy.core.view import SessionView
 from proxy.session.client_side import ClientSide
 from proxy.session.limits import RelayLimits
@@ -59,7 +59,7 @@ class Observer:
     def watch(self, view: SessionView) -> None:
         pass
 
-    def client_event(self, size: int, *, forwarded: bool, audio: bool = False) -> None:
+    def client_frame(self, size: int, decision: ClientDecision) -> None:
         self.client_events += 1
 
     def upstream_event(self, event: UpstreamEvent) -> None:

@@ -115,9 +115,9 @@ def test_close_deadline_fires_budget_seconds_after_it_is_first_armed(
         drain_timeout=budget if engine_lost else other,
     )
     scheduler.advance(7.0)
-    timers.arm_close_deadline(engine_lost=engine_lost)
+    timers.arm_close_deadline(1011 if engine_lost else 1000)
     scheduler.advance(1.0)
-    timers.arm_close_deadline(engine_lost=not engine_lost)  # re-arming changes nothing
+    timers.arm_close_deadline(1000 if engine_lost else 1011)  # re-arming changes nothing
     scheduler.advance(budget - 1.0 - 0.001 if budget > 1.0 else 0.0)
     if budget > 1.0:
         assert listener.of("deadline") == []
