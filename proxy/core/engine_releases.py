@@ -64,6 +64,9 @@ class EngineRelease:
         openai_realtime_handler: a model served without ``session_mode:
             duplex`` gets the plain OpenAI-style ``/v1/realtime`` handler
             (which answers ``playback.ack`` ``invalid_event``).
+        semantic_vad: ``turn_detection`` {type: ``semantic_vad``} is known; a
+            deployment without its model answers ``error``
+            {``semantic_vad_unavailable``}.
     """
 
     version: EngineVersion
@@ -74,6 +77,7 @@ class EngineRelease:
     audio_only_acks_never_late: bool
     open_rejections_retryable: bool
     openai_realtime_handler: bool
+    semantic_vad: bool
 
 
 #: Every release, oldest first. A new release: one row here, then the
@@ -88,6 +92,7 @@ RELEASES: Final[tuple[EngineRelease, ...]] = (
         audio_only_acks_never_late=False,
         open_rejections_retryable=False,
         openai_realtime_handler=False,
+        semantic_vad=False,
     ),
     EngineRelease(
         version=EngineVersion.V0_31,
@@ -98,6 +103,7 @@ RELEASES: Final[tuple[EngineRelease, ...]] = (
         audio_only_acks_never_late=False,
         open_rejections_retryable=False,
         openai_realtime_handler=True,
+        semantic_vad=False,
     ),
     EngineRelease(
         version=EngineVersion.V0_32,
@@ -108,6 +114,7 @@ RELEASES: Final[tuple[EngineRelease, ...]] = (
         audio_only_acks_never_late=True,
         open_rejections_retryable=True,
         openai_realtime_handler=True,
+        semantic_vad=True,
     ),
 )
 
