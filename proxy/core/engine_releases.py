@@ -1,10 +1,11 @@
 """The vLLM-Omni releases the sidecar tells apart: one row of named capabilities each.
 
-The one place a release is written (docs/design.md, New engine release).
-:mod:`proxy.core.capabilities` derives from it; the copies kept where it may
-not be imported (``engine.version``'s choices, the metric label values, the
-simulator's rows) are checked against it by tests/proxy/core/test_engine_releases.py.
-Pure data, no I/O; use sites read a capability by name, never compare versions.
+The one place a release is written (docs/design.md, New engine release): the
+capabilities, the OpenAI dialect's tables, ``engine.version``'s choices and the
+metric label values derive from it. Pure data importing only the standard
+library, so the launcher and the metrics may import it too (docs/design.md,
+Dependency direction); only the simulator, another process, keeps its own rows.
+Use sites read a capability by name, never compare versions.
 """
 
 from __future__ import annotations
