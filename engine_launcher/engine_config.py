@@ -18,6 +18,7 @@ from typing import Final, Literal, get_args
 from urllib.parse import urlsplit
 
 from engine_launcher.setting_schema import SECONDS, setting
+from proxy.core.engine_releases import RELEASES
 
 __all__ = [
     "DEFAULT_HEALTH_FAILURES",
@@ -35,20 +36,17 @@ __all__ = [
     "EngineConfig",
     "EngineConfigError",
     "EngineKind",
-    "EngineVersionSetting",
     "ProbeKind",
 ]
 
 EngineKind = Literal["simulator", "vllm-omni", "command", "external"]
 ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
 """Every valid ``kind`` (docs/design.md, Engine supervision)."""
-#: ``auto`` and every release of proxy/core/engine_releases.py, oldest first (a
-#: Literal for the type checker and the settings' choices; the launcher may not
-#: import the proxy, so tests/proxy/core/test_engine_releases.py checks it).
-EngineVersionSetting = Literal["auto", "0.30", "0.31", "0.32"]
-ENGINE_VERSIONS: Final[tuple[str, ...]] = get_args(EngineVersionSetting)
-"""Every valid ``version`` (docs/design.md, Engine capabilities)."""
-_RELEASES: Final = ENGINE_VERSIONS[1:]
+#: The releases of proxy/core/engine_releases.py, oldest first (the one module of the
+#: proxy the launcher may import: tests/test_architecture.py, SHARED_LEAVES).
+_RELEASES: Final[tuple[str, ...]] = tuple(r.version.value for r in RELEASES)
+ENGINE_VERSIONS: Final[tuple[str, ...]] = ("auto", *_RELEASES)
+"""Every valid ``version``: ``auto`` and each release (docs/design.md, Engine capabilities)."""
 
 ProbeKind = Literal["auto", "health", "websocket", "tcp"]
 PROBE_KINDS: Final[tuple[str, ...]] = get_args(ProbeKind)
@@ -292,7 +290,7 @@ class EngineConfig:
         example='["ws://10.0.0.5:8091", "ws://10.0.0.6:8091"]',
         metavar="URLS",
     )
-    version: EngineVersionSetting = setting(  # noqa: RUF009 - a dataclasses.field
+    version: str = setting(
         "auto",
         help="vLLM-Omni behaviour to expect: "
         + "".join(f'"{release}", ' for release in _RELEASES)
@@ -303,6 +301,7 @@ class EngineConfig:
         "(docs/design.md, Engine capabilities). "
         "Shown in /debug/summary and omni_sidecar_engine_info.",
         metavar="VERSION",
+        choices=ENGINE_VERSIONS,
     )
 
     def __post_init__(self) -> None:

@@ -2,9 +2,10 @@
 
 A setting is one dataclass field made with :func:`setting` (its default and a
 :class:`SettingDoc`); this module turns the field into a :class:`SettingSpec`
-(key, :class:`ValueType` from the annotation, a ``Literal``'s choices, env var,
-flag), which everything after the declaration reads. The declarations are in
-``proxy.settings.proxy_settings`` and ``engine_launcher.engine_config``.
+(key, :class:`ValueType` from the annotation, the choices of a ``Literal`` or of
+the declaration, env var, flag), which everything after the declaration reads.
+The declarations are in ``proxy.settings.proxy_settings`` and
+``engine_launcher.engine_config``.
 docs/design.md, Settings.
 """
 
@@ -80,6 +81,9 @@ class SettingDoc:
             with a message that does not repeat the key.
         mask: Returns the value with its secret parts replaced by ``***``, for
             ``--print-config``; ``None`` when the value holds no secret.
+        choices: The values a ``str`` setting accepts, where they are data
+            (``engine.version``: the releases of a table) and so cannot be a
+            ``Literal``; empty: any string (or the ``Literal``'s).
     """
 
     help: str
@@ -94,6 +98,7 @@ class SettingDoc:
     argv: bool = False
     check: Callable[[Any], None] | None = None
     mask: Callable[[Any], Any] | None = None
+    choices: tuple[str, ...] = ()
 
 
 def setting(default: _T, **doc: Any) -> _T:
@@ -149,7 +154,8 @@ class SettingSpec:
         type: How text is parsed and which TOML type is expected.
         default: The declared default.
         doc: The declaration's :class:`SettingDoc`.
-        choices: Allowed values of a ``Literal`` type, else empty.
+        choices: Allowed values (a ``Literal`` type's, or :attr:`SettingDoc.choices`),
+            else empty.
     """
 
     key: str
@@ -173,9 +179,13 @@ class SettingSpec:
 
 
 def type_of(hint: object, doc: SettingDoc) -> tuple[ValueType, tuple[str, ...]]:
-    """Map a field's annotation to the loader's value type (and Literal choices)."""
+    """Map a field's annotation to the loader's value type (and its choices)."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if doc.choices:
+        if hint is not str:
+            raise TypeError(f"declared choices need a str setting, not {hint!r}")
+        return ValueType.STR, doc.choices
     if origin is Literal:
         return ValueType.STR, tuple(str(a) for a in args)
     if origin in (typing.Union, types.UnionType) and type(None) in args:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from proxy.core.engine_releases import EngineVersion
+
 __all__ = [
     "ACK_ERROR_CODES",
     "AUDIO_LEAD_BUCKETS",
@@ -159,9 +161,10 @@ ENGINE_RESTART_REASONS: Final = ("exited", "unhealthy", "start_failed")
 ENGINE_REPLICAS: Final = tuple(str(index) for index in range(64))
 #: A SIGHUP reload either applied (its live part) or was rejected (old config kept).
 CONFIG_RELOAD_RESULTS: Final = ("applied", "rejected")
-#: engine_info's ``version``: proxy.core.engine_releases.EngineVersion values (the
-#: releases of that table; tests/proxy/core/test_engine_releases.py checks them).
-ENGINE_VERSIONS: Final = ("unknown", "0.30", "0.31", "0.32")
+#: engine_info's ``version``: the EngineVersion values of proxy/core/engine_releases.py
+#: (``unknown`` and each release; the one module of the proxy the metrics may import:
+#: tests/test_architecture.py, SHARED_LEAVES).
+ENGINE_VERSIONS: Final[tuple[str, ...]] = tuple(v.value for v in EngineVersion)
 #: engine_info's ``source``: proxy.core.capabilities.CapabilitySource values.
 CAPABILITY_SOURCES: Final = ("unknown", "wire", "preflight", "config")
 #: engine_ack_errors_total's ``code``: proxy.core.playback.AckErrorCode values

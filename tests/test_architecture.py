@@ -7,6 +7,9 @@ which other parts each layer may import (docs/design.md draws the same table):
 * ``core`` does no I/O: it imports nothing that does, nor any other part of
   the package; time and randomness are arguments.
 * ``metrics`` and ``engine_launcher.simulator`` stand alone (the simulator is another process).
+* ``SHARED_LEAVES``: the one exception to both tables, ``proxy.core.engine_releases``
+  (pure data importing only the standard library), which ``engine_launcher``
+  and ``metrics`` may import so that the engine releases are written once.
 * ``proxy.settings`` may import ``proxy.core`` (I/O-free, importing nothing of the package),
   so that a default the two share is the core's named constant, written once
   (docs/design.md, Dependency direction).
@@ -166,6 +169,30 @@ LAYERS: dict[str, frozenset[str]] = {
 }
 
 
+#: The modules some parts may import although ``PACKAGE_DIRECTION`` and ``LAYERS`` do
+#: not let them, and which parts. Each is pure data that imports nothing but the
+#: standard library (``test_a_shared_leaf_imports_only_the_standard_library``), so no
+#: cycle and no I/O can come in through it: the table of engine releases, which the
+#: launcher (``engine.version``'s choices, preflight's simulator default) and the
+#: metrics (the ``version`` label's values) would otherwise copy (docs/design.md,
+#: Dependency direction). The simulator, another process, imports none of them.
+SHARED_LEAVES: dict[str, frozenset[str]] = {
+    "proxy.core.engine_releases": frozenset({"engine_launcher", "metrics"}),
+}
+
+#: What ``import proxy`` runs before anything under it: the stale-native-build guard
+#: (proxy/native.py, standard library only), so importing a shared leaf runs it too.
+PACKAGE_GUARDS = frozenset({"proxy.native"})
+
+
+def _shared_leaf_for(module: str, importer: str | None) -> bool:
+    """``module`` (an imported name) is in a shared leaf the part ``importer`` may import."""
+    return any(
+        (module == leaf or module.startswith(f"{leaf}.")) and importer in parts
+        for leaf, parts in SHARED_LEAVES.items()
+    )
+
+
 def part(module: str) -> str | None:
     """The part of the product a module belongs to (None outside the product)."""
     names = module.split(".")
@@ -180,6 +207,34 @@ def part(module: str) -> str | None:
 
 def _own_parts(path: Path, root: Path = ROOT) -> set[str]:
     return {p for m in imported_modules(path, root) if (p := part(m)) is not None}
+
+
+def reaches_upwards(path: Path, root: Path = ROOT) -> list[str]:
+    """The imports of the file at ``path`` that ``PACKAGE_DIRECTION`` forbids it."""
+    module = module_name(path, root)
+    package = top(module)
+    allowed = PACKAGE_DIRECTION[package] | {package}
+    return sorted(
+        m
+        for m in imported_modules(path, root)
+        if top(m) in PACKAGE_DIRECTION
+        and top(m) not in allowed
+        and not _shared_leaf_for(m, part(module))
+    )
+
+
+def layer_violations(path: Path, root: Path = ROOT) -> list[str]:
+    """The parts the file at ``path`` imports that ``LAYERS`` forbids its own part."""
+    layer = part(module_name(path, root))
+    if layer not in LAYERS:
+        return []  # the composition root: cli, server, startup, the package itself
+    allowed = LAYERS[layer] | {layer}
+    imported = {
+        p
+        for m in imported_modules(path, root)
+        if (p := part(m)) is not None and not _shared_leaf_for(m, layer)
+    }
+    return sorted(imported - allowed)
 
 
 def test_core_modules_are_all_found() -> None:
@@ -214,12 +269,10 @@ def test_core_imports_nothing_that_does_io(path: Path) -> None:
 @pytest.mark.parametrize("path", PRODUCT_FILES, ids=_ids(PRODUCT_FILES))
 def test_packages_import_only_downwards(path: Path) -> None:
     package = top(module_name(path))
-    allowed = PACKAGE_DIRECTION[package] | {package}
-    bad = sorted(
-        m for m in imported_modules(path) if top(m) in PACKAGE_DIRECTION and top(m) not in allowed
-    )
+    bad = reaches_upwards(path)
     assert not bad, (
-        f"{module_name(path)} ({package}) imports {bad}; it may import {sorted(allowed)}"
+        f"{module_name(path)} ({package}) imports {bad}; it may import "
+        f"{sorted(PACKAGE_DIRECTION[package] | {package})} (and SHARED_LEAVES)"
     )
 
 
@@ -236,11 +289,11 @@ def test_the_direction_rule_sees_a_reach_upwards(tmp_path: Path) -> None:
 def test_layers_import_only_what_they_sit_on(path: Path) -> None:
     layer = part(module_name(path))
     assert layer is not None
-    if layer not in LAYERS:
-        return  # the composition root: cli, server, startup, the package itself
-    allowed = LAYERS[layer] | {layer}
-    bad = sorted(p for p in _own_parts(path) if p not in allowed)
-    assert not bad, f"{module_name(path)} ({layer}) imports {bad}; it may import {sorted(allowed)}"
+    bad = layer_violations(path)
+    assert not bad, (
+        f"{module_name(path)} ({layer}) imports {bad}; it may import "
+        f"{sorted(LAYERS[layer] | {layer})} (and SHARED_LEAVES)"
+    )
 
 
 def test_the_layer_rule_sees_a_reach_upwards(tmp_path: Path) -> None:
@@ -250,6 +303,91 @@ def test_the_layer_rule_sees_a_reach_upwards(tmp_path: Path) -> None:
     target.write_text("from proxy.edge import client_app\n", encoding="utf-8")
     found = _own_parts(target, tmp_path)
     assert found - (LAYERS["proxy.session"] | {"proxy.session"}) == {"proxy.edge"}
+
+
+def _source_of(module: str, root: Path) -> Path | None:
+    """The file that defines ``module`` under ``root`` (a package: its ``__init__``)."""
+    where = root.joinpath(*module.split("."))
+    for candidate in (where / "__init__.py", where.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def import_closure(module: str, root: Path = ROOT) -> tuple[set[str], set[str]]:
+    """What importing ``module`` runs, read on the AST: (product modules, other top-level names).
+
+    The product modules are ``module``, the packages it is in (their ``__init__``
+    runs first) and everything those import, transitively, wherever the import
+    statement is; the others are the top-level names of what is imported outside the
+    product.
+    """
+    product: set[str] = set()
+    other: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if top(name) not in PACKAGE_DIRECTION:
+            other.add(top(name))
+            continue
+        names = name.split(".")
+        # ``from pkg.mod import NAME``: the longest prefix that is a module.
+        while names and _source_of(".".join(names), root) is None:
+            names.pop()
+        for depth in range(1, len(names) + 1):
+            found = ".".join(names[:depth])
+            source = _source_of(found, root)
+            if found not in product and source is not None:
+                product.add(found)
+                todo.extend(imported_modules(source, root))
+    return product, other
+
+
+@pytest.mark.parametrize("leaf", sorted(SHARED_LEAVES))
+def test_a_shared_leaf_imports_only_the_standard_library(leaf: str) -> None:
+    # So the exception can bring in nothing of the product: no cycle, no I/O, no cost.
+    product, other = import_closure(leaf)
+    packages = {".".join(leaf.split(".")[:depth]) for depth in range(1, leaf.count(".") + 1)}
+    assert product - packages - {leaf} <= PACKAGE_GUARDS, (
+        f"importing {leaf} runs {sorted(product - packages - {leaf} - PACKAGE_GUARDS)}: a "
+        "shared leaf imports nothing of the product"
+    )
+    assert other <= sys.stdlib_module_names, (
+        f"importing {leaf} imports {sorted(other - sys.stdlib_module_names)}: a shared leaf "
+        "imports only the standard library"
+    )
+
+
+def test_the_shared_leaf_rules_see_what_they_forbid(tmp_path: Path) -> None:
+    # The rules themselves, broken on purpose: the metrics importing the table and a
+    # module beside it, the simulator importing the table, the table importing more.
+    def write(where: str, text: str) -> Path:
+        target = tmp_path / where
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+        return target
+
+    metrics = write(
+        "metrics/x.py",
+        "from proxy.core.engine_releases import RELEASES\nfrom proxy.core.buffer import X\n",
+    )
+    assert reaches_upwards(metrics, tmp_path) == ["proxy.core.buffer", "proxy.core.buffer.X"]
+    assert layer_violations(metrics, tmp_path) == ["proxy.core"]
+    launcher = write("engine_launcher/x.py", "from proxy.core.engine_releases import RELEASES\n")
+    assert reaches_upwards(launcher, tmp_path) == layer_violations(launcher, tmp_path) == []
+    simulator = write("engine_launcher/simulator/x.py", "import proxy.core.engine_releases\n")
+    assert reaches_upwards(simulator, tmp_path) == ["proxy.core.engine_releases"]
+    assert layer_violations(simulator, tmp_path) == ["proxy.core"]
+
+    write("proxy/__init__.py", "from proxy import native\n")
+    write("proxy/native.py", "import os\n")
+    write("proxy/core/__init__.py", "")
+    write("proxy/core/engine_releases.py", "import enum\nfrom proxy.core.buffer import X\n")
+    write("proxy/core/buffer.py", "import numpy\n")
+    assert import_closure("proxy.core.engine_releases", tmp_path) == (
+        {"proxy", "proxy.native", "proxy.core", "proxy.core.engine_releases", "proxy.core.buffer"},
+        {"os", "enum", "numpy"},
+    )
 
 
 #: The one module outside the core that holds the session core (docs/design.md, Session core).
@@ -679,8 +817,8 @@ SHARED_NAMES: dict[str, str] = {
     "MIB": "unit multipliers: the core imports nothing of the package (buffer.py)",
     "SECONDS": "unit multiplier: the probe does not import engine_launcher",
     "DEFAULT_HOST": "the simulator is another process and imports nothing of the product",
-    "ENGINE_VERSIONS": "the setting's, the simulator's and the metric's lists of releases, "
-    "checked against the core's table by tests/proxy/core/test_engine_releases.py",
+    "ENGINE_VERSIONS": "the setting's choices and the metric's label values (both derived "
+    "from proxy/core/engine_releases.py) and the simulator's releases (its own rows)",
     "EngineRelease": "the simulator's own rows, checked by tests/proxy/core/test_engine_releases.py",
     "RELEASES": "the simulator's own rows, checked by tests/proxy/core/test_engine_releases.py",
     "release_of": "the simulator's own rows, checked by tests/proxy/core/test_engine_releases.py",

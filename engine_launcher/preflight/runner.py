@@ -19,6 +19,7 @@ from engine_launcher.preflight.model import check_model
 from engine_launcher.preflight.packages import check_deploy_config, check_vllm
 from engine_launcher.preflight.port import check_port
 from engine_launcher.preflight.results import CheckResult
+from proxy.core.engine_releases import RELEASES
 
 __all__ = ["cheap_checks", "engine_package_version", "run_checks", "run_checks_and_version"]
 
@@ -81,13 +82,13 @@ def engine_package_version(config: EngineConfig) -> str | None:
     """The ``vllm-omni`` version in the engine's interpreter (None: not installed, that
     interpreter cannot be run, or a kind whose version cannot be known: external,
     command). For the built-in simulator, the release it stands in for
-    (``--engine-version`` in ``engine.simulator_args``, 0.30 by default)."""
+    (``--engine-version`` in ``engine.simulator_args``, by default the oldest release)."""
     return _package_version(config, Interpreter(config, gpus=False))
 
 
-#: The simulator's release when ``simulator_args`` name none (its own default,
-#: engine_launcher/simulator/releases.py; tests/proxy/core/test_engine_releases.py checks it).
-_SIMULATOR_DEFAULT_VERSION: Final = "0.30"
+#: The simulator's release when ``simulator_args`` name none: its default is the oldest
+#: release (engine_launcher/simulator/flags.py; tests/proxy/core/test_engine_releases.py).
+_SIMULATOR_DEFAULT_VERSION: Final = RELEASES[0].version.value
 
 
 def _package_version(config: EngineConfig, interpreter: Interpreter) -> str | None:

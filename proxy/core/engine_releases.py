@@ -1,10 +1,11 @@
 """The vLLM-Omni releases the sidecar tells apart: one row of named capabilities each.
 
-The one place a release is written (docs/design.md, New engine release).
-:mod:`proxy.core.capabilities` derives from it; the copies kept where it may
-not be imported (``engine.version``'s choices, the metric label values, the
-simulator's rows) are checked against it by tests/proxy/core/test_engine_releases.py.
-Pure data, no I/O; use sites read a capability by name, never compare versions.
+The one place a release is written (docs/design.md, New engine release): the
+capabilities, the OpenAI dialect's tables, ``engine.version``'s choices and the
+metric label values derive from it. Pure data importing only the standard
+library, so the launcher and the metrics may import it too (docs/design.md,
+Dependency direction); only the simulator, another process, keeps its own rows.
+Use sites read a capability by name, never compare versions.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class EngineRelease:
         openai_realtime_handler: a model served without ``session_mode:
             duplex`` gets the plain OpenAI-style ``/v1/realtime`` handler
             (which answers ``playback.ack`` ``invalid_event``).
+        semantic_vad: ``turn_detection`` {type: ``semantic_vad``} is known; a
+            deployment without its model answers ``error``
+            {``semantic_vad_unavailable``}.
     """
 
     version: EngineVersion
@@ -74,6 +78,7 @@ class EngineRelease:
     audio_only_acks_never_late: bool
     open_rejections_retryable: bool
     openai_realtime_handler: bool
+    semantic_vad: bool
 
 
 #: Every release, oldest first. A new release: one row here, then the
@@ -88,6 +93,7 @@ RELEASES: Final[tuple[EngineRelease, ...]] = (
         audio_only_acks_never_late=False,
         open_rejections_retryable=False,
         openai_realtime_handler=False,
+        semantic_vad=False,
     ),
     EngineRelease(
         version=EngineVersion.V0_31,
@@ -98,6 +104,7 @@ RELEASES: Final[tuple[EngineRelease, ...]] = (
         audio_only_acks_never_late=False,
         open_rejections_retryable=False,
         openai_realtime_handler=True,
+        semantic_vad=False,
     ),
     EngineRelease(
         version=EngineVersion.V0_32,
@@ -108,6 +115,7 @@ RELEASES: Final[tuple[EngineRelease, ...]] = (
         audio_only_acks_never_late=True,
         open_rejections_retryable=True,
         openai_realtime_handler=True,
+        semantic_vad=True,
     ),
 )
 

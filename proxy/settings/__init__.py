@@ -19,7 +19,6 @@ from engine_launcher.engine_config import (
     EngineConfig,
     EngineConfigError,
     EngineKind,
-    EngineVersionSetting,
     ProbeKind,
 )
 from engine_launcher.setting_schema import (
@@ -83,7 +82,6 @@ __all__ = [
     "EngineConfig",
     "EngineConfigError",
     "EngineKind",
-    "EngineVersionSetting",
     "LoadedSettings",
     "LogFormat",
     "LogLevel",

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Final
 
 from proxy.core.audio_formats import MINICPMO_INPUT, MINICPMO_OUTPUT, AudioFormat
-from proxy.core.capabilities import EngineVersion
+from proxy.core.engine_releases import EngineRelease, EngineVersion, release_of
 
 __all__ = [
     "BETA",
@@ -211,33 +211,34 @@ _ERROR_CODES: Final = {
 }
 _HIDDEN: Final = frozenset({"response_not_active", "unsupported_audio_truncate"})
 
-_V0_30: Final = EngineDialect(
-    version=EngineVersion.V0_30,
-    # 0.30's server VAD barges in on speech; semantic_vad is unknown to it.
-    turn_detection={"server_vad": "server_vad", "semantic_vad": "server_vad"},
-    turn_detection_fields=_VAD_FIELDS,
-    # Its server VAD (in duplex mode) barges in; it commits no turn and creates no response.
-    engine_turns=False,
-    truncates=False,
-    input_format=MINICPMO_INPUT,
-    output_format=MINICPMO_OUTPUT,
-    hidden_errors=_HIDDEN,
-    status_reasons=_REASONS,
-    error_codes=_ERROR_CODES,
-)
+#: What a release's ``semantic_vad`` capability adds: the engine's refusal where the
+#: deployment lacks the model. Server VAD is still asked for, as on every release, so
+#: a stock ``session.update`` is never refused.
+_SEMANTIC_VAD_HIDDEN: Final = frozenset({"semantic_vad_unavailable"})
 
-#: 0.31 changed nothing the dialect reads; 0.32 added ``semantic_vad``, which may be
-#: unavailable (``semantic_vad_unavailable``) on a deployment: server VAD is asked
-#: for, as on every release, so a stock ``session.update`` is never refused.
+
+def _dialect_of(release: EngineRelease) -> EngineDialect:
+    """One release's dialect: the same on every release but what its capabilities change."""
+    return EngineDialect(
+        version=release.version,
+        # The engine's server VAD barges in; semantic_vad, where known, is not asked for.
+        turn_detection={"server_vad": "server_vad", "semantic_vad": "server_vad"},
+        turn_detection_fields=_VAD_FIELDS,
+        # Its server VAD (in duplex mode) barges in; it commits no turn and creates no response.
+        engine_turns=False,
+        truncates=False,
+        input_format=MINICPMO_INPUT,
+        output_format=MINICPMO_OUTPUT,
+        hidden_errors=(_HIDDEN | _SEMANTIC_VAD_HIDDEN) if release.semantic_vad else _HIDDEN,
+        status_reasons=_REASONS,
+        error_codes=_ERROR_CODES,
+    )
+
+
+#: A dialect per release of proxy/core/engine_releases.py, built from its row
+#: (``UNKNOWN``: the oldest's); a new release needs no edit here.
 ENGINE_DIALECTS: Final[Mapping[EngineVersion, EngineDialect]] = {
-    EngineVersion.UNKNOWN: _V0_30,
-    EngineVersion.V0_30: _V0_30,
-    EngineVersion.V0_31: replace(_V0_30, version=EngineVersion.V0_31),
-    EngineVersion.V0_32: replace(
-        _V0_30,
-        version=EngineVersion.V0_32,
-        hidden_errors=_HIDDEN | {"semantic_vad_unavailable"},
-    ),
+    version: _dialect_of(release_of(version)) for version in EngineVersion
 }
 
 

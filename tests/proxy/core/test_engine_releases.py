@@ -1,25 +1,28 @@
-"""The table of engine releases (proxy/core/engine_releases.py) and everything kept beside it.
+"""The table of engine releases (proxy/core/engine_releases.py) and the one copy beside it.
 
-The table is the one place a release is written down; what can import it
-derives from it (the capabilities, version parsing, what the wire teaches),
-and every copy that may not import it (the launcher's ``engine.version``
-choices, the metric label values, the simulator's rows, preflight's simulator
-default, the design document's table) is checked here. A release added to the
-table and missing anywhere fails one test below, named after the place to edit
+The table is the one place a release is written down: everything else derives
+from it (the capabilities, version parsing, what the wire teaches, the OpenAI
+dialect's tables, ``engine.version``'s choices, the metric label values,
+preflight's simulator default), and no other product module writes a release
+(:class:`TestOneHome`). The simulator, another process, keeps its own rows,
+checked here; the design document's table is checked by tests/test_docs.py
 (docs/design.md, New engine release).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
+from pathlib import Path
+from typing import Final
 
 import pytest
 
-from engine_launcher import engine_config
-from engine_launcher.preflight import runner
+from engine_launcher.engine_config import EngineConfig
+from engine_launcher.preflight.runner import engine_package_version
 from engine_launcher.simulator import releases as simulator_releases
 from engine_launcher.simulator.flags import SimulatorConfig, parse_args
-from metrics import vocabulary
 from proxy.core.capabilities import (
     CapabilitySource,
     EngineCapabilities,
@@ -120,21 +123,71 @@ class TestWireSigns:
             assert learned.source is CapabilitySource.WIRE
 
 
-class TestConsumers:
-    """Each copy a module keeps because it may not import the table (tests/test_architecture.py)."""
+#: The product modules that may write a release as a literal: the table, and the
+#: simulator's own rows (another process, which imports nothing of the proxy).
+RELEASE_HOMES: Final = frozenset(
+    {"proxy/core/engine_releases.py", "engine_launcher/simulator/releases.py"}
+)
+#: A string that is a release: "0.32", "v0.32", "0.32.0", "0.32.0rc1", "0.32.0.dev3".
+RELEASE_LITERAL: Final = re.compile(r"^v?\d+\.\d+(\.\d+)?(rc\d+|\.dev\d+)?$")
+ROOT: Final = Path(__file__).resolve().parents[3]
+PRODUCT_FILES: Final = sorted(
+    path
+    for package in ("proxy", "engine_launcher", "metrics")
+    for path in (ROOT / package).rglob("*.py")
+    if "__pycache__" not in path.parts
+)
 
-    def test_engine_config_accepts_auto_and_every_release(self) -> None:
-        assert engine_config.ENGINE_VERSIONS == ("auto", *VERSIONS)
 
-    def test_engine_config_help_names_every_release(self) -> None:
-        field = next(
-            f for f in dataclasses.fields(engine_config.EngineConfig) if f.name == "version"
+def release_literals(path: Path) -> list[str]:
+    """``line: 'text'`` of each string constant in the file at ``path`` that is a release."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and RELEASE_LITERAL.match(node.value)
+    ]
+    found.sort(key=lambda node: (node.lineno, node.col_offset))
+    return [f"{node.lineno}: {node.value!r}" for node in found]
+
+
+class TestOneHome:
+    """A release is written in the table alone (and in the simulator's rows)."""
+
+    @pytest.mark.parametrize(
+        "path", PRODUCT_FILES, ids=[str(p.relative_to(ROOT)) for p in PRODUCT_FILES]
+    )
+    def test_no_other_module_writes_a_release(self, path: Path) -> None:
+        where = str(path.relative_to(ROOT))
+        if where in RELEASE_HOMES:
+            return
+        found = release_literals(path)
+        assert not found, (
+            f"{where} writes a release {found}: derive it from "
+            "proxy.core.engine_releases.RELEASES (docs/design.md, New engine release)"
         )
-        help_text = next(iter(field.metadata.values())).help
-        assert all(f'"{v}"' in help_text for v in VERSIONS), help_text
 
-    def test_metric_label_values_are_the_versions(self) -> None:
-        assert vocabulary.ENGINE_VERSIONS == tuple(v.value for v in EngineVersion)
+    def test_the_homes_are_where_the_releases_are(self) -> None:
+        for where in RELEASE_HOMES:
+            assert len(release_literals(ROOT / where)) >= len(RELEASES), where
+
+    def test_the_rule_sees_a_release_written_elsewhere(self, tmp_path: Path) -> None:
+        # The rule itself, broken on purpose: a copy of the choices, a default, prose.
+        target = tmp_path / "engine_config.py"
+        target.write_text(
+            'CHOICES = ("auto", "0.30", "0.31")\n'
+            'DEFAULT = "0.33.1rc2"\n'
+            '"""0.30 behaves as documented in 0.31."""\n'
+            'RATIO = "0.5x"\n',
+            encoding="utf-8",
+        )
+        assert release_literals(target) == ["1: '0.30'", "1: '0.31'", "2: '0.33.1rc2'"]
+
+
+class TestSimulator:
+    """The simulator's own rows (engine_launcher/simulator/releases.py) against the table."""
 
     def test_the_simulator_plays_every_release(self) -> None:
         assert simulator_releases.ENGINE_VERSIONS == VERSIONS
@@ -154,5 +207,5 @@ class TestConsumers:
     def test_preflight_knows_the_simulators_default(self) -> None:
         default = SimulatorConfig().engine_version
         assert default == simulator_releases.ENGINE_VERSIONS[0]
-        assert runner._SIMULATOR_DEFAULT_VERSION == default
+        assert engine_package_version(EngineConfig(kind="simulator")) == default
         assert parse_version(default) is RELEASES[0].version

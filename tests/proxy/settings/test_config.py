@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine_launcher.launcher_errors import EngineStartError, LauncherError, RestartBudgetExhausted
+from engine_launcher.setting_schema import SettingDoc, type_of
+from proxy.core.engine_releases import RELEASES
 from proxy.errors import ConfigError, ProxyError
 from proxy.settings import (
     KIB,
@@ -675,6 +677,26 @@ class TestDeclaration:
             load(None, {}, path)
         assert error_of(excinfo) == (key, f"file {path}")
         assert message in excinfo.value.message
+
+    def test_engine_version_takes_auto_and_every_release_of_the_table(self) -> None:
+        # Choices that are data (proxy/core/engine_releases.py), declared with the setting.
+        releases = tuple(r.version.value for r in RELEASES)
+        spec = next(s for s in SETTINGS if s.key == "engine.version")
+        assert spec.choices == ("auto", *releases)
+        for version in spec.choices:
+            env = {"OMNI_SIDECAR_ENGINE_VERSION": version}
+            assert load(None, env, None).settings.engine.version == version
+        with pytest.raises(ConfigError) as excinfo:
+            load(parse_flags("--engine-version", "0.29"), {}, None)
+        assert error_of(excinfo) == ("engine.version", "flag --engine-version")
+        assert ", ".join(repr(v) for v in spec.choices) in excinfo.value.message
+        parser = argparse.ArgumentParser()
+        add_cli_arguments(parser)
+        assert f"({'|'.join(spec.choices)})" in " ".join(parser.format_help().split())
+
+    def test_declared_choices_are_for_text_settings(self) -> None:
+        with pytest.raises(TypeError, match="declared choices need a str setting"):
+            type_of(int, SettingDoc(help="A count.", choices=("1", "2")))
 
     def test_log_format(self) -> None:
         assert load(None, {}, None).settings.log_format == "text"
