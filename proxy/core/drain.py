@@ -42,6 +42,7 @@ class Report:
         "own_ack_errors",
         "replayed",
         "resume_expired",
+        "resume_refused",
         "silence",
     )
 
@@ -61,6 +62,7 @@ class Report:
         engine_full: bool,
         replayed: int = 0,
         resume_expired: bool = False,
+        resume_refused: bool = False,
     ) -> None:
         #: Dropped (events, bytes) by reason since the last report.
         self.drops = drops
@@ -85,6 +87,8 @@ class Report:
         #: Events replayed to a client that resumed, and a held session whose grace ran out.
         self.replayed = replayed
         self.resume_expired = resume_expired
+        #: A ``session.resume`` that reached this session's core was refused (the one answer).
+        self.resume_refused = resume_refused
 
 
 class Drain:

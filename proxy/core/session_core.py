@@ -349,6 +349,7 @@ class SessionCore(SessionOutput):
         """A resume this session's key may not make: the one refusal, and the end
         (the engine opened no session, so nothing is asked of it)."""
         self.upstream_close_sent = True
+        self._resume_refused = self.telemetry.news = True  # resumes_total{refused}
         self._close(notices.resume_refused(self._new_id()), CLOSE_NORMAL, Outcome.ERROR, now)
 
     def _cancel_from_client(self, event: ClientEvent, now: float) -> None:

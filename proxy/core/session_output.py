@@ -96,6 +96,8 @@ class SessionOutput(SessionLifecycle):
         self.client_resumes = False
         #: A drain asked for a hand-over (done at the first moment it may be).
         self.hand_over_requested = False
+        #: The core refused a ``session.resume`` since the last report (``SessionCore``).
+        self._resume_refused = False
 
     # -- output -----------------------------------------------------------------------------------
 
@@ -437,6 +439,7 @@ class SessionOutput(SessionLifecycle):
         engine_full = self.engine_full and not self._engine_full_reported
         self._engine_full_reported = self.engine_full
         replayed, expired = self.resume.take_report()
+        refused, self._resume_refused = self._resume_refused, False
         return Report(
             drops=telemetry.take_drops(),
             overflows=overflows,
@@ -451,6 +454,7 @@ class SessionOutput(SessionLifecycle):
             engine_full=engine_full,
             replayed=replayed,
             resume_expired=expired,
+            resume_refused=refused,
         )
 
     # -- the read-only view (proxy/core/view.py) --------------------------------------------------

@@ -398,6 +398,8 @@ class SessionObserver:
             self._registry.capabilities.learn(report.learned)
         if report.replayed:
             m.resume_replayed_events.inc(report.replayed)
+        if report.resume_refused:
+            m.resumes.labels("refused").inc()
         if report.resume_expired:
             m.resume_grace_expired.inc()
             self.note("resume_expired", "the client did not come back within the grace")

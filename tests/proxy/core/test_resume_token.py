@@ -127,9 +127,11 @@ class TestTheCore:
         assert not decision.forward
         drain = core.drain(0.0, 1 << 20)
         assert not drain.to_upstream
+        assert drain.report is not None and drain.report.resume_refused, "resumes_total{refused}"
         (refusal,) = [json.loads(e.event.text) for e in drain.to_client]
         assert refusal["error"]["code"] == "session_resume_expired"
         assert core.state is not SessionState.OPEN, "the connection ends"
+        assert core.drain(0.0, 0).report is None, "reported once"
 
     def test_a_resume_on_an_open_session_gets_the_engines_answer_and_the_session_goes_on(
         self,
@@ -143,6 +145,7 @@ class TestTheCore:
         assert not decision.forward
         drain = core.drain(0.0, 1 << 20)
         assert not drain.to_upstream, "neither token reaches the engine"
+        assert drain.report is None or not drain.report.resume_refused, "answered, not refused"
         (error,) = [json.loads(e.event.text) for e in drain.to_client]
         assert error["error"]["code"] == "unsupported_session_resume"
         assert error["error"]["event_id"] == "c1"

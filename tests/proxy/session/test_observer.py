@@ -121,3 +121,12 @@ def test_a_client_may_be_held_unless_the_sidecar_drains() -> None:
     assert observer.may_hold()
     registry.draining = True
     assert not observer.may_hold()
+
+
+def test_a_resume_the_core_refuses_counts_as_refused() -> None:
+    observer, core, prometheus = _observer()
+    resume = '{"type":"session.resume","session_id":"duplex-1","resume_token":"forged"}'
+    core.receive_client(resume, 0.0)
+    observer.after_drain(core.drain(0.0, ROOM))
+    observer.after_drain(core.drain(0.0, ROOM))
+    assert _value(prometheus, "omni_sidecar_resumes_total", {"result": "refused"}) == 1
