@@ -12,6 +12,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from proxy.core.capabilities import EngineCapabilities
@@ -64,7 +65,7 @@ class Relay:
         limits: RelayLimits,
         capabilities: EngineCapabilities | None = None,
         scheduler: Scheduler | None = None,
-        call_soon: Callable[[Callable[[], None]], object] | None = None,
+        call_soon: Callable[[Callable[[], object]], object] | None = None,
         resuming: bool = False,
         key_id: str = "",
     ) -> None:
@@ -164,7 +165,7 @@ class Relay:
         Applied at the loop's next step, like :meth:`shed`: the quota's check
         never runs a drain of this session from inside its own call.
         """
-        self._call_soon(lambda: self._end(EndReason.QUOTA_EXCEEDED, message))
+        self._call_soon(partial(self._end, EndReason.QUOTA_EXCEEDED, message))
 
     def trim_journal(self, excess: int) -> int:
         """The process's output cap is passed: free ``excess`` bytes of the resume
@@ -179,10 +180,7 @@ class Relay:
         outside any drain, so each frame it sends upstream goes once
         (docs/design.md, Process-wide output cap).
         """
-        self._call_soon(self._shed)
-
-    def _shed(self) -> None:
-        self._fact(Fact.SHED)
+        self._call_soon(partial(self._fact, Fact.SHED))
 
     def engine_unavailable(self) -> None:
         """The supervisor saw the engine die: fail this session now."""
@@ -192,14 +190,12 @@ class Relay:
     def _end(self, reason: EndReason, message: str = "") -> None:
         if self.core.phase in _LIVE:
             self.log.info("ending the session: %s", reason.value)
-        now = self._clock()
-        self.core.receive(reason, now, message=message)
-        self._send(self._after(now))
+        self._fact(reason, message=message)
 
-    def _fact(self, fact: Fact, amount: int = 0) -> bool:
+    def _fact(self, fact: Fact | EndReason, amount: int = 0, message: str = "") -> bool:
         """Tell the core ``fact``, then do what its drain says."""
         now = self._clock()
-        answer = self.core.receive(fact, now, amount=amount)
+        answer = self.core.receive(fact, now, amount=amount, message=message)
         self._send(self._after(now))
         return answer
 
