@@ -74,6 +74,7 @@ async def livekit_call(tap: WireTap, reply_ms: int = RESPONSE_MS) -> Call:  # no
                 say(SPEECH)
                 generation = await session.generate_reply()
                 first = generation.response_id
+                assert first is not None
                 async for message in generation.message_stream:
                     async for frame in message.audio_stream:
                         call.got(first, bytes(frame.data), frame.sample_rate, frame.num_channels)
@@ -84,6 +85,7 @@ async def livekit_call(tap: WireTap, reply_ms: int = RESPONSE_MS) -> Call:  # no
                 say(SPEECH)
                 generation = await session.generate_reply()
                 second = generation.response_id
+                assert second is not None
                 assert second != first, "the second reply is the first one again"
                 mark = -1
                 async for message in generation.message_stream:

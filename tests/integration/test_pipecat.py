@@ -180,11 +180,13 @@ async def pipecat_app(call: Call, **session: Any) -> AsyncIterator[App]:
             logger.remove(sink)
 
 
-async def greeting(call: Call, app: App) -> str:
-    """The first context frame, with no input at all: a reply, played to its end and
-    checked whole. Its response id."""
+async def greeting(call: Call, app: App, *, after: bytes = b"") -> str:
+    """The first context frame, with no input at all (or after the user's audio
+    ``after``): a reply, played to its end and checked whole. Its response id."""
     from pipecat.processors.aggregators.llm_context import LLMContext
 
+    if after:
+        await app.send(pcm_frame(after))
     await app.send(frames.LLMContextFrame(LLMContext()))
     rid: str = (await call.until(lambda e: e["type"] == "response.created"))["response"]["id"]
     await call.until(response_done(rid))
