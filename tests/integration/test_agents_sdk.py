@@ -140,4 +140,6 @@ async def test_the_agents_sdk_holds_a_call_and_interruptions_silence_the_answer(
             await play(third)
             call.assert_nothing_after(third, speech_started(call, start=at))
     assert call.audio[first] == heard[first], "audio of the interrupted item after interrupt()"
+    # The SDK asks for the engine's history item, and the answer validates.
+    assert tap.of("conversation.item.retrieved"), call.diagnosis()
     call.assert_clean()
