@@ -1,4 +1,9 @@
-"""What the voice-stack tests share (tests/integration/test_voice_stacks.py, issue 39).
+"""What the voice-stack tests share (issue 39): test_livekit_agents.py, test_pipecat.py,
+test_agents_sdk.py, and tests/real_engine/test_real_stacks.py.
+
+Each stack's file holds a minimal application in the stack's default configuration
+(only its URL and API key point at the sidecar) and asserts, on the wire and on what
+the application got, what a user of that stack judges it by. What they share:
 
 - the two simulator profiles the OpenAI dialect is verified on: a 0.32-like engine
   with MiniCPM-o-like audio and a 0.30-like one with Nemotron-like audio;
@@ -7,16 +12,28 @@
   has (Pipecat has none for raw server events). It adds one loopback hop and
   changes nothing: the same path, query and credentials reach the sidecar;
 - :class:`LibraryErrors`, what the stack logged at ERROR (its own loggers and
-  ``asyncio``'s unhandled task exceptions; Pipecat's loguru as well).
+  ``asyncio``'s unhandled task exceptions; Pipecat's loguru as well);
+- :class:`Call`, what one application saw beside the wire, and the checks every
+  stack is held to: nothing went wrong (:meth:`Call.assert_clean`), a reply arrives
+  whole (:meth:`Call.assert_completed`), an interrupted one stops
+  (:meth:`Call.assert_nothing_after`);
+- the fixtures (``minicpmo_sim``, ``nemotron_sim``, ``profile``, ``tap``: import them
+  into the test module) and the user's audio (``SPEECH``, :func:`barge_in`).
+
+The user's speech over a reply needs espeak-ng (.ci/run installs it); the sidecar's
+turn detection, a voice-activity model, hears it as speech.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
 import contextlib
 import functools
 import logging
+import math
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -24,27 +41,41 @@ from typing import Any, Final
 import aiohttp
 import orjson
 import pydantic
+import pytest
 from aiohttp import web
 
+from engine_launcher.engine_config import EngineConfig
 from engine_launcher.simulator import flags
 from tests.conftest import DEADLINE, MS, TIMEOUT_FACTOR
 from tests.integration.helpers import SimulatorChild, module_simulator
+from tests.integration.speech import chunks, speech_24k
 
 __all__ = [
     "API_KEY",
     "AUDIO_DELTA",
     "MODEL",
     "PROFILES",
+    "RATE",
     "RESPONSE_MS",
+    "SPEECH",
+    "Call",
     "Event",
     "LibraryErrors",
     "Profile",
     "WireTap",
+    "barge_in",
+    "minicpmo_sim",
+    "nemotron_sim",
+    "profile",
     "profile_simulator",
+    "response_done",
+    "speech_started",
+    "tap",
 ]
 
 Event = dict[str, Any]
 
+RATE: Final = 24000  # what every stack asks for (and assumes) in and out
 MODEL: Final = "omni-sim"
 API_KEY: Final = "sk-test"
 AUDIO_DELTA: Final = "response.output_audio.delta"
@@ -328,3 +359,171 @@ class LibraryErrors(logging.Handler):
         """For Pipecat, which logs through loguru."""
         record = message.record
         self.records.append(f"loguru {record['name']}: {record['message']}"[:2000])
+
+
+# -- the user's audio --------------------------------------------------------------------------
+
+
+def pcm16(ms: int, amplitude: float) -> bytes:
+    """24 kHz PCM16 mono, a 440 Hz tone (0.3: speech to an energy VAD)."""
+    n = RATE * ms // 1000
+    samples = array.array(
+        "h", (int(32767 * amplitude * math.sin(2 * math.pi * 440 * i / RATE)) for i in range(n))
+    )
+    if sys.byteorder != "little":
+        samples.byteswap()
+    return samples.tobytes()
+
+
+#: The user's turn before each reply. Loud: vLLM-Omni 0.30 takes a commit of only quiet
+#: audio for silence (response.listen, no reply); a tone, so that no voice-activity
+#: model takes it for speech and ends the turn on its own.
+SPEECH: Final = pcm16(200, amplitude=0.3)
+
+
+def barge_in() -> list[bytes]:
+    """The user talking over a reply: espeak-ng speech in 100 ms pieces (what the
+    sidecar's turn detection, a voice-activity model, takes for speech)."""
+    return chunks(speech_24k("Wait, wait, stop talking please."))
+
+
+# -- fixtures (import them into the test module) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minicpmo_sim() -> Iterator[SimulatorChild]:
+    with profile_simulator(PROFILES["minicpmo-0.32"]) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def nemotron_sim() -> Iterator[SimulatorChild]:
+    with profile_simulator(PROFILES["nemotron-0.30"]) as sim:
+        yield sim
+
+
+@pytest.fixture(params=sorted(PROFILES))
+def profile(request: pytest.FixtureRequest) -> tuple[Profile, SimulatorChild]:
+    p = PROFILES[request.param]
+    return p, request.getfixturevalue(f"{p.name}_sim")
+
+
+@pytest.fixture
+async def tap(profile: tuple[Profile, SimulatorChild], sidecar: Any) -> AsyncIterator[WireTap]:
+    """The sidecar in front of the profile's simulator, behind a recording relay."""
+    p, sim = profile
+    engine = EngineConfig(kind="external", upstream=sim.ws_url, version=p.version)
+    proxy = await sidecar(upstream=sim.ws_url, engine=engine)
+    host, port = proxy.sidecar.bound["listen"]
+    async with WireTap.running(f"ws://{host}:{port}") as relay:
+        yield relay
+
+
+# -- what every call must show -----------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """What one application saw, beside what the wire carried."""
+
+    tap: WireTap
+    errors: LibraryErrors
+    #: Errors the library handed to the application (events, frames, exceptions).
+    surfaced: list[str] = field(default_factory=list)
+    #: Bytes of PCM the application got, per reply (in the order the replies came).
+    audio: dict[str, int] = field(default_factory=dict)
+    #: (sample rate, channels) of the application's audio frames, where the stack labels them.
+    formats: set[tuple[int, int]] = field(default_factory=set)
+    #: How long the engine's replies last.
+    reply_ms: int = RESPONSE_MS
+
+    async def until(self, match: Callable[[Event], bool], start: int = 0) -> Event:
+        """The next server event that matches; fails early on an error event or a library error."""
+        return await self.tap.until(match, start=start, trouble=self.troubles)
+
+    def troubles(self) -> list[str]:
+        return [*self.errors.records, *self.surfaced, *self.tap.failures]
+
+    def got(self, response_id: str, pcm: bytes, rate: int | None = None, channels: int = 1) -> None:
+        self.audio[response_id] = self.audio.get(response_id, 0) + len(pcm)
+        if rate is not None:
+            self.formats.add((rate, channels))
+
+    def diagnosis(self) -> str:
+        types = [f"{d}:{e.get('type')}" for d, e in self.tap.log if e.get("type") != AUDIO_DELTA]
+        return (
+            f"\nlibrary errors: {self.errors.records}\nsurfaced: {self.surfaced}"
+            f"\ntap failures: {self.tap.failures}\ninvalid (openai GA models): {self.tap.invalid}"
+            f"\nwire errors: {self.tap.of('error')}"
+            f"\nwire (audio deltas left out): {types[:80]}"
+        )
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """An exception inside carries the diagnosis (unless it already does)."""
+        try:
+            yield
+        except Exception as exc:
+            if "\nlibrary errors: " in str(exc):
+                raise
+            what = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+            raise AssertionError(f"{what}{self.diagnosis()}") from exc
+
+    def assert_clean(self) -> None:
+        """No library error, nothing surfaced, no error event on the wire, and every audio
+        frame the application got (where the stack labels them) 24 kHz mono."""
+        assert self.tap.failures == [], self.diagnosis()
+        assert self.errors.records == [], self.diagnosis()
+        assert self.surfaced == [], self.diagnosis()
+        assert self.tap.of("error") == [], self.diagnosis()
+        assert self.formats <= {(RATE, 1)}, f"audio frames as (rate, channels): {self.formats}"
+
+    def assert_completed(self, response_id: str) -> None:
+        """The reply ended completed, its audio at 24 kHz lasting what the engine produced."""
+        done = [e for e in self.tap.of("response.done") if e["response"]["id"] == response_id]
+        assert [e["response"]["status"] for e in done] == ["completed"], self.diagnosis()
+        wire = self.tap.audio_bytes(response_id)
+        assert self.audio.get(response_id) == wire, self.diagnosis()
+        got_ms = wire / 2 / RATE * 1000
+        # Resampled from 22.05 kHz: within one sample of each rate.
+        assert abs(got_ms - self.reply_ms) <= 1000 / 22050 + 1000 / RATE, (
+            f"as 24 kHz PCM16 the reply lasts {got_ms} ms; the engine produced {self.reply_ms} ms"
+        )
+        assert self.formats <= {(RATE, 1)}, f"audio frames as (rate, channels): {self.formats}"
+
+    def assert_nothing_after(self, response_id: str, mark: int) -> None:
+        """Interrupted at ``tap.log[mark]``: cancelled, and no audio of it after that."""
+        done = [e for e in self.tap.of("response.done") if e["response"]["id"] == response_id]
+        assert [e["response"]["status"] for e in done] == ["cancelled"], self.diagnosis()
+        late = self.tap.audio_bytes(response_id, start=mark)
+        assert late == 0, (
+            f"{late} bytes of the interrupted reply on the wire after it: "
+            f"{self.tap.summary(mark - 3)}"
+        )
+        before = self.tap.audio_bytes(response_id, stop=mark)
+        assert before > 0, "interrupted before any audio: the test did not interrupt a reply"
+        got = self.audio.get(response_id, 0)
+        assert got == before, f"the application got {got} bytes of it, the wire had {before}"
+
+
+def speech_started(call: Call, start: int = 0) -> int:
+    """Where (from ``tap.log[start]``) the server said the user barged in (it cancels the
+    reply there)."""
+    started = [
+        n
+        for n, (d, e) in enumerate(call.tap.log)
+        if n >= start and e["type"] == "input_audio_buffer.speech_started"
+    ]
+    if not started:
+        updated = call.tap.of("session.updated")
+        in_effect = updated[-1]["session"].get("audio", {}).get("input", {}) if updated else {}
+        pytest.fail(
+            "the user's speech did not interrupt the reply: no input_audio_buffer.speech_started;"
+            f" turn_detection in effect: {in_effect.get('turn_detection', '(none)')!r}"
+            + call.diagnosis()
+        )
+    return started[0]
+
+
+def response_done(response_id: str) -> Callable[[Event], bool]:
+    return lambda e: e.get("type") == "response.done" and e["response"]["id"] == response_id
