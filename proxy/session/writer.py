@@ -113,7 +113,9 @@ class ClientFrameWriter:
 
         Returns:
             0 while the transport is above its mark, the connection is gone
-            or a close frame went out; else the bound less what it holds.
+            (also when the pending pong just found it lost) or a close frame
+            went out; else the bound less what it holds. Above 0, a ``write``
+            right after writes: what a drain takes for that room is written.
         """
         protocol = self._protocol
         if compat.writing_paused(protocol) or self.close_sent:
@@ -125,6 +127,8 @@ class ClientFrameWriter:
             self._write_control(OP_PONG, self._pending_pong)
             self._pending_pong = None
             self.unanswered_pings = 0
+            if transport.is_closing():
+                return 0  # the pong's send failed: the connection is lost
         return max(0, self._bound - int(transport.get_write_buffer_size()))
 
     def write(self, entries: Sequence[Entry]) -> bool:

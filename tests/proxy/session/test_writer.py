@@ -197,6 +197,27 @@ def test_pongs_above_the_mark_are_coalesced_to_the_latest() -> None:
     assert [(f.opcode, f.data) for f in frames] == [(Opcode.PONG, b"999")]
 
 
+def test_a_pong_that_finds_the_connection_lost_leaves_no_room_for_events() -> None:
+    """A room above 0 promises that a write right after it writes: the pending pong
+    written first must not have lost the connection meanwhile."""
+    h = Harness()
+    h.protocol.pause()
+    h.writer.pong(b"x")
+    h.protocol.resume()
+    h.engine(response_created("r1"))
+    transport = h.transport
+    send = transport.write
+
+    def lost_on_send(data: bytes) -> None:
+        send(data)
+        transport.close()  # what asyncio does when the socket's send fails
+
+    transport.write = lost_on_send  # type: ignore[method-assign]
+    assert h.writer.room() == 0
+    h.pump()
+    assert h.core.pending_events == 1, "nothing taken that could not be written"
+
+
 def test_ping_is_written_at_once_and_capped_at_125_bytes() -> None:
     h = Harness()
     h.writer.ping(b"x" * 500)
