@@ -1,8 +1,8 @@
 """A session's timers on an injected scheduler (docs/design.md, Relay shell).
 
 Keepalive, client idle, maximum duration, the close deadline, the upstream
-close timeout, and the one core deadline (``SessionCore.next_deadline``:
-paced audio, playback acks). The timers decide *when*; the session decides
+close timeout, and the one core deadline (the drain's ``deadline``: paced
+audio, playback acks, a held session's grace). The timers decide *when*; the session decides
 what happens then (:class:`TimerListener`). Tests drive them with a manual
 clock, without sleeping.
 """
@@ -66,7 +66,7 @@ class TimerListener(Protocol):
         """The closing session did not finish in time."""
 
     def core_due(self) -> None:
-        """The core's deadline passed (``SessionCore.on_timer``)."""
+        """The core's deadline passed (``Fact.TIMER``)."""
 
 
 class _NoListener:

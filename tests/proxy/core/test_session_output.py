@@ -1,7 +1,7 @@
 """``SessionOutput`` (proxy/core/session_output.py): the core's output half.
 
-What the shell wrote is reported back (``written``), what it could not write is
-counted as dropped (``not_written``); timings start when a response is asked for
+What a drain takes counts as written (the closure notice closes the session, and
+the drain says how the client closes); timings start when a response is asked for
 and end when its first audio is written; one deadline covers acks, pacing and
 the resume grace; a resume's replay takes each room before what queued meanwhile
 (docs/design.md, Resume).
