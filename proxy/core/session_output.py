@@ -235,11 +235,15 @@ class SessionOutput(SessionLifecycle):
     # -- time -----------------------------------------------------------------------------------
 
     def _next_deadline(self) -> float | None:
-        """When ``Fact.TIMER`` is next due (None: no deadline)."""
+        """When ``Fact.TIMER`` is next due (None: no deadline). Read by every drain:
+        compared one by one, no tuple built per call."""
         deadline = self._ack_at
-        for at in (self._paced_until, self.resume.grace_at):
-            if at is not None and (deadline is None or at < deadline):
-                deadline = at
+        paced = self._paced_until
+        if paced is not None and (deadline is None or paced < deadline):
+            deadline = paced
+        grace = self.resume.grace_at
+        if grace is not None and (deadline is None or grace < deadline):
+            deadline = grace
         return deadline
 
     def _on_timer(self, now: float) -> None:
